@@ -1,0 +1,21 @@
+"""tilegen: a code generator and autotuner for block-sparse attention kernels in video DiTs.
+
+    import tilegen
+    op = tilegen.load(tilegen.Spec())
+    o, lse = op(q, k, v, topk_idx, vbs)
+"""
+
+__version__ = "0.1.0"
+
+from tilegen.config import KernelConfig  # noqa: E402
+from tilegen.spec import Spec  # noqa: E402
+
+
+def load(spec: "Spec | None" = None, config: "KernelConfig | None" = None, **kwargs):
+    """The kernel for `spec` on the current device (see `tilegen.ops.load`)."""
+    from tilegen.ops import load as _load
+
+    return _load(spec, config, **kwargs)
+
+
+__all__ = ["KernelConfig", "Spec", "__version__", "load"]

@@ -1,0 +1,139 @@
+"""The `tilegen` command line: build, check, captures, bench (tune and db plug in here too)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from tilegen.compile import CompileError, ToolchainMissing
+from tilegen.config import KernelConfig
+from tilegen.spec import Spec
+from tilegen.targets import TARGET_NAMES, get_target
+
+EPILOG = """examples:
+  tilegen build --target sm_90 --out build/sm_90      # Triton cubin (+ CUDA) for H100/H200
+  tilegen build --target gfx942 --spec my.toml        # MI300 code objects for a custom spec
+  tilegen captures synthesize --out caps/ --seed 0    # Wan2.2-like capture files
+  tilegen bench --captures caps/                      # score + time on the current GPU
+"""
+
+
+def _spec(args: argparse.Namespace) -> Spec:
+    return Spec.from_file(args.spec) if getattr(args, "spec", None) else Spec()
+
+
+def _config(args: argparse.Namespace) -> KernelConfig | None:
+    raw = getattr(args, "config", None)
+    if not raw:
+        return None
+    text = Path(raw).read_text() if Path(raw).is_file() else raw
+    return KernelConfig.from_dict(json.loads(text))
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from tilegen.build import build
+
+    spec = _spec(args)
+    target = get_target(args.target)
+    out = Path(args.out or f"build/{target.name}")
+    backends = tuple(args.backend) if args.backend else None
+    t0 = time.perf_counter()
+    manifest = build(spec, target, out, _config(args), backends,
+                     progress=lambda msg: print(msg, file=sys.stderr))
+    print(f"built {len(manifest['artifacts'])} artifact(s) for {target.name} "
+          f"(spec {spec.short_hash}) in {time.perf_counter() - t0:.1f}s -> {out}")
+    for art in manifest["artifacts"]:
+        print(f"  {art['backend']:7s} {art['path']:70s} regs={art['registers']} "
+              f"shared={art['shared_bytes']} spills={art['spill_bytes']}")
+    print(f"  manifest: {out / 'manifest.json'}")
+    return 0
+
+
+def cmd_captures(args: argparse.Namespace) -> int:
+    from tilegen import captures
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = _spec(args)
+    for i in range(args.count):
+        seed = args.seed + i
+        t0 = time.perf_counter()
+        cap = captures.synthesize(seed=seed, grid=spec.grid, heads=spec.num_heads,
+                                  head_dim=spec.head_dim, topk=spec.topk,
+                                  outlier=not args.no_outlier)
+        path = out / f"synthetic_seed{seed}.pt"
+        captures.save(cap, path)
+        print(f"wrote {path} ({time.perf_counter() - t0:.1f}s)")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tilegen.bench import run_bench
+
+    return run_bench(_spec(args), args.captures, _config(args), seeds=args.seeds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tilegen",
+        description="Generate, build and tune block-sparse attention kernels for video DiTs.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("build", help="render and compile every backend of a target (no GPU needed)",
+                       description="Render the spec's kernels for TARGET and compile them ahead "
+                       "of time (Triton cubin/hsaco, plus the target's C++ backend). Writes "
+                       "sources, binaries and manifest.json (hashes, compiler versions, "
+                       "registers, shared memory, spills) under --out.")
+    p.add_argument("--target", required=True, choices=TARGET_NAMES)
+    p.add_argument("--spec", help="spec file (.toml or .json); default: the Wan2.2 workload spec")
+    p.add_argument("--out", help="output directory (default: build/TARGET)")
+    p.add_argument("--config", help="KernelConfig as JSON text or a JSON file "
+                   "(default: the tuned winner if any, else the target's default)")
+    p.add_argument("--backend", action="append", help="only this backend (repeatable)")
+    p.set_defaults(func=cmd_build)
+
+    p = sub.add_parser("captures", help="synthesize Wan2.2-like capture files",
+                       description="Write seeded synthetic captures in the real capture format "
+                       "(q, k, v, topk_idx, vbs) for the spec's workload shape.")
+    p.add_argument("action", choices=["synthesize"])
+    p.add_argument("--out", required=True, help="directory for the .pt files")
+    p.add_argument("--spec", help="spec file for the workload shape")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--count", type=int, default=1)
+    p.add_argument("--no-outlier", action="store_true", help="omit the overflow outlier head")
+    p.set_defaults(func=cmd_captures)
+
+    p = sub.add_parser("bench", help="score and time the op on captures (needs a GPU)",
+                       description="Run the op and the reference variant on each capture: "
+                       "score with the contract's rule and time with triton.testing.do_bench.")
+    p.add_argument("--spec")
+    p.add_argument("--captures", default="synthetic",
+                   help="directory of capture .pt files, or 'synthetic' (default)")
+    p.add_argument("--seeds", type=int, default=1, help="synthetic captures to make")
+    p.add_argument("--config", help="KernelConfig JSON to bench instead of the loaded one")
+    p.set_defaults(func=cmd_bench)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="tilegen: %(message)s")
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except ToolchainMissing as exc:
+        print(f"tilegen: missing toolchain: {exc}", file=sys.stderr)
+        return 3
+    except (CompileError, ValueError, FileNotFoundError) as exc:
+        print(f"tilegen: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Toolchains: one module per compiler (Triton AOT, nvcc, clang-19 HIP).
+
+Every compiler returns `Artifact`s with the same resource report, so the build manifest, the
+cache and the tests treat all backends alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+class ToolchainMissing(RuntimeError):
+    """A compiler needed for a target is not installed; the message says how to install it."""
+
+
+class CompileError(RuntimeError):
+    """The compiler rejected a generated source; the message holds its diagnostics."""
+
+
+@dataclass
+class Artifact:
+    """One compiled binary and what the compiler reported about it."""
+
+    path: Path
+    kind: str  # "cubin" | "hsaco"
+    backend: str  # "triton" | "cuda" | "hip"
+    target: str  # "sm_90" | "sm_100a" | "gfx942"
+    arch: str  # the exact ISA: "sm_90a", "sm_100a", "gfx942"
+    kernel_name: str
+    source: Path | None = None
+    source_sha256: str = ""
+    config: str = ""
+    registers: int | None = None  # per thread (VGPRs on AMD)
+    agprs: int | None = None  # AMD accumulation registers
+    shared_bytes: int | None = None  # static + dynamic shared memory / LDS per block
+    spill_bytes: int | None = None  # spill stores + loads (NVIDIA) / scratch (AMD)
+    stack_bytes: int | None = None
+    occupancy: int | None = None  # blocks (or waves) per SM/CU where known
+    threads: int | None = None
+    compiler: dict[str, str] = field(default_factory=dict)  # tool -> version
+    command: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for key in ("path", "source"):
+            if d[key] is not None:
+                d[key] = str(d[key])
+        return d

@@ -1,0 +1,144 @@
+"""Ahead-of-time compilation of the generated Triton kernel, with no GPU.
+
+`triton.compile(ASTSource(...), target=GPUTarget(...))` runs the whole Triton pipeline on the
+CPU: ptxas (bundled in the wheel) for NVIDIA cubins, and Triton's in-process LLVM + lld for AMD
+code objects. `triton/tools/compile.py` is not used: it asks a driver for the current target.
+The resource report comes from the compiled kernel's metadata and, for cubins, from the
+bundled `cuobjdump --dump-resource-usage`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tilegen import cache
+from tilegen.compile import Artifact, CompileError
+from tilegen.config import KernelConfig
+from tilegen.jit import load_triton
+from tilegen.render import TRITON_KERNEL_NAME, Source, render_triton
+from tilegen.spec import Spec
+from tilegen.targets import Target
+
+# Dtypes of the kernel's pointer arguments in signature order (see lut_kernel.py.j2).
+_PTR_ARGS = ("Q", "K", "V", "LUT", "COUNTS", "VBS", "O", "LSE")
+
+
+def signature(spec: Spec) -> dict[str, str]:
+    """Triton signature of the generated kernel for this spec (runtime arguments only)."""
+    elem = {"bf16": "*bf16", "fp16": "*fp16"}[spec.dtype]
+    ptr = {"Q": elem, "K": elem, "V": elem, "LUT": "*i32", "COUNTS": "*i32", "VBS": "*i32",
+           "O": elem, "LSE": "*fp32"}
+    sig = {name: ptr[name] for name in _PTR_ARGS}
+    sig.update(seq_len="i32", num_heads="i32", num_q_blocks="i32", topk="i32", qk_scale="fp32")
+    sig.update(HAS_COUNTS="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr")
+    return sig
+
+
+def triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def _cuobjdump() -> Path:
+    import triton
+
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def _ptxas_version() -> str:
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    try:
+        out = subprocess.run([str(ptxas), "--version"], capture_output=True, text=True,
+                             check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    m = re.search(r"release ([\d.]+)", out)
+    return m.group(1) if m else out.strip().splitlines()[-1]
+
+
+def cubin_resources(cubin: Path) -> dict[str, int]:
+    """Registers, shared memory, stack and spill bytes of a cubin, via cuobjdump."""
+    out = subprocess.run([str(_cuobjdump()), "--dump-resource-usage", str(cubin)],
+                         capture_output=True, text=True)
+    res: dict[str, int] = {}
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", out.stdout)
+    if m:
+        res = {"registers": int(m.group(1)), "stack_bytes": int(m.group(2)),
+               "static_shared": int(m.group(3)), "local_bytes": int(m.group(4))}
+    return res
+
+
+def compile_triton(spec: Spec, cfg: KernelConfig, target: Target, out_dir: Path,
+                   source: Source | None = None) -> Artifact:
+    """Compile the generated Triton kernel for `target` into `out_dir`; return its Artifact."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = source or render_triton(spec, cfg)
+    # The AOT path must never run under the interpreter (it would hand back a Python function).
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        fn = load_triton(source)
+        constexprs = {"HAS_COUNTS": False, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}
+        # Pointers are 16-byte aligned (torch allocations) and the sizes are multiples of 16
+        # for every spec we accept (S = cubes * block, H*D, topk is not: no hint there).
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(_PTR_ARGS))}
+        src = ASTSource(fn=fn, signature=signature(spec), constexprs=constexprs, attrs=attrs)
+        gpu = GPUTarget(target.triton_backend, target.triton_arch,
+                        target.warp_size)
+        try:
+            compiled = triton.compile(src, target=gpu, options=cfg.launch)
+        except Exception as exc:  # triton raises several exception types for bad kernels
+            raise CompileError(f"triton.compile failed for {target.name} {cfg.name}: "
+                               f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+    asm = compiled.asm
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"triton_{source.name.removesuffix('.py')}_{cfg.name.split('_lse')[0]}"
+    meta = compiled.metadata
+    if target.triton_backend == "cuda":
+        binary, kind = asm["cubin"], "cubin"
+        path = cache.atomic_write(out_dir / f"{stem}.cubin", binary)
+        cache.atomic_write(out_dir / f"{stem}.ptx", asm["ptx"])
+        res = cubin_resources(path)
+        registers = res.get("registers")
+        spills = res.get("local_bytes")
+        stack = res.get("stack_bytes")
+        compiler = {"triton": triton.__version__, "ptxas": _ptxas_version()}
+        agprs = None
+    else:
+        binary, kind = asm["hsaco"], "hsaco"
+        path = cache.atomic_write(out_dir / f"{stem}.hsaco", binary)
+        amdgcn = asm.get("amdgcn", "")
+        cache.atomic_write(out_dir / f"{stem}.amdgcn", amdgcn)
+        registers = _amd_field(amdgcn, "vgpr_count")
+        agprs = _amd_field(amdgcn, "agpr_count")
+        spills = (_amd_field(amdgcn, "vgpr_spill_count") or 0) + (
+            _amd_field(amdgcn, "sgpr_spill_count") or 0)
+        stack = _amd_field(amdgcn, "private_segment_fixed_size")
+        compiler = {"triton": triton.__version__, "llvm": "bundled with triton"}
+    arch = target.arch
+    return Artifact(
+        path=path, kind=kind, backend="triton", target=target.name, arch=arch,
+        kernel_name=meta.name if hasattr(meta, "name") else TRITON_KERNEL_NAME,
+        source_sha256=source.sha256, config=cfg.name, registers=registers, agprs=agprs,
+        shared_bytes=int(meta.shared), spill_bytes=spills, stack_bytes=stack,
+        threads=cfg.num_warps * target.warp_size, compiler=compiler,
+        command=[sys.executable, "-c", f"triton.compile(ASTSource(...), target={gpu!r}, "
+                 f"options={cfg.launch!r})"],
+    )
+
+
+def _amd_field(amdgcn: str, name: str) -> int | None:
+    m = re.search(rf"\.{name}:\s+(\d+)", amdgcn)
+    return int(m.group(1)) if m else None

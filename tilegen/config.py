@@ -1,0 +1,179 @@
+"""`KernelConfig`: how one kernel variant computes a spec, and the rules that make it valid.
+
+A config has launch parameters (block sizes, warps, pipeline stages) and render-time options
+(choices baked into the generated source). Its `.name` spells out every trait, so a cache
+entry, a DB row and a manifest line name the same variant the same way.
+
+The validity rules are pure predicates `(spec, target, config) -> reason | None`. Each one says
+which hardware or compiler rule it mirrors, so a pruned config in a tuning log explains itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tilegen.spec import Spec
+from tilegen.targets import Target
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One variant. Launch parameters first, then render-time options.
+
+    - ``block_m``: query rows per program; divides ``spec.block_q`` (a query cube may be split
+      across programs, each walking the same LUT row).
+    - ``block_n``: KV rows per inner step; divides ``spec.block_kv`` (a KV cube is walked in
+      ``block_kv // block_n`` sub-tiles; sub-tiles wholly past ``vbs`` are skipped).
+    - ``num_warps``, ``num_stages``: Triton launch / software-pipelining depth.
+    - ``store_lse``: render the epilogue that writes ``lse`` (off when the caller drops it).
+    - ``interp_bf16``: bf16 under Triton 3.6's CPU interpreter, whose bf16 ``tl.dot``
+      multiplies raw bits and whose fp32 -> bf16 cast truncates. The tiles are upcast to fp32
+      before each dot, P stays fp32 and the op writes ``o`` to an fp32 buffer that torch then
+      rounds to bf16. Never built for a GPU (see `interpreter_only_options`).
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    store_lse: bool = True
+    interp_bf16: bool = False
+
+    @property
+    def name(self) -> str:
+        """Every trait: launch parameters, then the render-time options."""
+        return (f"bm{self.block_m}_bn{self.block_n}_w{self.num_warps}_s{self.num_stages}_"
+                f"{self.render_name}")
+
+    @property
+    def render_name(self) -> str:
+        """The render-time options alone: configs that share it share one source file."""
+        parts = ["lse" if self.store_lse else "nolse"]
+        if self.interp_bf16:
+            parts.append("interpbf16")
+        return "_".join(parts)
+
+    def render_options(self) -> KernelConfig:
+        """This config with launch parameters reset, so equal render options compare equal."""
+        defaults = KernelConfig()
+        return self.replace(block_m=defaults.block_m, block_n=defaults.block_n,
+                            num_warps=defaults.num_warps, num_stages=defaults.num_stages)
+
+    @property
+    def launch(self) -> dict[str, int]:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KernelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown KernelConfig field(s) {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> KernelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+#: The reference variant: the contract's reference kernel (64x64 tiles, one program per query
+#: cube and batch*head, online softmax with exp2, fp32 accumulation, (o, lse) out).
+REFERENCE_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+
+
+def default_config(target: Target) -> KernelConfig:
+    return KernelConfig(**target.default)
+
+
+# -- validity predicates -----------------------------------------------------------------------
+Predicate = Callable[[Spec, Target, KernelConfig], "str | None"]
+
+
+def tiles_divide_cubes(spec: Spec, target: Target, cfg: KernelConfig) -> str | None:
+    """block_m | block_q and block_n | block_kv: a tile never straddles two cubes, because the
+    LUT names whole cubes and `vbs` is per cube."""
+    if spec.block_q % cfg.block_m or spec.block_kv % cfg.block_n:
+        return (f"block_m={cfg.block_m} must divide block_q={spec.block_q} and "
+                f"block_n={cfg.block_n} must divide block_kv={spec.block_kv}")
+    return None
+
+
+def tiles_fit_mma(spec: Spec, target: Target, cfg: KernelConfig) -> str | None:
+    """tl.dot needs every dimension >= 16 (Triton's `dot` semantic check); the smallest matrix
+    instruction of every target (mma m16n8k16, MFMA 16x16x16) has a 16-row M and 16-deep K."""
+    if min(cfg.block_m, cfg.block_n) < 16 or spec.head_dim % 16:
+        return f"tile {cfg.block_m}x{cfg.block_n}x{spec.head_dim} has a dimension below 16"
+    return None
+
+
+def warps_fit_tile(spec: Spec, target: Target, cfg: KernelConfig) -> str | None:
+    """num_warps is a power of two and each warp owns >= 16 rows of S = Q K^T at 4 warps per
+    16-row MMA group (Triton's MMA layout tiles warps over M first); more warps than rows / 16 * 2
+    leave warps idle. Threads per block stay within the target's max_threads_per_block."""
+    if cfg.num_warps not in (1, 2, 4, 8, 16):
+        return f"num_warps={cfg.num_warps} is not a power of two in 1..16"
+    if cfg.num_warps * target.warp_size > target.max_threads_per_block:
+        return (f"num_warps={cfg.num_warps} x warp_size={target.warp_size} exceeds "
+                f"max_threads_per_block={target.max_threads_per_block}")
+    if cfg.num_warps > max(4, cfg.block_m // 8):
+        return f"num_warps={cfg.num_warps} is more than a {cfg.block_m}-row tile can use"
+    return None
+
+
+def shared_memory_fits(spec: Spec, target: Target, cfg: KernelConfig) -> str | None:
+    """Estimated shared memory (Q tile once, K and V tiles per pipeline stage) fits the target's
+    per-block limit (sm_90/sm_100a: 227 KiB opt-in; gfx942: 64 KiB LDS). Triton raises
+    OutOfResources past it; pruning here saves the compile."""
+    need = shared_memory_estimate(spec, cfg)
+    if need > target.max_shared_bytes:
+        return f"needs ~{need} B of shared memory, target {target.name} has {target.max_shared_bytes}"
+    return None
+
+
+def pipeline_depth_valid(spec: Spec, target: Target, cfg: KernelConfig) -> str | None:
+    """num_stages >= 1; Triton treats 0 and 1 alike (no software pipelining)."""
+    if cfg.num_stages < 1 or cfg.num_stages > 8:
+        return f"num_stages={cfg.num_stages} outside 1..8"
+    return None
+
+
+def interpreter_only_options(spec: Spec, target: Target, cfg: KernelConfig) -> str | None:
+    """interp_bf16 exists only to work around the Triton 3.6 CPU interpreter's bf16 dot."""
+    if cfg.interp_bf16:
+        return "interp_bf16 is an interpreter-only workaround and is never built for a GPU target"
+    return None
+
+
+PREDICATES: tuple[Predicate, ...] = (
+    tiles_divide_cubes,
+    tiles_fit_mma,
+    warps_fit_tile,
+    shared_memory_fits,
+    pipeline_depth_valid,
+    interpreter_only_options,
+)
+
+
+def shared_memory_estimate(spec: Spec, cfg: KernelConfig) -> int:
+    elem = 2  # bf16 / fp16
+    return elem * spec.head_dim * (cfg.block_m + max(cfg.num_stages, 1) * 2 * cfg.block_n)
+
+
+def violations(spec: Spec, target: Target, cfg: KernelConfig) -> list[str]:
+    """Every rule the config breaks, as readable reasons (empty when valid)."""
+    return [r for r in (p(spec, target, cfg) for p in PREDICATES) if r]
+
+
+def check(spec: Spec, target: Target, cfg: KernelConfig) -> None:
+    problems = violations(spec, target, cfg)
+    if problems:
+        raise ValueError(f"config {cfg.name} is invalid for {target.name}: " + "; ".join(problems))

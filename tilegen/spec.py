@@ -1,0 +1,217 @@
+"""`Spec`: the declarative description of one block-sparse attention kernel family.
+
+A spec says *what* to compute (encoding, tile granularity of the sparsity pattern, head dim,
+dtype, layout) plus the workload shape the kernel is tuned and benchmarked on. *How* to compute
+it (block sizes, warps, stages, template options) lives in `tilegen.config.KernelConfig`.
+
+Specs are frozen, validated on construction, hashable, and have a stable content hash that keys
+the kernel cache, the tuning DB and the build manifests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Encodings the kernel generator implements today. "mask" (block mask, Jenga style) and
+#: "sliding_tile" (STA) are planned; the field is a string so they slot in without a new schema.
+ENCODINGS = ("lut",)
+PLANNED_ENCODINGS = ("mask", "sliding_tile")
+HEAD_DIMS = (64, 128)
+DTYPES = ("bf16", "fp16")
+LAYOUTS = ("bshd", "bhsd")
+BLOCK_SIZES = (16, 32, 64, 128)
+
+# Bumped when the meaning of a field changes, so old hashes never alias new kernels.
+SPEC_SCHEMA = 1
+
+
+def _as_int_tuple(name: str, value: Any, length: int) -> tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in value)
+    except TypeError as exc:
+        raise ValueError(f"Spec.{name} must be a sequence of {length} ints, got {value!r}") from exc
+    if len(out) != length or any(v <= 0 for v in out) or any(
+        isinstance(v, bool) or float(v) != v for v in value
+    ):
+        raise ValueError(f"Spec.{name} must be {length} positive ints, got {value!r}")
+    return out
+
+
+def _choice(name: str, value: Any, allowed: tuple) -> None:
+    # type check first: True == 1 and 128.0 == 128 would otherwise slip through `in`
+    if type(value) is not type(allowed[0]) or value not in allowed:
+        raise ValueError(f"Spec.{name}={value!r} is not allowed; allowed values: {list(allowed)}")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One kernel family. The defaults are the Wan2.2 T2V-A14B VSA fine stage (contract.md).
+
+    Kernel fields: ``encoding``, ``block_q``/``block_kv`` (tokens per query / KV cube, i.e. the
+    granularity of the sparsity pattern), ``cube`` (t, h, w cube shape; its volume is the block
+    size), ``head_dim``, ``dtype``, ``layout`` and ``variable_block_sizes`` (mask the padding
+    tail of partial cubes using ``vbs``; off means every cube is full and ``vbs`` is ignored).
+
+    Workload fields (the shape tuning and benchmarks use; the kernel accepts any shape):
+    ``grid`` (latent t, h, w), ``num_heads``, ``topk``, ``batch``.
+    """
+
+    encoding: str = "lut"
+    block_q: int = 64
+    block_kv: int = 64
+    cube: tuple[int, int, int] = (4, 4, 4)
+    head_dim: int = 128
+    dtype: str = "bf16"
+    layout: str = "bshd"
+    variable_block_sizes: bool = True
+    grid: tuple[int, int, int] = (21, 30, 52)
+    num_heads: int = 40
+    topk: int = 78
+    batch: int = 1
+    _hash: str = field(default="", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.encoding in PLANNED_ENCODINGS:
+            raise ValueError(
+                f"Spec.encoding={self.encoding!r} is planned but not implemented yet; "
+                f"allowed values: {list(ENCODINGS)}"
+            )
+        _choice("encoding", self.encoding, ENCODINGS)
+        _choice("head_dim", self.head_dim, HEAD_DIMS)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("layout", self.layout, LAYOUTS)
+        _choice("block_q", self.block_q, BLOCK_SIZES)
+        _choice("block_kv", self.block_kv, BLOCK_SIZES)
+        if not isinstance(self.variable_block_sizes, bool):
+            raise ValueError(
+                f"Spec.variable_block_sizes must be a bool, got {self.variable_block_sizes!r}"
+            )
+        object.__setattr__(self, "cube", _as_int_tuple("cube", self.cube, 3))
+        object.__setattr__(self, "grid", _as_int_tuple("grid", self.grid, 3))
+        for name in ("num_heads", "topk", "batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Spec.{name} must be a positive int, got {value!r}")
+        if math.prod(self.cube) != self.block_kv:
+            raise ValueError(
+                f"Spec.cube={self.cube} holds {math.prod(self.cube)} tokens but "
+                f"Spec.block_kv={self.block_kv}; a KV block is one cube"
+            )
+        if self.block_q != self.block_kv:
+            raise ValueError(
+                f"Spec.block_q={self.block_q} must equal Spec.block_kv={self.block_kv} for "
+                "encoding 'lut': each LUT row belongs to one query cube"
+            )
+        if self.topk > self.num_cubes:
+            raise ValueError(
+                f"Spec.topk={self.topk} exceeds the {self.num_cubes} KV cubes of "
+                f"grid {self.grid} with cube {self.cube}"
+            )
+        object.__setattr__(self, "_hash", hashlib.sha256(self.canonical_json().encode()).hexdigest())
+
+    # -- derived quantities ------------------------------------------------------------------
+    @property
+    def cube_grid(self) -> tuple[int, int, int]:
+        return tuple(-(-g // c) for g, c in zip(self.grid, self.cube, strict=True))  # type: ignore[return-value]
+
+    @property
+    def num_cubes(self) -> int:
+        return math.prod(self.cube_grid)
+
+    @property
+    def seq_len(self) -> int:
+        """Padded, cube-major sequence length S = cubes x block."""
+        return self.num_cubes * self.block_kv
+
+    @property
+    def sm_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def hash(self) -> str:
+        """sha256 of the canonical JSON: stable across processes, Python versions and hosts."""
+        return self._hash
+
+    @property
+    def short_hash(self) -> str:
+        return self._hash[:12]
+
+    def flops(self) -> float:
+        """Useful FLOPs of one forward call on the workload shape (both GEMMs, full cubes)."""
+        rows = self.batch * self.num_heads * self.num_cubes * self.block_q
+        return 4.0 * rows * self.topk * self.block_kv * self.head_dim
+
+    # -- serialisation -----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            if not f.init:
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def canonical_json(self) -> str:
+        return json.dumps({"schema": SPEC_SCHEMA, **self.to_dict()}, sort_keys=True,
+                          separators=(",", ":"))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def to_toml(self) -> str:
+        lines = ["# tilegen kernel spec"]
+        for key, value in self.to_dict().items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Spec:
+        data = dict(data)
+        data.pop("schema", None)
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown Spec field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+    @classmethod
+    def from_json(cls, text: str) -> Spec:
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_toml(cls, text: str) -> Spec:
+        data = tomllib.loads(text)
+        return cls.from_dict(data.get("spec", data))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Spec:
+        """Read a spec from a ``.toml`` or ``.json`` file (a TOML file may use a [spec] table)."""
+        path = Path(path)
+        text = path.read_text()
+        if path.suffix == ".json":
+            return cls.from_json(text)
+        if path.suffix == ".toml":
+            return cls.from_toml(text)
+        raise ValueError(f"spec file {path} must end in .toml or .json")
+
+    def replace(self, **changes: Any) -> Spec:
+        return dataclasses.replace(self, **changes)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")

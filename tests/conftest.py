@@ -2,6 +2,7 @@ import os
 
 import pytest
 
+
 # Kernels and cubins land in a per-session temp cache, never in the developer's ~/.cache.
 @pytest.fixture(autouse=True, scope="session")
 def _tilegen_cache(tmp_path_factory):

@@ -71,6 +71,26 @@ def cmd_captures(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from tilegen import generated
+
+    targets = tuple(args.target) if args.target else TARGET_NAMES
+    if args.update:
+        paths = generated.update(targets)
+        print(f"regenerated {len(paths)} committed source(s) under targets/*/generated/")
+        return 0
+    drifts = generated.check(targets)
+    if not drifts:
+        print(f"tilegen check: {len(generated.expected(targets))} generated source(s) up to date")
+        return 0
+    for drift in drifts:
+        sys.stdout.write(drift.diff)
+    print(f"\ntilegen check: {len(drifts)} generated source(s) drifted from the templates "
+          f"({', '.join(f'{d.path.name}: {d.kind}' for d in drifts)}).\n"
+          f"Regenerate with: {generated.REGENERATE}", file=sys.stderr)
+    return 1
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from tilegen.bench import run_bench
 
@@ -97,6 +117,15 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: the tuned winner if any, else the target's default)")
     p.add_argument("--backend", action="append", help="only this backend (repeatable)")
     p.set_defaults(func=cmd_build)
+
+    p = sub.add_parser("check", help="CI regeneration check of the committed generated sources",
+                       description="Re-render every committed source under targets/*/generated/ "
+                       "(default spec, each target x backend) and compare. Exit 1 with a "
+                       "unified diff on drift; --update rewrites them.")
+    p.add_argument("--target", action="append", choices=TARGET_NAMES,
+                   help="only this target (repeatable)")
+    p.add_argument("--update", action="store_true", help="regenerate the committed sources")
+    p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("captures", help="synthesize Wan2.2-like capture files",
                        description="Write seeded synthetic captures in the real capture format "

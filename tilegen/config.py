@@ -135,7 +135,8 @@ def shared_memory_fits(spec: Spec, target: Target, cfg: KernelConfig) -> str | N
     OutOfResources past it; pruning here saves the compile."""
     need = shared_memory_estimate(spec, cfg)
     if need > target.max_shared_bytes:
-        return f"needs ~{need} B of shared memory, target {target.name} has {target.max_shared_bytes}"
+        return (f"needs ~{need} B of shared memory, target {target.name} has "
+                f"{target.max_shared_bytes}")
     return None
 
 

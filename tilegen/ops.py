@@ -72,7 +72,8 @@ def validate_inputs(
         if x.dtype != want:
             raise TypeError(f"{name} has dtype {x.dtype}, spec wants {want} (dtype={spec.dtype!r})")
         if x.dim() != 4:
-            raise ValueError(f"{name} must be 4-D {spec.layout.upper()}, got shape {tuple(x.shape)}")
+            raise ValueError(f"{name} must be 4-D {spec.layout.upper()}, "
+                             f"got shape {tuple(x.shape)}")
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must have one shape; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")

@@ -114,7 +114,8 @@ class Spec:
                 f"Spec.topk={self.topk} exceeds the {self.num_cubes} KV cubes of "
                 f"grid {self.grid} with cube {self.cube}"
             )
-        object.__setattr__(self, "_hash", hashlib.sha256(self.canonical_json().encode()).hexdigest())
+        digest = hashlib.sha256(self.canonical_json().encode()).hexdigest()
+        object.__setattr__(self, "_hash", digest)
 
     # -- derived quantities ------------------------------------------------------------------
     @property

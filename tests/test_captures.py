@@ -1,0 +1,289 @@
+"""Capture I/O, synthesis traits and the scoring rule (tilegen.captures)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from tilegen import captures, layout
+
+SMALL = dict(grid=(9, 12, 16), heads=4, head_dim=64, topk=6)  # 3x3x4 = 36 cubes
+
+
+@pytest.fixture(scope="module")
+def small_cap():
+    return captures.synthesize(seed=0, **SMALL)
+
+
+def _attention(cap, naive=False):
+    """fp32 block-sparse attention over the selected cubes, ``(B, S, H, D)``; pad rows are 0.
+
+    ``naive=True`` skips the row-max subtraction: exp overflows when a logit exceeds ~88.7.
+    Also returns the max logit (sm_scale applied) per head.
+    """
+    q, k, v = (cap[n].float() for n in ("q", "k", "v"))
+    idx, vbs = cap["topk_idx"].long(), cap["vbs"].long()
+    b, s, h, d = q.shape
+    blk = s // vbs.numel()
+    nc = s // blk
+    kk = idx.shape[-1]
+    qc, kc, vc = (t.view(b, nc, blk, h, d).permute(0, 3, 1, 2, 4) for t in (q, k, v))
+    bi = torch.arange(b)[:, None, None, None]
+    hi = torch.arange(h)[None, :, None, None]
+    ks = kc[bi, hi, idx].reshape(b, h, nc, kk * blk, d)
+    vs = vc[bi, hi, idx].reshape(b, h, nc, kk * blk, d)
+    real = torch.arange(blk)[None, :] < vbs[:, None]  # (NC, blk)
+    key_ok = real[idx].reshape(b, h, nc, 1, kk * blk)
+    logits = (qc @ ks.transpose(-1, -2)) / math.sqrt(d)
+    logits = logits.masked_fill(~key_ok, float("-inf"))
+    max_logit = logits.amax(dim=(0, 2, 3, 4))
+    if naive:
+        p = torch.exp(logits)
+        p = p / p.sum(-1, keepdim=True)
+    else:
+        p = torch.softmax(logits, dim=-1)
+    o = (p @ vs) * real[None, None, :, :, None]  # zero the padded query rows
+    return o.permute(0, 2, 3, 1, 4).reshape(b, s, h, d), max_logit
+
+
+# ------------------------------------------------------------------------------------ synthesis
+
+
+def test_small_shapes_and_partial_cubes():
+    cap = captures.synthesize(seed=3, grid=(5, 6, 8), heads=2, head_dim=64, topk=4)
+    assert cap["q"].shape == cap["k"].shape == cap["v"].shape == (1, 8 * 64, 2, 64)
+    assert cap["q"].dtype == torch.bfloat16
+    assert cap["topk_idx"].shape == (1, 2, 8, 4) and cap["topk_idx"].dtype == torch.int32
+    assert cap["vbs"].dtype == torch.int32
+    assert set(cap["vbs"].tolist()) == {64, 32, 16, 8}
+    captures.validate(cap)
+
+
+def test_wan_grid_cheaply():
+    cap = captures.synthesize(seed=0, heads=1, head_dim=8, outlier=None)
+    assert cap["q"].shape == (1, 39936, 1, 8)
+    assert cap["topk_idx"].shape == (1, 1, 624, 78)
+    assert set(cap["vbs"].tolist()) == {64, 32, 16, 8}
+    # padding slots are zero, built by layout.to_cubes
+    pad = torch.arange(64)[None, :] >= cap["vbs"][:, None]
+    assert torch.count_nonzero(cap["q"].view(624, 64, 8)[pad]) == 0
+
+
+def test_deterministic_per_seed(small_cap):
+    again = captures.synthesize(seed=0, **SMALL)
+    for key in ("q", "k", "v", "topk_idx", "vbs"):
+        assert torch.equal(small_cap[key], again[key]), key
+    assert again["outlier_heads"] == small_cap["outlier_heads"]
+    other = captures.synthesize(seed=1, **SMALL)
+    for key in ("q", "k", "v", "topk_idx"):
+        assert not torch.equal(small_cap[key], other[key]), key
+
+
+def test_selection_per_head_and_not_a_sliding_window(small_cap):
+    idx = small_cap["topk_idx"][0]  # (H, NQ, K)
+    heads, nq, kk = idx.shape
+    for a in range(heads):
+        for b in range(a):
+            assert not torch.equal(idx[a], idx[b]), (a, b)
+    centres = layout.cube_coords(SMALL["grid"])
+    dist = torch.cdist(centres, centres)
+    nearest = dist.argsort(dim=1, stable=True)[:, :kk].sort(dim=1).values
+    same = (idx.long() == nearest[None]).all(-1)  # (H, NQ): row equals its k nearest cubes
+    assert float(same.float().mean()) < 0.5
+    assert not bool(same.all(dim=1).any())  # no head is a sliding window
+
+
+def test_outlier_head_overflows_naive_softmax_only(small_cap):
+    (oh,) = small_cap["outlier_heads"]
+    for key in ("q", "k", "v"):
+        assert bool(torch.isfinite(small_cap[key]).all())
+    o_naive, max_logit = _attention(small_cap, naive=True)
+    bad = (~torch.isfinite(o_naive)).sum(dim=(0, 1, 3))  # per head
+    assert int(bad[oh]) > 0
+    assert int(bad.sum()) == int(bad[oh])  # only the outlier head
+    assert float(max_logit[oh]) > 150.0  # far past fp32 exp range (~88.7)
+    others = [h for h in range(SMALL["heads"]) if h != oh]
+    assert float(max_logit[others].max()) < 60.0
+    o, _ = _attention(small_cap)
+    assert bool(torch.isfinite(o).all())
+
+
+def test_outlier_choices():
+    none = captures.synthesize(seed=0, **SMALL, outlier=None)
+    assert none["outlier_heads"] == []
+    o_naive, _ = _attention(none, naive=True)
+    assert bool(torch.isfinite(o_naive).all())
+    two = captures.synthesize(seed=0, **SMALL, outlier=[0, 2])
+    assert two["outlier_heads"] == [0, 2]
+    bad = (~torch.isfinite(_attention(two, naive=True)[0])).sum(dim=(0, 1, 3))
+    assert bad[0] > 0 and bad[2] > 0 and bad[1] == 0 and bad[3] == 0
+
+
+def test_output_magnitude(small_cap):
+    o, _ = _attention(small_cap)
+    real = (torch.arange(64)[None, :] < small_cap["vbs"][:, None]).flatten()
+    mean_abs = o[:, real].abs().mean(dim=(0, 1, 3))  # per head
+    assert bool((mean_abs > 0.1).all()) and bool((mean_abs < 2.0).all()), mean_abs
+
+
+def test_synthesize_validation():
+    with pytest.raises(ValueError, match="topk"):
+        captures.synthesize(grid=(5, 6, 8), heads=1, head_dim=64, topk=9)
+    with pytest.raises(ValueError, match="head_dim"):
+        captures.synthesize(grid=(5, 6, 8), heads=1, head_dim=63, topk=4)
+    with pytest.raises(ValueError, match="outlier"):
+        captures.synthesize(grid=(5, 6, 8), heads=2, head_dim=64, topk=4, outlier=2)
+    with pytest.raises(ValueError, match="grid"):
+        captures.synthesize(grid=(5, 6), heads=2, head_dim=64, topk=4)
+
+
+# ------------------------------------------------------------------------------------ load / save
+
+
+def _assert_same_cap(a, b):
+    for key in ("q", "k", "v", "topk_idx", "vbs", "o_ref", "lse_ref"):
+        assert (key in a) == (key in b), key
+        if key in a:
+            assert torch.equal(a[key], b[key]), key
+
+
+def test_save_load_round_trip(tmp_path, small_cap):
+    path = tmp_path / "synth.pt"
+    captures.save(small_cap, path)
+    raw = torch.load(path, weights_only=True)
+    assert {"q", "k", "v", "topk_idx", "vbs"} <= set(raw) and "idx" not in raw
+    back = captures.load(path)
+    _assert_same_cap(small_cap, back)
+    assert back["outlier_heads"] == small_cap["outlier_heads"]
+    assert back["block"] == 64
+    assert os.listdir(tmp_path) == ["synth.pt"]  # no temp file left behind
+
+
+def test_save_load_outlier_spelling(tmp_path, small_cap):
+    o, _ = _attention(small_cap)
+    cap = dict(small_cap, o_ref=o.to(torch.bfloat16),
+               lse_ref=torch.zeros(1, SMALL["heads"], small_cap["q"].shape[1]))
+    path = tmp_path / "outlier.pt"
+    captures.save(cap, path, index_key="idx")
+    raw = torch.load(path, weights_only=True)
+    assert {"idx", "o_triton", "m_triton"} <= set(raw) and "topk_idx" not in raw
+    back = captures.load(path, device="cpu")
+    _assert_same_cap(cap, back)
+
+
+def test_load_real_file_format(tmp_path, small_cap):
+    # written the way the real outlier capture is: idx, o_triton, m_triton, call/step/block
+    raw = {n: small_cap[n] for n in ("q", "k", "v", "vbs")}
+    raw.update(idx=small_cap["topk_idx"], o_triton=small_cap["q"].clone(),
+               m_triton=torch.ones(1, SMALL["heads"], small_cap["q"].shape[1]),
+               call=21, step=0, block=64)
+    torch.save(raw, tmp_path / "call_outlier.pt")
+    cap = captures.load(tmp_path / "call_outlier.pt")
+    assert torch.equal(cap["topk_idx"], small_cap["topk_idx"])
+    assert torch.equal(cap["o_ref"], raw["o_triton"])
+    assert torch.equal(cap["lse_ref"], raw["m_triton"])
+    assert (cap["call"], cap["step"], cap["block"]) == (21, 0, 64)
+
+
+def test_load_errors(tmp_path, small_cap):
+    base = {n: small_cap[n] for n in ("q", "k", "v", "topk_idx", "vbs")}
+    bad = dict(base)
+    del bad["v"]
+    torch.save(bad, tmp_path / "a.pt")
+    with pytest.raises(ValueError, match="'v'"):
+        captures.load(tmp_path / "a.pt")
+    bad = dict(base)
+    del bad["topk_idx"]
+    torch.save(bad, tmp_path / "b.pt")
+    with pytest.raises(ValueError, match="topk_idx"):
+        captures.load(tmp_path / "b.pt")
+    torch.save(dict(base, topk_idx=base["topk_idx"][:, :, :5]), tmp_path / "c.pt")
+    with pytest.raises(ValueError, match="topk_idx"):
+        captures.load(tmp_path / "c.pt")
+    torch.save(dict(base, topk_idx=base["topk_idx"] + 100), tmp_path / "d.pt")
+    with pytest.raises(ValueError, match="topk_idx"):
+        captures.load(tmp_path / "d.pt")
+    torch.save(dict(base, v=base["v"][:, :64]), tmp_path / "e.pt")
+    with pytest.raises(ValueError, match="'v'"):
+        captures.load(tmp_path / "e.pt")
+    torch.save(dict(base, o_triton=base["q"][:, :64]), tmp_path / "f.pt")
+    with pytest.raises(ValueError, match="o_ref"):
+        captures.load(tmp_path / "f.pt")
+
+
+# ------------------------------------------------------------------------------------ score
+
+
+def _ref_out(seed=0, shape=(1, 512, 4, 32)):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(shape, generator=g) * 2 - 1).to(torch.bfloat16)
+
+
+def test_score_pass():
+    o_ref = _ref_out()
+    res = captures.score(o_ref.clone(), o_ref)
+    assert res.passed and res.finite and res.max_abs == 0.0 and res.mean_abs == 0.0
+    assert res.min_head_cos == pytest.approx(1.0, abs=1e-5)  # fp32 cosine, as the reference's
+    assert res.head_cos.shape == (1, 4)
+    assert str(res).endswith("-> PASS") and "min_head_cos=" in str(res)
+    o = o_ref.float().clone()
+    o[0, 7, 1, 3] += 0.02  # one element off, within max|Δ|
+    assert captures.score(o, o_ref).passed
+
+
+def test_score_fails_on_non_finite():
+    o_ref = _ref_out()
+    o = o_ref.clone()
+    o[0, 100, 2, 5] = float("nan")
+    res = captures.score(o, o_ref)
+    assert not res.finite and not res.passed and str(res).endswith("-> FAIL")
+    o[0, 100, 2, 5] = float("inf")
+    assert not captures.score(o, o_ref).passed
+
+
+def test_score_fails_on_one_bad_head():
+    o_ref = _ref_out().float()
+    o_ref[:, :, 0] *= 1e-3  # a quiet head: its errors are tiny in absolute terms
+    g = torch.Generator().manual_seed(5)
+    o = o_ref.clone()
+    o[:, :, 0] += 1e-4 * torch.randn(o[:, :, 0].shape, generator=g)
+    res = captures.score(o, o_ref)
+    assert res.finite and res.max_abs <= captures.MAX_ABS and res.mean_abs <= captures.MEAN_ABS
+    global_cos = torch.nn.functional.cosine_similarity(o.flatten(), o_ref.flatten(), dim=0)
+    assert float(global_cos) > captures.COS_MIN  # an average would hide it ...
+    assert float(res.head_cos[0, 1:].min()) > captures.COS_MIN
+    assert res.min_head_cos < captures.COS_MIN and not res.passed  # ... the per-head check does not
+
+
+def test_score_fails_on_one_large_element():
+    o_ref = _ref_out()
+    o = o_ref.float().clone()
+    o[0, 300, 3, 0] += 0.05
+    res = captures.score(o, o_ref)
+    assert res.finite and res.min_head_cos >= captures.COS_MIN and res.mean_abs <= captures.MEAN_ABS
+    assert res.max_abs > captures.MAX_ABS and not res.passed
+
+
+def test_score_fails_on_mean_shift():
+    o_ref = _ref_out().float()
+    o = o_ref + 2e-4
+    res = captures.score(o, o_ref)
+    assert res.finite and res.min_head_cos >= captures.COS_MIN and res.max_abs <= captures.MAX_ABS
+    assert res.mean_abs > captures.MEAN_ABS and not res.passed
+
+
+def test_score_layouts_and_shape_errors():
+    o_ref = _ref_out().float()
+    o = o_ref.clone()
+    o[:, :, 2] *= -1  # head 2 flipped
+    bshd = captures.score(o, o_ref)
+    bhsd = captures.score(o.transpose(1, 2), o_ref.transpose(1, 2), layout="bhsd")
+    assert torch.allclose(bshd.head_cos, bhsd.head_cos)
+    assert bshd.head_cos[0, 2] == pytest.approx(-1.0, abs=1e-5) and not bshd.passed
+    with pytest.raises(ValueError, match="shape"):
+        captures.score(o[:, :100], o_ref)
+    with pytest.raises(ValueError, match="layout"):
+        captures.score(o, o_ref, layout="sbhd")

@@ -1,0 +1,208 @@
+"""Cube reorder (tilegen.layout) and sparsity encodings/selectors (tilegen.sparsity)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from tilegen import layout, sparsity
+
+WAN_GRID = (21, 30, 52)
+
+
+# ------------------------------------------------------------------------------------ layout
+
+
+def test_wan_cube_grid_and_vbs():
+    assert layout.cube_grid(WAN_GRID) == (6, 8, 13)
+    vbs = layout.vbs_for_grid(WAN_GRID)
+    assert vbs.dtype == torch.int32 and vbs.shape == (624,)
+    assert int(vbs.sum()) == 21 * 30 * 52
+    values, counts = vbs.unique(return_counts=True)
+    # t extents {4, 1}, h extents {4, 2}, w extents {4}
+    assert dict(zip(values.tolist(), counts.tolist(), strict=True)) == {
+        8: 13, 16: 7 * 13, 32: 5 * 13, 64: 5 * 7 * 13
+    }
+
+
+def test_wan_round_trip_and_padding():
+    x = torch.randn(1, 21 * 30 * 52, 1, 2)
+    xc, vbs = layout.to_cubes(x, WAN_GRID)
+    assert xc.shape == (1, 624 * 64, 1, 2)
+    assert torch.equal(vbs, layout.vbs_for_grid(WAN_GRID))
+    real = torch.arange(64)[None, :] < vbs[:, None].long()  # (624, 64)
+    cubes = xc.view(1, 624, 64, 1, 2)
+    assert torch.count_nonzero(cubes[:, ~real]) == 0  # padding is zero
+    assert torch.all(cubes[:, real] != 0)  # real slots all filled (randn is never exactly 0)
+    assert torch.equal(layout.from_cubes(xc, WAN_GRID), x)
+
+
+def _brute_force_to_cubes(x, grid, cube):
+    T, H, W = grid
+    ct, ch, cw = cube
+    nt, nh, nw = (math.ceil(g / c) for g, c in zip(grid, cube, strict=True))
+    vol = ct * ch * cw
+    out = torch.zeros(x.shape[0], nt * nh * nw * vol, *x.shape[2:], dtype=x.dtype)
+    vbs = []
+    for cid, (bt, bh, bw) in enumerate(itertools.product(range(nt), range(nh), range(nw))):
+        slot = 0
+        for t in range(bt * ct, min(T, bt * ct + ct)):
+            for h in range(bh * ch, min(H, bh * ch + ch)):
+                for w in range(bw * cw, min(W, bw * cw + cw)):
+                    out[:, cid * vol + slot] = x[:, (t * H + h) * W + w]
+                    slot += 1
+        vbs.append(slot)
+    return out, torch.tensor(vbs, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "grid,cube", [((5, 6, 8), (4, 4, 4)), ((5, 6, 7), (2, 3, 4)), ((4, 4, 4), (4, 4, 4))]
+)
+def test_to_cubes_matches_brute_force(grid, cube):
+    n = grid[0] * grid[1] * grid[2]
+    x = torch.arange(2 * n * 3, dtype=torch.float32).view(2, n, 3) + 1
+    xc, vbs = layout.to_cubes(x, grid, cube)
+    ref, ref_vbs = _brute_force_to_cubes(x, grid, cube)
+    assert torch.equal(xc, ref)
+    assert torch.equal(vbs, ref_vbs)
+    assert torch.equal(layout.from_cubes(xc, grid, cube), x)
+
+
+def test_small_grid_has_all_partial_kinds():
+    assert set(layout.vbs_for_grid((5, 6, 8)).tolist()) == {64, 32, 16, 8}
+
+
+def test_cube_coords():
+    c = layout.cube_coords(WAN_GRID)
+    assert c.shape == (624, 3)
+    assert c[0].tolist() == [1.5, 1.5, 1.5]
+    assert c[-1].tolist() == [20.0, 28.5, 49.5]  # partial last cube: t extent 1, h extent 2
+
+
+def test_layout_validation():
+    with pytest.raises(ValueError, match="x"):
+        layout.to_cubes(torch.zeros(1, 10, 1, 1), (2, 2, 2))
+    with pytest.raises(ValueError, match="grid"):
+        layout.to_cubes(torch.zeros(1, 8, 1, 1), (2, 2))
+    with pytest.raises(ValueError, match="cube"):
+        layout.to_cubes(torch.zeros(1, 8, 1, 1), (2, 2, 2), cube=(0, 4, 4))
+    with pytest.raises(ValueError, match="xc"):
+        layout.from_cubes(torch.zeros(1, 10, 1, 1), (2, 2, 2))
+    with pytest.raises(TypeError, match="x"):
+        layout.to_cubes([1, 2, 3], (1, 1, 3))
+
+
+# ------------------------------------------------------------------------------------ LUT/mask
+
+
+def test_mask_lut_round_trip():
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(2, 3, 7, 11, generator=g) < 0.3
+    mask[0, 0, 0] = False  # an empty row
+    mask[1, 2, 3] = True  # a full row
+    idx, counts = sparsity.mask_to_lut(mask)
+    assert idx.dtype == torch.int32 and counts.dtype == torch.int32
+    assert idx.shape == (2, 3, 7, 11) and torch.equal(counts, mask.sum(-1).int())
+    assert torch.equal(sparsity.lut_to_mask(idx, 11, counts=counts), mask)
+    for b, h, i in itertools.product(range(2), range(3), range(7)):
+        n = int(counts[b, h, i])
+        row = idx[b, h, i].tolist()
+        assert row[:n] == sorted(torch.nonzero(mask[b, h, i]).flatten().tolist())
+        pad = row[n - 1] if n else 0  # padding repeats the last valid id (0 for empty rows)
+        assert all(v == pad for v in row[n:])
+
+
+def test_topk_lut_to_mask_and_back():
+    g = torch.Generator().manual_seed(1)
+    idx = torch.stack([torch.randperm(20, generator=g)[:5] for _ in range(2 * 4 * 6)])
+    idx = idx.view(2, 4, 6, 5).to(torch.int32)
+    mask = sparsity.lut_to_mask(idx, 20)
+    assert mask.shape == (2, 4, 6, 20) and bool((mask.sum(-1) == 5).all())
+    back, counts = sparsity.mask_to_lut(mask)
+    assert bool((counts == 5).all())
+    assert torch.equal(back, idx.sort(-1).values)
+
+
+def test_sparsity_validation():
+    idx = torch.zeros(1, 1, 2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="topk_idx"):
+        sparsity.lut_to_mask(idx + 5, 5)
+    with pytest.raises(TypeError, match="topk_idx"):
+        sparsity.lut_to_mask(idx.float(), 5)
+    with pytest.raises(ValueError, match="topk_idx"):
+        sparsity.lut_to_mask(idx[0], 5)
+    with pytest.raises(TypeError, match="mask"):
+        sparsity.mask_to_lut(torch.zeros(1, 1, 2, 3))
+    q = torch.randn(1, 4 * 8, 2, 4)
+    vbs = torch.full((4,), 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="topk"):
+        sparsity.mean_pool_topk(q, q, vbs, 5, block=8)
+    with pytest.raises(ValueError, match="vbs"):
+        sparsity.mean_pool_topk(q, q, vbs + 1, 2, block=8)
+    with pytest.raises(ValueError, match="vbs"):
+        sparsity.mean_pool_topk(q, q, vbs[:3], 2, block=8)
+    with pytest.raises(ValueError, match="block"):
+        sparsity.mean_pool_topk(q, q, vbs, 2, block=7)
+    with pytest.raises(ValueError, match="p"):
+        sparsity.cdf_select(q, q, vbs, 0.0, block=8)
+
+
+# ------------------------------------------------------------------------------------ selectors
+
+
+def _random_cubes(seed, b=2, nc=6, block=8, h=3, d=5):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, nc * block, h, d, generator=g)
+    k = torch.randn(b, nc * block, h, d, generator=g)
+    vbs = torch.randint(1, block + 1, (nc,), generator=g, dtype=torch.int32)
+    vbs[0] = block
+    # garbage in the padding slots: the selector must ignore them, not rely on zeros
+    return q, k, vbs
+
+
+def _brute_pooled_scores(q, k, vbs, block):
+    b, s, h, d = q.shape
+    nc = s // block
+    out = torch.empty(b, h, nc, nc)
+    for bi, hi, i, j in itertools.product(range(b), range(h), range(nc), range(nc)):
+        qm = q[bi, i * block: i * block + int(vbs[i]), hi].double().mean(0)
+        km = k[bi, j * block: j * block + int(vbs[j]), hi].double().mean(0)
+        out[bi, hi, i, j] = float(qm @ km)
+    return out
+
+
+def test_mean_pool_topk_matches_brute_force():
+    block, topk = 8, 3
+    q, k, vbs = _random_cubes(0, block=block)
+    got = sparsity.mean_pool_topk(q, k, vbs, topk, block=block)
+    assert got.dtype == torch.int32 and got.shape == (2, 3, 6, topk)
+    scores = _brute_pooled_scores(q, k, vbs, block)
+    for bi, hi, i in itertools.product(range(2), range(3), range(6)):
+        row = scores[bi, hi, i].tolist()
+        want = sorted(sorted(range(6), key=lambda j: -row[j])[:topk])
+        assert got[bi, hi, i].tolist() == want  # ascending by cube id
+
+
+def test_cdf_select_mass_property():
+    block, p = 8, 0.7
+    q, k, vbs = _random_cubes(1, nc=10, block=block, d=16)
+    q = q * 3  # sharper coarse distribution: rows of very different lengths
+    idx, counts = sparsity.cdf_select(q, k, vbs, p, block=block)
+    probs = torch.softmax(_brute_pooled_scores(q, k, vbs, block) / math.sqrt(16), dim=-1)
+    assert len(set(counts.flatten().tolist())) > 1
+    for bi, hi, i in itertools.product(range(2), range(3), range(10)):
+        n = int(counts[bi, hi, i])
+        sel = idx[bi, hi, i, :n].tolist()
+        assert sel == sorted(set(sel))
+        pr = probs[bi, hi, i]
+        mass = float(pr[sel].sum())
+        assert mass >= p - 1e-5  # enough mass
+        assert mass - float(pr[sel].min()) < p + 1e-5  # and the smallest such set
+        rest = [j for j in range(10) if j not in sel]
+        if rest:  # the selected cubes are the most probable ones
+            assert float(pr[sel].min()) >= float(pr[rest].max()) - 1e-7
+    full_idx, full_counts = sparsity.cdf_select(q, k, vbs, 1.0, block=block)
+    assert int(full_counts.min()) >= int(counts.max())

@@ -1,0 +1,85 @@
+"""Bad inputs raise TypeError / ValueError naming the argument, before any launch."""
+
+import pytest
+import torch
+
+import tilegen
+from tilegen import KernelConfig, Spec
+
+SPEC = Spec(head_dim=64, dtype="fp16", grid=(4, 4, 16), num_heads=2, topk=2)  # 4 cubes
+
+
+def inputs(layout="bshd", dtype=torch.float16):
+    B, H, NC, D, TOPK = 1, 2, 4, 64, 2
+    shape = (B, NC * 64, H, D) if layout == "bshd" else (B, H, NC * 64, D)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=g).to(dtype) for _ in range(3))
+    idx = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]], dtype=torch.int32).expand(B, H, NC, TOPK)
+    return dict(q=q, k=k, v=v, topk_idx=idx.contiguous(),
+                vbs=torch.tensor([64, 32, 16, 8], dtype=torch.int32))
+
+
+def call(**changes):
+    args = inputs()
+    args.update(changes)
+    op = tilegen.load(SPEC, target=None)
+    return op(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("topk_idx"),
+              args.pop("vbs"), **args)
+
+
+def test_valid_inputs_run_on_the_cpu_path():
+    o, lse = call()
+    assert o.shape == inputs()["q"].shape and o.dtype == torch.float16
+    assert lse.shape == (1, 2, 256) and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("changes,exc,needle", [
+    (dict(q=inputs()["q"].float()), TypeError, "q has dtype"),
+    (dict(k=[1, 2]), TypeError, "k must be a torch.Tensor"),
+    (dict(v=inputs()["v"][..., :32]), ValueError, "one shape"),
+    (dict(q=inputs()["q"][:, :200], k=inputs()["k"][:, :200], v=inputs()["v"][:, :200]),
+     ValueError, "multiple of block_q"),
+    (dict(topk_idx=inputs()["topk_idx"].long()), TypeError, "topk_idx has dtype"),
+    (dict(topk_idx=inputs()["topk_idx"][:, :1].contiguous()), ValueError,
+     "topk_idx must have shape"),
+    (dict(topk_idx=inputs()["topk_idx"] + 3), ValueError, "outside [0, NKV=4)"),
+    (dict(topk_idx=inputs()["topk_idx"] - 1), ValueError, "topk_idx holds values"),
+    (dict(topk_idx=torch.zeros(1, 2, 4, 5, dtype=torch.int32)), ValueError, "TOPK=5"),
+    (dict(vbs=torch.tensor([64, 32, 16, 0], dtype=torch.int32)), ValueError, "vbs holds values"),
+    (dict(vbs=torch.tensor([64, 32, 16, 65], dtype=torch.int32)), ValueError, "outside 1..64"),
+    (dict(vbs=torch.tensor([64, 32, 16], dtype=torch.int32)), ValueError, "vbs must have shape"),
+    (dict(vbs=torch.tensor([64, 32, 16, 8])), TypeError, "vbs has dtype"),
+    (dict(counts=torch.full((1, 2, 4), 3, dtype=torch.int32)), ValueError, "counts holds"),
+    (dict(counts=torch.full((1, 2), 1, dtype=torch.int32)), ValueError, "counts must be"),
+    (dict(q=inputs()["q"].transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
+     "not contiguous"),
+])
+def test_bad_inputs(changes, exc, needle):
+    with pytest.raises(exc) as err:
+        call(**changes)
+    assert needle in str(err.value)
+
+
+def test_head_dim_mismatch():
+    op = tilegen.load(Spec(head_dim=128, dtype="fp16"), target=None)
+    a = inputs()
+    with pytest.raises(ValueError, match="head_dim=128"):
+        op(a["q"], a["k"], a["v"], a["topk_idx"], a["vbs"])
+
+
+def test_invalid_config_is_rejected_before_compiling():
+    with pytest.raises(ValueError, match="block_n=48"):
+        tilegen.load(SPEC, KernelConfig(block_n=48), target=None)
+    with pytest.raises(ValueError, match="shared memory"):
+        tilegen.load(SPEC.replace(head_dim=128), KernelConfig(num_stages=8, block_n=64),
+                     target="gfx942")
+    with pytest.raises(TypeError, match="tilegen.Spec"):
+        tilegen.load("default")  # type: ignore[arg-type]
+
+
+def test_no_output_is_written_on_failure():
+    a = inputs()
+    before = [t.clone() for t in (a["q"], a["k"], a["v"])]
+    with pytest.raises(ValueError):
+        call(vbs=torch.tensor([64, 32, 16, 0], dtype=torch.int32))
+    assert all(torch.equal(x, y) for x, y in zip(before, (a["q"], a["k"], a["v"]), strict=True))

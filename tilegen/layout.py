@@ -1,0 +1,177 @@
+"""Cube reorder: row-major (t, h, w) token order <-> cube-major padded order.
+
+VSA kernels tile the latent grid into 3D cubes (4x4x4 = 64 tokens, one kernel tile). Cube ids
+run row-major over (cube_t, cube_h, cube_w). Inside a cube the real tokens come first, in
+row-major (t, h, w) order over the cube's actual extent, then zero padding up to the cube volume.
+Edge cubes are partial when a grid side is not a multiple of the cube side; ``vbs[c]`` counts the
+real tokens of cube ``c``.
+
+The reorder is one gather/scatter with an index computed once per (grid, cube) and cached.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["cube_grid", "vbs_for_grid", "cube_coords", "token_slots", "to_cubes", "from_cubes"]
+
+Triple = tuple[int, int, int]
+
+
+def _triple(value: Sequence[int], name: str) -> Triple:
+    """Validate and normalise a 3-tuple of positive ints (so it can key the caches)."""
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of 3 ints, got {value!r}") from None
+    if len(items) != 3:
+        raise ValueError(f"{name} must have 3 entries (t, h, w), got {value!r}")
+    out = []
+    for v in items:
+        if isinstance(v, bool):
+            raise TypeError(f"{name} entries must be ints, got {value!r}")
+        try:
+            iv = int(v)  # accepts numpy ints and 0-dim integer tensors
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} entries must be ints, got {value!r}") from None
+        if iv != v:
+            raise TypeError(f"{name} entries must be ints, got {value!r}")
+        if iv < 1:
+            raise ValueError(f"{name} entries must be >= 1, got {value!r}")
+        out.append(iv)
+    return out[0], out[1], out[2]
+
+
+def cube_grid(grid: Sequence[int], cube: Sequence[int] = (4, 4, 4)) -> Triple:
+    """Number of cubes along (t, h, w): ``ceil(grid / cube)`` per axis."""
+    g, c = _triple(grid, "grid"), _triple(cube, "cube")
+    return tuple(-(-gi // ci) for gi, ci in zip(g, c, strict=True))  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=32)
+def _extents(grid: Triple, cube: Triple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-axis actual cube extents (the last cube along an axis may be short)."""
+    out = []
+    for g, c in zip(grid, cube, strict=True):
+        n = -(-g // c)
+        starts = torch.arange(n, dtype=torch.int64) * c
+        out.append(torch.clamp(g - starts, max=c))
+    return out[0], out[1], out[2]
+
+
+@functools.lru_cache(maxsize=32)
+def _vbs_cpu(grid: Triple, cube: Triple) -> torch.Tensor:
+    et, eh, ew = _extents(grid, cube)
+    vbs = et[:, None, None] * eh[None, :, None] * ew[None, None, :]
+    return vbs.reshape(-1).to(torch.int32)
+
+
+def vbs_for_grid(
+    grid: Sequence[int], cube: Sequence[int] = (4, 4, 4), device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Real tokens per cube, ``(NC,)`` int32, cube ids row-major over (cube_t, cube_h, cube_w)."""
+    vbs = _vbs_cpu(_triple(grid, "grid"), _triple(cube, "cube"))
+    return vbs.to(device) if device is not None else vbs.clone()
+
+
+def cube_coords(
+    grid: Sequence[int], cube: Sequence[int] = (4, 4, 4), device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Centre of each cube's real tokens in token units, ``(NC, 3)`` float32 over (t, h, w).
+
+    Useful for locality (e.g. "the k nearest cubes" of a sliding-window selection).
+    """
+    g, c = _triple(grid, "grid"), _triple(cube, "cube")
+    axes = []
+    for ext, ci in zip(_extents(g, c), c, strict=True):
+        starts = torch.arange(ext.numel(), dtype=torch.float32) * ci
+        axes.append(starts + (ext.to(torch.float32) - 1) / 2)
+    ct, ch, cw = torch.meshgrid(*axes, indexing="ij")
+    coords = torch.stack([ct.reshape(-1), ch.reshape(-1), cw.reshape(-1)], dim=1)
+    return coords.to(device) if device is not None else coords
+
+
+@functools.lru_cache(maxsize=32)
+def _slots_cpu(grid: Triple, cube: Triple) -> torch.Tensor:
+    """For each token (row-major t, h, w) its slot in the cube-major padded sequence."""
+    T, H, W = grid
+    ct, ch, cw = cube
+    _, eh, ew = _extents(grid, cube)
+    nt, nh, nw = cube_grid(grid, cube)
+    t = torch.arange(T).view(T, 1, 1)
+    h = torch.arange(H).view(1, H, 1)
+    w = torch.arange(W).view(1, 1, W)
+    bt, bh, bw = t // ct, h // ch, w // cw
+    lt, lh, lw = t % ct, h % ch, w % cw
+    cube_id = (bt * nh + bh) * nw + bw
+    # rank inside the cube: row-major over the cube's *actual* extent, so real tokens are packed
+    # first and padding sits at the end of the cube.
+    sh = eh[bh]
+    sw = ew[bw]
+    rank = lt * (sh * sw) + lh * sw + lw
+    slots = cube_id * (ct * ch * cw) + rank
+    return slots.reshape(-1).contiguous()
+
+
+@functools.lru_cache(maxsize=32)
+def _slots_on(grid: Triple, cube: Triple, device: torch.device) -> torch.Tensor:
+    return _slots_cpu(grid, cube).to(device)
+
+
+def token_slots(
+    grid: Sequence[int], cube: Sequence[int] = (4, 4, 4), device: torch.device | str | None = None
+) -> torch.Tensor:
+    """``(T*H*W,)`` int64: slot of each row-major token in the cube-major padded sequence."""
+    g, c = _triple(grid, "grid"), _triple(cube, "cube")
+    return _slots_on(g, c, torch.device(device if device is not None else "cpu"))
+
+
+def to_cubes(
+    x: torch.Tensor, grid: Sequence[int], cube: Sequence[int] = (4, 4, 4)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reorder row-major tokens into cube-major padded order.
+
+    Args:
+        x: ``(B, T*H*W, ...)`` (typically ``(B, T*H*W, heads, D)``), tokens row-major over
+            (t, h, w).
+        grid: latent grid ``(T, H, W)``.
+        cube: cube size ``(ct, ch, cw)``.
+
+    Returns:
+        ``(xc, vbs)``: ``xc`` is ``(B, NC * ct*ch*cw, ...)`` with zero padding, ``vbs`` is the
+        ``(NC,)`` int32 count of real tokens per cube (on ``x``'s device).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    g, c = _triple(grid, "grid"), _triple(cube, "cube")
+    n_tok = g[0] * g[1] * g[2]
+    if x.dim() < 2 or x.shape[1] != n_tok:
+        raise ValueError(
+            f"x must be (B, T*H*W, ...) with T*H*W={n_tok} for grid={g}, got {tuple(x.shape)}"
+        )
+    nt, nh, nw = cube_grid(g, c)
+    size = nt * nh * nw * c[0] * c[1] * c[2]
+    slots = _slots_on(g, c, x.device)
+    xc = x.new_zeros((x.shape[0], size, *x.shape[2:]))
+    xc.index_copy_(1, slots, x)
+    return xc, vbs_for_grid(g, c, device=x.device)
+
+
+def from_cubes(
+    xc: torch.Tensor, grid: Sequence[int], cube: Sequence[int] = (4, 4, 4)
+) -> torch.Tensor:
+    """Inverse of :func:`to_cubes`: ``(B, NC*vol, ...)`` -> ``(B, T*H*W, ...)``; padding dropped."""
+    if not isinstance(xc, torch.Tensor):
+        raise TypeError(f"xc must be a torch.Tensor, got {type(xc).__name__}")
+    g, c = _triple(grid, "grid"), _triple(cube, "cube")
+    nt, nh, nw = cube_grid(g, c)
+    size = nt * nh * nw * c[0] * c[1] * c[2]
+    if xc.dim() < 2 or xc.shape[1] != size:
+        raise ValueError(
+            f"xc must be (B, NC*vol, ...) with NC*vol={size} for grid={g}, cube={c}, "
+            f"got {tuple(xc.shape)}"
+        )
+    return xc.index_select(1, _slots_on(g, c, xc.device))

@@ -1,6 +1,12 @@
 import os
 
-import pytest
+# Triton decides interpreter mode when triton.language is first imported (see
+# tilegen.jit.check_interpreter_mode), so the whole test session runs with it on: CPU tensors go
+# through Triton's interpreter unless a test turns the variable off to take the PyTorch path.
+# AOT compilation (triton.compile for a GPUTarget) is unaffected by it.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
 
 
 # Kernels and cubins land in a per-session temp cache, never in the developer's ~/.cache.
@@ -13,6 +19,6 @@ def _tilegen_cache(tmp_path_factory):
 
 @pytest.fixture
 def interpreter(monkeypatch):
-    """Run generated Triton kernels under Triton's CPU interpreter."""
+    """Run generated Triton kernels under Triton's CPU interpreter (explicitly, per test)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     yield

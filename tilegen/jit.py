@@ -23,8 +23,25 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def check_interpreter_mode() -> None:
+    """Triton picks compiled vs interpreted for its own library functions (tl.sum, ...) when
+    `triton.language` is first imported, so TRITON_INTERPRET must be set before that import.
+    Turning it on later gives Triton's cryptic "Cannot call @triton.jit'd outside of the scope
+    of a kernel"; say what to do instead."""
+    if not interpreting():
+        return
+    import triton.language.standard as std
+
+    if type(std.sum).__name__ != "InterpretedFunction":
+        raise RuntimeError(
+            "TRITON_INTERPRET=1 was set after triton was imported in this process; Triton "
+            "decides interpreter mode at import time. Set TRITON_INTERPRET=1 in the environment "
+            "before starting Python (or before the first `import triton`).")
+
+
 def load_triton(source: Source):
     """Import the kernel function of `source` (cached per source hash and interpreter mode)."""
+    check_interpreter_mode()
     key = (source.sha256, interpreting())
     with _lock:
         module = _modules.get(key)

@@ -1,0 +1,167 @@
+"""ROCm launcher for the HIP backend: load the gfx942 code object and launch it on torch tensors.
+
+Uses hip-python (``pip install hip-python``, imported lazily: tilegen imports without it).
+No AMD GPU was available while this was written, so this path has never run on hardware; the
+parts that can be checked without one are pure functions the tests cover: `kernel_args` /
+`pack_kernargs` (the kernarg buffer, checked against the code object's metadata) and
+`launch_geometry` (grid and block, checked by an emulation of the kernel's tile walk).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tilegen.compile import Artifact
+from tilegen.compile.hip import HIP_KERNEL_NAME, HipPlan, plan_for
+from tilegen.config import KernelConfig
+from tilegen.ops import Shapes, validate_inputs
+from tilegen.reference import LOG2E
+from tilegen.spec import Spec
+
+#: The kernel's parameters in order: (name, struct format). Pointers are 8 bytes, the scalars
+#: 4; each sits at the next multiple of its size (the AMDGPU kernarg ABI, same as C).
+KERNEL_PARAMS: tuple[tuple[str, str], ...] = (
+    ("q", "Q"), ("k", "Q"), ("v", "Q"), ("topk_idx", "Q"), ("counts", "Q"), ("vbs", "Q"),
+    ("o", "Q"), ("lse", "Q"),
+    ("seq_len", "i"), ("num_heads", "i"), ("num_q_blocks", "i"), ("topk", "i"),
+    ("qk_scale", "f"),
+)
+
+
+@dataclass(frozen=True)
+class KernArg:
+    name: str
+    fmt: str  # struct format character
+    offset: int
+    size: int
+
+
+def kernel_args() -> list[KernArg]:
+    """Offsets and sizes of the explicit kernel arguments in the kernarg segment."""
+    out, offset = [], 0
+    for name, fmt in KERNEL_PARAMS:
+        size = struct.calcsize(fmt)
+        offset = -(-offset // size) * size  # natural alignment
+        out.append(KernArg(name, fmt, offset, size))
+        offset += size
+    return out
+
+
+def kernarg_size() -> int:
+    last = kernel_args()[-1]
+    return last.offset + last.size
+
+
+def pack_kernargs(values: dict[str, int | float]) -> bytes:
+    """The kernarg buffer for `values` (every name of KERNEL_PARAMS; pointers as ints, a null
+    counts pointer as 0), little-endian, laid out by `kernel_args`."""
+    missing = sorted({name for name, _ in KERNEL_PARAMS} - set(values))
+    if missing:
+        raise ValueError(f"kernel arguments missing: {missing}")
+    buf = bytearray(kernarg_size())
+    for arg in kernel_args():
+        struct.pack_into("<" + arg.fmt, buf, arg.offset, values[arg.name])
+    return bytes(buf)
+
+
+def launch_geometry(plan: HipPlan, shapes: Shapes) -> tuple[tuple[int, int, int],
+                                                           tuple[int, int, int]]:
+    """(grid, block): one workgroup per (block_m rows of a query cube, batch * head)."""
+    return plan.grid(shapes.batch, shapes.heads, shapes.num_q_blocks), plan.block
+
+
+def kernel_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.Tensor,
+                  vbs: torch.Tensor, counts: torch.Tensor | None, o: torch.Tensor,
+                  lse: torch.Tensor | None, shapes: Shapes, qk_scale: float) -> dict:
+    """The argument values of one launch (device pointers as ints)."""
+    return {
+        "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(),
+        "topk_idx": topk_idx.data_ptr(), "counts": 0 if counts is None else counts.data_ptr(),
+        "vbs": vbs.data_ptr(), "o": o.data_ptr(), "lse": 0 if lse is None else lse.data_ptr(),
+        "seq_len": shapes.seq_len, "num_heads": shapes.heads,
+        "num_q_blocks": shapes.num_q_blocks, "topk": shapes.topk, "qk_scale": qk_scale,
+    }
+
+
+def check_alignment(**tensors: torch.Tensor) -> None:
+    """The kernel moves q, k, v and o in 16-byte pieces: their storage must be 16-byte aligned."""
+    for name, t in tensors.items():
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} is not 16-byte aligned (data_ptr % 16 = "
+                             f"{t.data_ptr() % 16}); pass {name}.clone()")
+
+
+def _hip():
+    try:
+        from hip import hip  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise RuntimeError("the HIP backend's launcher needs hip-python on a ROCm machine: "
+                           "pip install hip-python (matching your ROCm version)") from exc
+    return hip
+
+
+def _check(hip, result):
+    """hip-python returns (err, *values): raise on any error, return the values."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != hip.hipError_t.hipSuccess:
+        raise RuntimeError(f"HIP call failed: {getattr(err, 'name', err)} ({int(err)})")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+class HipKernel:
+    """A loaded code object and its kernel function (per process; modules are never unloaded)."""
+
+    def __init__(self, hsaco: bytes, name: str = HIP_KERNEL_NAME) -> None:
+        hip = _hip()
+        self._image = hsaco  # keep the bytes alive while the module exists
+        self.module = _check(hip, hip.hipModuleLoadData(hsaco))
+        self.function = _check(hip, hip.hipModuleGetFunction(self.module, name.encode()))
+        self.name = name
+
+    @classmethod
+    def from_artifact(cls, artifact: Artifact) -> HipKernel:
+        return cls(Path(artifact.path).read_bytes(), artifact.kernel_name)
+
+    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], kernargs: bytes,
+               stream: int) -> None:
+        """Launch with a packed kernarg buffer. hip-python builds the
+        HIP_LAUNCH_PARAM_BUFFER_POINTER / _SIZE list from `extra` itself; one byte array
+        (alignment 1) adds no padding, so the buffer is exactly `kernargs`."""
+        hip = _hip()
+        buf = (ctypes.c_ubyte * len(kernargs)).from_buffer_copy(kernargs)
+        _check(hip, hip.hipModuleLaunchKernel(
+            self.function, *grid, *block, 0, stream, None, extra=(buf,)))
+
+
+class HipBlockSparseAttention:
+    """``o, lse = op(q, k, v, topk_idx, vbs, counts=None)`` with the HIP kernel on a ROCm GPU."""
+
+    def __init__(self, spec: Spec, config: KernelConfig, artifact: Artifact) -> None:
+        self.spec = spec
+        self.config = config
+        self.plan = plan_for(spec, config)
+        self.kernel = HipKernel.from_artifact(artifact)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 topk_idx: torch.Tensor, vbs: torch.Tensor, counts: torch.Tensor | None = None,
+                 *, sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts)
+        if q.device.type != "cuda" or not getattr(torch.version, "hip", None):
+            raise ValueError(f"the HIP backend runs on ROCm devices; q is on {q.device}")
+        check_alignment(q=q, k=k, v=v)
+        o = torch.empty_like(q)
+        lse = (torch.empty((shapes.batch, shapes.heads, shapes.seq_len), dtype=torch.float32,
+                           device=q.device) if self.plan.store_lse else None)
+        scale = sm_scale if sm_scale is not None else self.spec.sm_scale
+        values = kernel_values(q, k, v, topk_idx, vbs, counts, o, lse, shapes, scale * LOG2E)
+        grid, block = launch_geometry(self.plan, shapes)
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        self.kernel.launch(grid, block, pack_kernargs(values), stream)
+        return o, lse

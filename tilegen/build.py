@@ -50,6 +50,19 @@ RENDERERS: dict[str, Callable[[Spec, KernelConfig], Source]] = {
 }
 
 
+def backend_violations(backend: str, spec: Spec, cfg: KernelConfig) -> list[str]:
+    """Rules of one C++ backend's tiling on top of the target's (`config.PREDICATES`)."""
+    if backend == "cuda":
+        from tilegen.compile.nvcc import cuda_violations
+
+        return cuda_violations(spec, cfg)
+    if backend == "hip":
+        from tilegen.compile.hip import hip_violations
+
+        return hip_violations(spec, cfg)
+    return []
+
+
 def plan(spec: Spec, target: Target, config: KernelConfig | None = None,
          backends: tuple[str, ...] | None = None) -> list[PlannedSource]:
     """What a build of `target` renders: one source per backend, for `config` or the target's
@@ -61,6 +74,11 @@ def plan(spec: Spec, target: Target, config: KernelConfig | None = None,
     if unknown:
         raise ValueError(f"backend(s) {unknown} not available for {target.name}; "
                          f"allowed values: {list(target.backends)}")
+    for b in chosen:
+        problems = backend_violations(b, spec, cfg)
+        if problems:
+            raise ValueError(f"config {cfg.name} is invalid for the {b} backend on "
+                             f"{target.name}: " + "; ".join(problems))
     return [PlannedSource(b, cfg, RENDERERS[b](spec, cfg)) for b in chosen]
 
 

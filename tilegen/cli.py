@@ -114,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec", help="spec file (.toml or .json); default: the Wan2.2 workload spec")
     p.add_argument("--out", help="output directory (default: build/TARGET)")
     p.add_argument("--config", help="KernelConfig as JSON text or a JSON file "
-                   "(default: the tuned winner if any, else the target's default)")
-    p.add_argument("--backend", action="append", help="only this backend (repeatable)")
+                   "(default: the target's default config from targets/TARGET/target.toml)")
+    p.add_argument("--backend", action="append", choices=["triton", "cuda", "hip"],
+                   help="only this backend (repeatable; default: every backend of the target)")
     p.set_defaults(func=cmd_build)
 
     p = sub.add_parser("check", help="CI regeneration check of the committed generated sources",

@@ -233,17 +233,32 @@ def resolve_config(spec: Spec, target: Target | None) -> tuple[KernelConfig, str
     return cfgmod.default_config(target), "default"
 
 
+BACKENDS = ("triton", "cuda", "hip")
+
+
 def load(spec: Spec | None = None, config: KernelConfig | None = None, *,
-         target: Target | str | None = None) -> BlockSparseAttention:
+         target: Target | str | None = None, backend: str = "triton"):
     """The block-sparse attention op for `spec` (default: the contract's workload spec).
 
     `config` pins a variant; otherwise the tuned winner for this device is used when the tuning
     DB holds one, else the target's default config. Configs are checked against the target's
     rules before anything is compiled.
+
+    `backend` picks the kernel: "triton" (default; CUDA and ROCm GPUs, the interpreter, CPU),
+    "cuda" (the CK-style CUDA C++ kernel via nvcc + the CUDA driver API, NVIDIA GPUs) or "hip"
+    (the CK-style HIP kernel via clang-19 + hip-python, AMD GPUs).
     """
     spec = spec or Spec()
     if not isinstance(spec, Spec):
         raise TypeError(f"spec must be a tilegen.Spec, got {type(spec).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not allowed; allowed values: {list(BACKENDS)}")
+    if backend == "cuda":
+        from tilegen.runtime.cuda import CudaBlockSparseAttention
+
+        return CudaBlockSparseAttention(spec, config)
+    if backend == "hip":
+        return _load_hip(spec, config)
     if isinstance(target, str):
         from tilegen.targets import get_target
 
@@ -264,6 +279,22 @@ def load(spec: Spec | None = None, config: KernelConfig | None = None, *,
         if problems:
             raise ValueError(f"config {config.name} is invalid: " + "; ".join(problems))
     return BlockSparseAttention(spec, config, target, source)
+
+
+def _load_hip(spec: Spec, config: KernelConfig | None):
+    from tilegen.compile.hip import build_hip, hip_violations
+    from tilegen.paths import cache_dir
+    from tilegen.runtime.hip import HipBlockSparseAttention
+    from tilegen.targets import get_target
+
+    target = get_target("gfx942")
+    cfg = config or cfgmod.default_config(target)
+    problems = cfgmod.violations(spec, target, cfg) + hip_violations(spec, cfg)
+    if problems:
+        raise ValueError(f"config {cfg.name} is invalid for the HIP backend: "
+                         + "; ".join(problems))
+    artifact = build_hip(spec, cfg, cache_dir() / "hip-build")
+    return HipBlockSparseAttention(spec, cfg, artifact)
 
 
 # -- torch.library custom op --------------------------------------------------------------------

@@ -1,0 +1,329 @@
+"""The CUDA C++ backend's toolchain: render the CK-style kernel and compile it with nvcc.
+
+`render_cuda(spec, cfg)` turns a spec and a config into one self-contained ``.cu`` file (the
+tile pieces under ``templates/cuda/`` composed as C++ templates, instantiated with the config's
+block sizes). `compile_cuda(source, target)` runs ``nvcc -cubin`` for the target's exact ISA
+(sm_90a, sm_100a), reads ptxas's resource report into an `Artifact`, and caches the cubin under a
+hash of (source, nvcc version, flags, arch), so a second build of the same source is instant.
+
+The same decisions feed the template, the host launcher (`tilegen.runtime.cuda`) and the tests:
+`cuda_traits` is the one place the tile shapes and shared-memory budget are computed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tilegen import cache
+from tilegen.compile import Artifact, CompileError, ToolchainMissing
+from tilegen.config import KernelConfig
+from tilegen.render import Source, render, spec_basename
+from tilegen.spec import Spec
+from tilegen.targets import Target, get_target
+
+CUDA_TEMPLATE = "cuda/lut_kernel.cu.j2"
+INSTALL_HINT = (
+    "install the CUDA toolkit 12.8+ (nvcc), e.g. `apt-get install cuda-nvcc-13-0` from NVIDIA's "
+    "repository or the runfile from developer.nvidia.com/cuda-downloads, then put nvcc on PATH "
+    "or set TILEGEN_NVCC=/path/to/nvcc"
+)
+#: toolkit folders searched after $TILEGEN_NVCC, PATH, $CUDA_HOME and $CUDA_PATH
+NVCC_FALLBACK_HOMES: tuple[str, ...] = ("/usr/local/cuda",)
+#: Flags every build uses. No --use_fast_math: it would also turn the epilogue's 1/l and log2(l)
+#: into approximations (lse must match the fp32 reference); the one hot transcendental, exp2,
+#: already uses ex2.approx explicitly in the template.
+NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas", "-v")
+#: target name -> the exact ISA nvcc builds (the "a" variants unlock arch-specific features and
+#: bind the cubin to that one chip family).
+ARCHS = {"sm_90": "sm_90a", "sm_100a": "sm_100a"}
+#: Hardware rules of the CUDA tile pieces that the generic config predicates do not cover.
+MMA_M = 16  # rows of one mma.sync m16n8k16
+ELEM_BYTES = 2  # bf16 / fp16
+#: per-SM budgets shared by sm_90 and sm_100 (CUDA C Programming Guide, compute capability 9.0
+#: and 10.0): 64K 32-bit registers, 228 KiB of shared memory with 1 KiB reserved per CTA
+SM_REGISTERS = 65536
+SM_SHARED_BYTES = 228 * 1024
+CTA_RESERVED_SHARED = 1024
+#: registers beyond the O and S accumulators: addresses, Q/K/V fragments, softmax state
+REGISTER_OVERHEAD = 80
+MAX_REGISTERS = 255
+
+
+# -- decisions ---------------------------------------------------------------------------------
+def cuda_violations(spec: Spec, cfg: KernelConfig) -> list[str]:
+    """Why the CUDA kernel cannot be built for (spec, cfg); empty when it can.
+
+    Rules of this kernel's tiling: each warp owns whole m16 row tiles (block_m is a multiple of
+    16 * num_warps); S and P V step 16 keys and 16 dims at a time (block_n, head_dim multiples of
+    16; ldmatrix.x4 loads two n8 tiles); the shared-memory swizzle permutes 8 chunks of 8
+    elements per row (head_dim >= 64); tiles never straddle cubes; interp_bf16 is a Triton
+    interpreter workaround with no CUDA meaning; the accumulators fit the register file.
+    """
+    problems = []
+    if cfg.num_warps < 1 or cfg.block_m % (MMA_M * cfg.num_warps):
+        problems.append(f"block_m={cfg.block_m} is not a multiple of 16 x num_warps="
+                        f"{cfg.num_warps} (each warp owns whole m16 row tiles)")
+    if cfg.block_n % 16 or cfg.block_n < 16:
+        problems.append(f"block_n={cfg.block_n} is not a multiple of 16")
+    if spec.head_dim % 64:
+        problems.append(f"head_dim={spec.head_dim} is not a multiple of 64 (shared-memory swizzle)")
+    if spec.block_q % max(cfg.block_m, 1) or spec.block_kv % max(cfg.block_n, 1):
+        problems.append(f"block_m={cfg.block_m} / block_n={cfg.block_n} must divide the cube "
+                        f"sizes {spec.block_q} / {spec.block_kv}")
+    if cfg.num_stages < 1:
+        problems.append(f"num_stages={cfg.num_stages} < 1")
+    if cfg.interp_bf16:
+        problems.append("interp_bf16 is a Triton-interpreter option; the CUDA kernel has none")
+    if not problems and registers_needed(spec, cfg) > MAX_REGISTERS:
+        problems.append(f"each thread would hold ~{registers_needed(spec, cfg)} registers "
+                        f"(O and S accumulators of {cfg.block_m // cfg.num_warps} rows per warp), "
+                        f"more than the {MAX_REGISTERS} a thread can have: it would spill")
+    return problems
+
+
+def shared_memory_bytes(spec: Spec, cfg: KernelConfig) -> int:
+    """Dynamic shared memory of one CTA: the Q tile plus num_stages x (K tile + V tile)."""
+    tile = ELEM_BYTES * spec.head_dim
+    return tile * (cfg.block_m + cfg.num_stages * 2 * cfg.block_n)
+
+
+def registers_needed(spec: Spec, cfg: KernelConfig) -> int:
+    """Rough registers per thread: each lane holds warp_m x (head_dim + block_n) / 32 fp32
+    accumulators (O and S) plus `REGISTER_OVERHEAD`."""
+    warp_m = cfg.block_m // max(cfg.num_warps, 1)
+    return warp_m * (spec.head_dim + cfg.block_n) // 32 + REGISTER_OVERHEAD
+
+
+def min_blocks_per_sm(spec: Spec, cfg: KernelConfig) -> int:
+    """The ``__launch_bounds__`` minimum of resident CTAs per SM: as many as shared memory
+    allows, but no more than leaves each thread the registers its accumulators need (O and S
+    fragments plus `REGISTER_OVERHEAD`), so ptxas caps registers where that buys occupancy and
+    not where it would force spills."""
+    threads = 32 * cfg.num_warps
+    by_regs = SM_REGISTERS // (threads * registers_needed(spec, cfg))
+    by_smem = SM_SHARED_BYTES // (shared_memory_bytes(spec, cfg) + CTA_RESERVED_SHARED)
+    return max(1, min(by_regs, by_smem))
+
+
+def cuda_traits(spec: Spec, cfg: KernelConfig) -> dict[str, Any]:
+    """Every number and choice the template instantiates, computed once (raises ValueError for
+    a config the CUDA kernel cannot run). The template, the launcher and the tests read these."""
+    problems = cuda_violations(spec, cfg)
+    if problems:
+        raise ValueError(f"config {cfg.name} cannot be built as CUDA for this spec: "
+                         + "; ".join(problems))
+    return {
+        "dtype": spec.dtype,
+        "mma_type": {"bf16": "bf16", "fp16": "f16"}[spec.dtype],
+        "cvt_type": {"bf16": "bf16x2", "fp16": "f16x2"}[spec.dtype],
+        "layout": spec.layout,
+        "vbs": spec.variable_block_sizes,
+        "store_lse": cfg.store_lse,
+        "head_dim": spec.head_dim,
+        "block_q": spec.block_q,
+        "block_kv": spec.block_kv,
+        "block_m": cfg.block_m,
+        "block_n": cfg.block_n,
+        "num_warps": cfg.num_warps,
+        "threads": 32 * cfg.num_warps,
+        "stages": cfg.num_stages,
+        "warp_m": cfg.block_m // cfg.num_warps,
+        "m_tiles": cfg.block_m // cfg.num_warps // MMA_M,
+        "n_sub": spec.block_kv // cfg.block_n,
+        "smem_bytes": shared_memory_bytes(spec, cfg),
+        "min_blocks": min_blocks_per_sm(spec, cfg),
+    }
+
+
+def kernel_name(spec: Spec, cfg: KernelConfig) -> str:
+    """``tilegen_cuda_<spec traits>_<config traits>``: a C identifier naming the variant."""
+    return f"tilegen_cuda_{spec_basename(spec)}_{cfg.name}"
+
+
+def render_cuda(spec: Spec, cfg: KernelConfig) -> Source:
+    """The CUDA source for (spec, cfg). Unlike the Triton source, block sizes are template
+    arguments baked into the text, so every launch configuration is its own file."""
+    traits = cuda_traits(spec, cfg)
+    name = kernel_name(spec, cfg)
+    return render(CUDA_TEMPLATE, "cuda", spec, cfg, f"{name[len('tilegen_cuda_'):]}.cu", name,
+                  t=traits)
+
+
+# -- toolchain ---------------------------------------------------------------------------------
+def find_nvcc() -> Path:
+    """$TILEGEN_NVCC, else nvcc on PATH, else $CUDA_HOME/bin/nvcc or /usr/local/cuda/bin/nvcc."""
+    explicit = os.environ.get("TILEGEN_NVCC")
+    candidates = [explicit] if explicit else []
+    on_path = shutil.which("nvcc")
+    if on_path:
+        candidates.append(on_path)
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), *NVCC_FALLBACK_HOMES):
+        if home:
+            candidates.append(str(Path(home) / "bin" / "nvcc"))
+    for cand in candidates:
+        if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
+            return Path(cand)
+    where = f"TILEGEN_NVCC={explicit!r} is not an executable; " if explicit else ""
+    raise ToolchainMissing(f"nvcc not found ({where}searched PATH, $CUDA_HOME, /usr/local/cuda): "
+                           f"{INSTALL_HINT}")
+
+
+@functools.cache
+def _version_of(nvcc: str) -> str:
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ToolchainMissing(f"{nvcc} --version failed ({exc}): {INSTALL_HINT}") from exc
+    m = re.search(r"release [\d.]+, V([\d.]+)", out) or re.search(r"release ([\d.]+)", out)
+    if not m:
+        raise ToolchainMissing(f"cannot read a version from `{nvcc} --version`: {out.strip()!r}")
+    return m.group(1)
+
+
+def nvcc_version(nvcc: Path | None = None) -> str:
+    """nvcc's full version, e.g. ``13.0.88``."""
+    return _version_of(str(nvcc or find_nvcc()))
+
+
+def arch_of(target_name: str) -> str:
+    if target_name not in ARCHS:
+        raise ValueError(f"target {target_name!r} has no CUDA backend; allowed values: "
+                         f"{sorted(ARCHS)}")
+    return ARCHS[target_name]
+
+
+def nvcc_command(nvcc: Path | str, src: Path, out: Path, arch: str) -> list[str]:
+    """The exact command line (``arch`` is the ISA, e.g. sm_90a)."""
+    compute = arch.replace("sm_", "compute_")
+    return [str(nvcc), "-cubin", "-gencode", f"arch={compute},code={arch}", *NVCC_FLAGS,
+            "-o", str(out), str(src)]
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas(log: str) -> dict[str, dict[str, int | None]]:
+    """ptxas -v's report, per entry function: registers, stack frame, spill stores / loads and
+    static shared memory (bytes)."""
+    out: dict[str, dict[str, int | None]] = {}
+    current: dict[str, int | None] | None = None
+    for line in log.splitlines():
+        if m := _ENTRY.search(line):
+            current = out.setdefault(m.group(1), {"registers": None, "stack": 0,
+                                                  "spill_stores": 0, "spill_loads": 0,
+                                                  "smem": 0})
+        elif current is None:
+            continue
+        elif m := _FRAME.search(line):
+            current["stack"], current["spill_stores"], current["spill_loads"] = (
+                int(m.group(1)), int(m.group(2)), int(m.group(3)))
+        elif m := _USED.search(line):
+            current["registers"] = int(m.group(1))
+            if s := _SMEM.search(line):
+                current["smem"] = int(s.group(1))
+    return out
+
+
+def _config_name(text: str) -> str | None:
+    m = re.search(r"^// tilegen config: (\S+)$", text, re.MULTILINE)
+    return m.group(1) if m else None
+
+
+def _define(text: str, name: str) -> int | None:
+    m = re.search(rf"^#define {name} (\d+)$", text, re.MULTILINE)
+    return int(m.group(1)) if m else None
+
+
+def occupancy(target: Target, registers: int, threads: int, shared_bytes: int) -> int:
+    """CTAs per SM allowed by registers (allocated per warp in units of 256), shared memory
+    (1 KiB reserved per CTA) and threads (2048 per SM), as the CUDA occupancy calculator."""
+    warps = -(-threads // 32)
+    regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_regs = target.registers_per_sm // (regs_per_warp * warps)
+    sm_shared = target.max_shared_bytes + 1024  # 228 KiB per SM on sm_90 / sm_100
+    by_smem = sm_shared // (shared_bytes + 1024) if shared_bytes else 32
+    return max(0, min(by_regs, by_smem, 2048 // threads, 32))
+
+
+def compile_cuda(source: Source, target_name: str, out_dir: str | Path | None = None) -> Artifact:
+    """Compile `source` for `target_name` ("sm_90" -> sm_90a, "sm_100a") into a cubin.
+
+    The cubin is cached under sha256(source, nvcc version, flags, arch); a hit skips nvcc. With
+    `out_dir` the source and the cubin are also written there (the build's output folder);
+    without it the artifact points into the cache. Raises `ToolchainMissing` without nvcc and
+    `CompileError` (with nvcc's output) when the source does not compile.
+    """
+    if source.backend != "cuda":
+        raise ValueError(f"{source.name} is a {source.backend} source, not CUDA")
+    arch = arch_of(target_name)
+    target = get_target(target_name)
+    nvcc = find_nvcc()
+    version = nvcc_version(nvcc)
+    key = cache.key_of("cuda", source.sha256, version, " ".join(NVCC_FLAGS), arch)
+    stem = Path(source.name).stem
+    cubin_name = f"{stem}.{arch}.cubin"
+    folder = cache.cache_dir() / "cuda" / key[:2] / key
+    meta_path = folder / "meta.json"
+    if (folder / cubin_name).is_file() and meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+    else:
+        meta = _run_nvcc(source, nvcc, version, arch, key, cubin_name)
+    cubin = folder / cubin_name
+    src_path = None
+    if out_dir is not None:
+        out = Path(out_dir)
+        src_path = cache.atomic_write(out / source.name, source.text)
+        cubin = cache.atomic_write(out / cubin_name, cubin.read_bytes())
+    dynamic = _define(source.text, "TILEGEN_DYNAMIC_SMEM_BYTES") or 0
+    threads = _define(source.text, "TILEGEN_THREADS")
+    shared = meta["smem"] + dynamic
+    return Artifact(
+        path=cubin, kind="cubin", backend="cuda", target=target_name, arch=arch,
+        kernel_name=meta["kernel_name"], source=src_path, source_sha256=source.sha256,
+        config=_config_name(source.text) or stem, registers=meta["registers"], shared_bytes=shared,
+        spill_bytes=meta["spill_stores"] + meta["spill_loads"], stack_bytes=meta["stack"],
+        occupancy=occupancy(target, meta["registers"], threads, shared) if threads else None,
+        threads=threads, compiler={"nvcc": version}, command=meta["command"],
+    )
+
+
+def _run_nvcc(source: Source, nvcc: Path, version: str, arch: str, key: str,
+              cubin_name: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="tilegen-nvcc-") as tmp:
+        src = Path(tmp) / source.name
+        src.write_text(source.text)
+        out = Path(tmp) / cubin_name
+        cmd = nvcc_command(nvcc, src, out, arch)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired as exc:
+            raise CompileError(f"nvcc timed out after 600 s on {source.name}") from exc
+        log = proc.stdout + proc.stderr
+        if proc.returncode != 0 or not out.is_file():
+            raise CompileError(f"nvcc failed on {source.name} for {arch} "
+                               f"(exit {proc.returncode}):\n{' '.join(cmd)}\n{log}")
+        report = parse_ptxas(log)
+        if len(report) != 1:
+            raise CompileError(f"expected one kernel in ptxas's report for {source.name}, got "
+                               f"{sorted(report)}:\n{log}")
+        ((name, res),) = report.items()
+        # the cached command names the source by file name: the temp dir is gone
+        meta = {"kernel_name": name, "arch": arch, "nvcc": version, "command":
+                [Path(c).name if c in (str(src), str(out)) else c for c in cmd],
+                "source_sha256": source.sha256, "ptxas_log": log, **res}
+        path = cache.store("cuda", key, cubin_name, out.read_bytes(), meta=meta)
+        if not (path.parent / "meta.json").is_file():  # a cubin left without its meta
+            cache.atomic_write(path.parent / "meta.json", json.dumps(meta, indent=2) + "\n")
+    return meta

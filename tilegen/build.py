@@ -144,6 +144,7 @@ def build(spec: Spec, target: Target, out_dir: Path, config: KernelConfig | None
         "spec": spec.to_dict(),
         "spec_hash": spec.hash,
         "template_set_hash": template_set_hash(),
+        "backend_template_hashes": {b: template_set_hash(b) for b in target.backends},
         "artifacts": [_relative(a.to_dict(), out_dir) for a in artifacts],
     }
     cache.atomic_write(out_dir / "manifest.json", json.dumps(manifest, indent=2) + "\n")

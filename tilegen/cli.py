@@ -149,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="KernelConfig JSON to bench instead of the loaded one")
     p.set_defaults(func=cmd_bench)
 
+    from tilegen.tune.cli import add_db_parser, add_tune_parser
+
+    add_tune_parser(sub)
+    add_db_parser(sub)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="tilegen: %(message)s")

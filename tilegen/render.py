@@ -47,11 +47,13 @@ def environment() -> jinja2.Environment:
     )
 
 
-def template_set_hash() -> str:
-    """sha256 over every template file (path and bytes): a change to any template changes it,
-    which marks tuned winners recorded under the old set as stale."""
+def template_set_hash(backend: str | None = None) -> str:
+    """sha256 over the template files (path and bytes) of one backend (`templates/<backend>/`),
+    or of every backend when None. Tuned winners of the Triton op are keyed by the Triton set, so
+    an edit to a Triton template marks them stale while C++ template work does not."""
     h = hashlib.sha256()
-    for path in sorted(TEMPLATES_DIR.rglob("*")):
+    root = TEMPLATES_DIR / backend if backend else TEMPLATES_DIR
+    for path in sorted(root.rglob("*")):
         if path.is_file():
             h.update(str(path.relative_to(TEMPLATES_DIR)).encode() + b"\0")
             h.update(path.read_bytes() + b"\0")

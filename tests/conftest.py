@@ -13,6 +13,8 @@ import pytest  # noqa: E402
 @pytest.fixture(autouse=True, scope="session")
 def _tilegen_cache(tmp_path_factory):
     os.environ.setdefault("TILEGEN_CACHE_DIR", str(tmp_path_factory.mktemp("tilegen-cache")))
+    # A fresh Triton cache too: compiles must really happen in the tests, as on a new machine.
+    os.environ.setdefault("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton-cache")))
     os.environ.setdefault("TILEGEN_DB", str(tmp_path_factory.mktemp("tilegen-db") / "t.sqlite"))
     yield
 

@@ -68,6 +68,20 @@ def test_build_errors_are_clear(tmp_path):
     assert res.returncode == 1 and "Spec.head_dim=96" in res.stderr
 
 
+def test_aot_compile_refuses_an_interpreter_mode_process(tmp_path):
+    """In a process that imported triton under TRITON_INTERPRET=1, in-process AOT compilation
+    says what is wrong (Triton itself fails with a bare AssertionError for gfx942)."""
+    code = ("import triton.language\n"
+            "from pathlib import Path\n"
+            "from tilegen import Spec, KernelConfig\n"
+            "from tilegen.compile.triton_aot import compile_triton\n"
+            "from tilegen.targets import get_target\n"
+            f"compile_triton(Spec(), KernelConfig(64, 32, 4, 2), get_target('gfx942'), "
+            f"Path({str(tmp_path)!r}))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode != 0 and "without TRITON_INTERPRET=1" in res.stderr
+
+
 def test_captures_synthesize(tmp_path):
     spec = Spec(grid=(5, 6, 8), num_heads=2, head_dim=64, topk=3)
     (tmp_path / "s.json").write_text(spec.to_json())

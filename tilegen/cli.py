@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -97,6 +98,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(_spec(args), args.captures, _config(args), seeds=args.seeds)
 
 
+# Commands that compile for a GPU must import triton in compiled mode (see
+# tilegen.compile.triton_aot._require_compiled_mode): the interpreter has no say in them.
+_AOT_COMMANDS = ("build",)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tilegen",
@@ -155,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     add_db_parser(sub)
 
     args = parser.parse_args(argv)
+    if args.command in _AOT_COMMANDS:
+        os.environ.pop("TRITON_INTERPRET", None)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="tilegen: %(message)s")
     if not args.command:

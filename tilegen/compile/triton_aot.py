@@ -75,6 +75,19 @@ def cubin_resources(cubin: Path) -> dict[str, int]:
     return res
 
 
+def _require_compiled_mode() -> None:
+    """Triton fixes interpreter mode for its own library when `triton.language` is first
+    imported; a process that imported it under TRITON_INTERPRET=1 cannot compile for a GPU
+    (the AMD backend then fails inside Triton with a bare AssertionError). Say so instead."""
+    import sys
+
+    std = sys.modules.get("triton.language.standard")
+    if std is not None and type(std.sum).__name__ == "InterpretedFunction":
+        raise CompileError(
+            "ahead-of-time compilation needs a process that imported triton without "
+            "TRITON_INTERPRET=1; unset it (the `tilegen build` command does this itself)")
+
+
 def compile_triton(spec: Spec, cfg: KernelConfig, target: Target, out_dir: Path,
                    source: Source | None = None) -> Artifact:
     """Compile the generated Triton kernel for `target` into `out_dir`; return its Artifact."""
@@ -83,6 +96,7 @@ def compile_triton(spec: Spec, cfg: KernelConfig, target: Target, out_dir: Path,
     from triton.compiler import ASTSource
 
     source = source or render_triton(spec, cfg)
+    _require_compiled_mode()
     # The AOT path must never run under the interpreter (it would hand back a Python function).
     saved = os.environ.pop("TRITON_INTERPRET", None)
     try:

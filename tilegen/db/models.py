@@ -49,6 +49,21 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+
+#: Fields of an environment, in ``env_key`` order. ``device_name`` and ``arch`` are required;
+#: together they are the environment's identity (a unique key).
+ENV_FIELDS: tuple[str, ...] = (
+    "device_name",
+    "arch",
+    "driver",
+    "torch",
+    "triton",
+    "nvcc",
+    "clang",
+    "tilegen_version",
+    "template_set_hash",
+)
+
 class UTCDateTime(TypeDecorator[datetime]):
     """A datetime stored as naive UTC (SQLite has no time zones) and read back as aware UTC.
 
@@ -113,18 +128,7 @@ class Environment(Base):
 
     __tablename__ = "environments"
     __table_args__ = (
-        UniqueConstraint(
-            "device_name",
-            "arch",
-            "driver",
-            "torch",
-            "triton",
-            "nvcc",
-            "clang",
-            "tilegen_version",
-            "template_set_hash",
-            name="uq_environments_identity",
-        ),
+        UniqueConstraint(*ENV_FIELDS, name="uq_environments_identity"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

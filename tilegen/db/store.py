@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from tilegen.db.migrations import MIGRATIONS, Migration, read_version, upgrade
 from tilegen.db.models import (
+    ENV_FIELDS,
     SCHEMA_VERSION,
     Candidate,
     Environment,
@@ -61,18 +62,6 @@ TRIAL_STATUSES: tuple[str, ...] = (
     "pruned",
 )
 
-#: Fields of an environment, in ``env_key`` order. ``device_name`` and ``arch`` are required.
-ENV_FIELDS: tuple[str, ...] = (
-    "device_name",
-    "arch",
-    "driver",
-    "torch",
-    "triton",
-    "nvcc",
-    "clang",
-    "tilegen_version",
-    "template_set_hash",
-)
 
 #: Environment fields that change generated machine code, hence winner validity (see
 #: ``toolchain_key``). The driver and torch are left out: Triton ships its own ptxas, and torch

@@ -73,6 +73,8 @@ from tilegen.tune.space import SearchSpace, Value, seed_configs
 SAMPLERS = ("auto", "tpe", "random", "grid")
 OPTUNA_FILENAME = "optuna.sqlite"
 INTERRUPTED = "interrupted"
+# user attr set once a trial owns its config (see Session._claimed_elsewhere)
+CLAIMED = "claimed"
 # A RUNNING trial without our attributes is a session killed between ask() and tagging it.
 _UNTAGGED_GRACE_S = 30.0
 
@@ -334,12 +336,15 @@ class _Session:
                                          direction="minimize", sampler=sampler,
                                          load_if_exists=True)
         attrs = self.study.user_attrs
-        if not attrs:
-            for key, value in (("spec_hash", self.spec.hash), ("target", target.name),
-                               ("device_name", info.device_name), ("timer", o.timer),
-                               ("template_set_hash", self.template_hash)):
+        wanted = {"spec_hash": self.spec.hash, "target": target.name,
+                  "device_name": info.device_name, "timer": o.timer,
+                  "template_set_hash": self.template_hash}
+        # Hosts starting together race to create the study: whoever finds an attribute
+        # missing writes it; only a conflicting value is an error.
+        for key, value in wanted.items():
+            if key not in attrs:
                 self.study.set_user_attr(key, value)
-        elif attrs.get("spec_hash") != self.spec.hash or attrs.get("timer") != o.timer:
+        if any(attrs.get(k, wanted[k]) != wanted[k] for k in ("spec_hash", "timer")):
             raise SessionError(f"study {self.study_name!r} in {self.storage_url} was made for "
                                f"spec {str(attrs.get('spec_hash'))[:12]} with timer "
                                f"{attrs.get('timer')}; pick another --study name")
@@ -482,9 +487,16 @@ class _Session:
             cfg = self.space.suggest(trial)
             trial.set_user_attr("config", cfg.name)
             trial.set_user_attr("config_json", cfg.to_json())
-            prior = self.finished.get(cfg.name)
+            # Another process sharing the study (a --workers sibling, or another host on
+            # PostgreSQL) may hold or have finished this config. Look at running trials first,
+            # then at finished ones: a trial that finishes in between is seen by the second.
             running = next((n for n, (_t, c) in self.in_flight.items() if c.name == cfg.name),
                            None)
+            if running is None:
+                running = self._claimed_elsewhere(trial.number, cfg.name)
+            if running is None:
+                self._sync_finished()
+            prior = self.finished.get(cfg.name)
             if prior is not None or running is not None:
                 # The sampler proposed a config this study already has: answer from that
                 # result (no GPU time, not counted) and queue an unseen config so the next
@@ -504,8 +516,34 @@ class _Session:
                 self.finished.setdefault(cfg.name, row)
                 self._report(row)
                 continue
+            trial.set_user_attr(CLAIMED, True)
             self.in_flight[trial.number] = (trial, cfg)
             return trial, cfg
+        return None
+
+    def _sync_finished(self) -> None:
+        """Learn the results other processes sharing the study have finished since."""
+        for row in self.rows():
+            if row.status != INTERRUPTED and row.duplicate_of is None:
+                self.finished.setdefault(row.config_name, row)
+
+    def _claimed_elsewhere(self, number: int, name: str) -> int | None:
+        """The RUNNING trial of another process that owns config `name`, if any.
+
+        Claim protocol over the shared storage: a trial first tags itself with its config,
+        then looks for others with the same config. It yields to one that has finished its
+        claim (CLAIMED), or to a lower-numbered one still claiming; the one that proceeds then
+        marks itself CLAIMED. Two claimants that tag before either looks thus never both run;
+        only a look that lands between another's look and its CLAIMED write can double up.
+        """
+        TS = self.optuna.trial.TrialState
+        for t in self.study.get_trials(deepcopy=False, states=(TS.RUNNING,)):
+            if t.number == number or t.user_attrs.get("config") != name:
+                continue
+            if t.user_attrs.get("duplicate_of") is not None:
+                continue
+            if t.user_attrs.get(CLAIMED) or t.number < number:
+                return t.number
         return None
 
     def _answer_duplicate(self, trial: Any, prior: TrialRow | None, running: int | None
@@ -528,7 +566,7 @@ class _Session:
         outside the running trials."""
         TS = self.optuna.trial.TrialState
         taken = set(self.finished) | {c.name for _t, c in self.in_flight.values()}
-        for t in self.study.get_trials(deepcopy=False, states=(TS.WAITING,)):
+        for t in self.study.get_trials(deepcopy=False, states=(TS.WAITING, TS.RUNNING)):
             name = self._name_of(t)
             if name:
                 taken.add(name)

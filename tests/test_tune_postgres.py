@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from test_tune import ROOT, TESTS, TINY_TOML
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+TINY_TOML = 'grid = [4, 4, 8]\nnum_heads = 2\nhead_dim = 64\ntopk = 2\ndtype = "bf16"\n'
 
 URL = os.environ.get("TILEGEN_TEST_POSTGRES_URL")
 pytestmark = pytest.mark.skipif(

@@ -23,6 +23,21 @@ pytestmark = pytest.mark.skipif(
     not URL, reason="TILEGEN_TEST_POSTGRES_URL is unset (.ci/run starts a PostgreSQL server)")
 
 
+@pytest.fixture
+def fresh_db() -> str:
+    """A new, empty database per test (the role needs CREATEDB): hosts then also race to
+    create Optuna's tables, as on a first run."""
+    import psycopg
+
+    name = f"tilegen_{uuid.uuid4().hex[:10]}"
+    base, _, _db = URL.rpartition("/")
+    with psycopg.connect(URL, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    yield f"{base}/{name}"
+    with psycopg.connect(URL, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
 def _host_env(tmp: Path, host: str) -> dict[str, str]:
     env = dict(os.environ, TRITON_INTERPRET="1",
                TILEGEN_DB=str(tmp / f"{host}.sqlite"),
@@ -31,7 +46,7 @@ def _host_env(tmp: Path, host: str) -> dict[str, str]:
     return env
 
 
-def test_two_hosts_share_one_study(tmp_path: Path) -> None:
+def test_two_hosts_share_one_study(tmp_path: Path, fresh_db: str) -> None:
     import optuna
 
     (tmp_path / "tiny.toml").write_text(TINY_TOML)
@@ -42,7 +57,7 @@ def test_two_hosts_share_one_study(tmp_path: Path) -> None:
         cmd = [sys.executable, "-m", "tilegen.tune.cli", "tune", "--spec",
                str(tmp_path / "tiny.toml"), "--target", "sm_90", "--timer",
                "fake-deterministic", "--timeout", "120", "--trials", str(trials),
-               "--sampler", "tpe", "--storage", URL, "--study", study,
+               "--sampler", "tpe", "--storage", fresh_db, "--study", study,
                "--summary", str(tmp_path / f"{host}.json")]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_host_env(tmp_path, host),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -50,7 +65,7 @@ def test_two_hosts_share_one_study(tmp_path: Path) -> None:
         out, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-3000:]
 
-    loaded = optuna.load_study(study_name=study, storage=URL)
+    loaded = optuna.load_study(study_name=study, storage=fresh_db)
     # nothing left running (an explore trial queued as the budget ran out may stay WAITING:
     # a later session of the study takes it first)
     assert not [t for t in loaded.trials if t.state.name == "RUNNING"]

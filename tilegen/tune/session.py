@@ -79,6 +79,22 @@ CLAIMED = "claimed"
 _UNTAGGED_GRACE_S = 30.0
 
 
+
+def _open_storage(optuna: Any, url: str, kwargs: dict[str, Any]) -> Any:
+    """Optuna's RDB storage. Hosts that start on a fresh database at the same moment race to
+    create its tables (PostgreSQL then raises a unique violation on its catalog); the loser
+    retries and finds the tables made."""
+    from sqlalchemy.exc import IntegrityError, ProgrammingError
+
+    for attempt in range(5):
+        try:
+            return optuna.storages.RDBStorage(url, **kwargs)
+        except (IntegrityError, ProgrammingError):
+            if attempt == 4:
+                raise
+            time.sleep(0.5 * (attempt + 1) + random.random() * 0.5)
+    raise AssertionError("unreachable")
+
 class SessionError(RuntimeError):
     """The session cannot run (no device, bad options, a worker that cannot start)."""
 
@@ -323,7 +339,7 @@ class _Session:
             Path(self.storage_url.removeprefix("sqlite:///")).parent.mkdir(parents=True,
                                                                             exist_ok=True)
             kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
-        self.storage = optuna.storages.RDBStorage(self.storage_url, **kwargs)
+        self.storage = _open_storage(optuna, self.storage_url, kwargs)
         self.enumerate = o.sampler == "grid" or (o.sampler == "auto"
                                                  and self.space.size <= o.trials)
         if o.sampler == "random":

@@ -9,13 +9,13 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 
 
-# Kernels and cubins land in a per-session temp cache, never in the developer's ~/.cache.
+# Kernels, cubins, Triton's own cache and the tuning DB land in per-session temp folders, never
+# in the developer's ~/.cache (and compiles really happen, as on a new machine).
 @pytest.fixture(autouse=True, scope="session")
 def _tilegen_cache(tmp_path_factory):
-    os.environ.setdefault("TILEGEN_CACHE_DIR", str(tmp_path_factory.mktemp("tilegen-cache")))
-    # A fresh Triton cache too: compiles must really happen in the tests, as on a new machine.
-    os.environ.setdefault("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton-cache")))
-    os.environ.setdefault("TILEGEN_DB", str(tmp_path_factory.mktemp("tilegen-db") / "t.sqlite"))
+    os.environ["TILEGEN_CACHE_DIR"] = str(tmp_path_factory.mktemp("tilegen-cache"))
+    os.environ["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
+    os.environ["TILEGEN_DB"] = str(tmp_path_factory.mktemp("tilegen-db") / "t.sqlite")
     yield
 
 

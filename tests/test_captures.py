@@ -287,3 +287,19 @@ def test_score_layouts_and_shape_errors():
         captures.score(o[:, :100], o_ref)
     with pytest.raises(ValueError, match="layout"):
         captures.score(o, o_ref, layout="sbhd")
+
+
+def test_synthesize_for_spec_follows_dtype_layout_and_cube():
+    from tilegen import Spec
+
+    spec = Spec(grid=(4, 4, 8), cube=(2, 4, 4), block_q=32, block_kv=32, num_heads=2,
+                head_dim=64, topk=2, dtype="fp16", layout="bhsd", batch=2)
+    cap = captures.synthesize_for(spec, seed=1)
+    assert cap["q"].dtype == torch.float16 and cap["q"].is_contiguous()
+    assert tuple(cap["q"].shape) == (2, 2, 4 * 32, 64)  # (B, H, S, D): 4 cubes of 32
+    assert tuple(cap["topk_idx"].shape) == (2, 2, 4, 2)
+    bshd = captures.synthesize(seed=1, grid=(4, 4, 8), heads=2, head_dim=64, topk=2, batch=2,
+                               dtype=torch.float16, cube=(2, 4, 4))
+    assert torch.equal(captures.for_spec(bshd, spec)["k"], cap["k"])
+    with pytest.raises(ValueError, match="head_dim=128"):
+        captures.for_spec(bshd, spec.replace(head_dim=128))

@@ -52,7 +52,7 @@ def test_changed_template_is_drift(tmp_path):
     assert run_check(root).returncode == 0
 
 
-def test_changed_spec_default_is_drift(tmp_path):
+def test_changed_target_default_config_is_drift(tmp_path):
     root = copy_tree(tmp_path)
     toml = root / "targets" / "gfx942" / "target.toml"
     toml.write_text(toml.read_text().replace("block_n = 32\nnum_warps = 4\nnum_stages = 2",
@@ -65,6 +65,8 @@ def test_changed_spec_default_is_drift(tmp_path):
 def test_hand_edit_is_drift(tmp_path):
     root = copy_tree(tmp_path)
     path = next((root / "targets" / "sm_90" / "generated").glob("*.py"))
-    path.write_text(path.read_text().replace("exp2", "exp"))
+    path.write_text(path.read_text().replace("tl.math.exp2(qk", "tl.math.exp(qk"))
     res = run_check(root, "--target", "sm_90")
-    assert res.returncode == 1 and "-" in res.stdout and path.name in res.stderr
+    assert res.returncode == 1 and path.name in res.stderr
+    assert "-                p = tl.math.exp(qk" in res.stdout  # committed (hand-edited) line
+    assert "+                p = tl.math.exp2(qk" in res.stdout  # what the template renders

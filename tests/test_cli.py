@@ -1,6 +1,7 @@
 """The `tilegen` console script: help, build (AOT, no GPU), captures, errors."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -11,10 +12,11 @@ import torch
 from tilegen import Spec, captures
 
 
-def tilegen(*args, check=True):
+def tilegen(*args, check=True, env=None):
     exe = shutil.which("tilegen")
     cmd = [exe] if exe else [sys.executable, "-m", "tilegen.cli"]
-    res = subprocess.run(cmd + list(args), capture_output=True, text=True)
+    res = subprocess.run(cmd + list(args), capture_output=True, text=True,
+                         env=None if env is None else {**os.environ, **env})
     if check and res.returncode != 0:
         raise AssertionError(f"tilegen {' '.join(args)} exited {res.returncode}:\n"
                              f"{res.stdout}\n{res.stderr}")
@@ -57,6 +59,15 @@ def test_build_with_spec_file_and_config(tmp_path):
     assert manifest["artifacts"][0]["config"] == "bm32_bn32_w4_s2_lse"
 
 
+def test_missing_compiler_fails_before_writing_anything(tmp_path):
+    out = tmp_path / "out"
+    res = tilegen("build", "--target", "sm_90", "--out", str(out), check=False,
+                  env={"TILEGEN_NVCC": str(tmp_path / "no-nvcc")})
+    assert res.returncode == 3
+    assert "nvcc" in res.stderr and "install" in res.stderr.lower()
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # no partial build, no staging
+
+
 def test_build_errors_are_clear(tmp_path):
     res = tilegen("build", "--target", "sm_90", "--config", '{"block_n": 48}', "--out",
                   str(tmp_path), check=False)
@@ -90,6 +101,12 @@ def test_captures_synthesize(tmp_path):
     cap = captures.load(tmp_path / "synthetic_seed3.pt")
     again = captures.synthesize(seed=3, grid=(5, 6, 8), heads=2, head_dim=64, topk=3)
     assert torch.equal(cap["q"], again["q"]) and torch.equal(cap["topk_idx"], again["topk_idx"])
+    fp16 = spec.replace(dtype="fp16", layout="bhsd")
+    (tmp_path / "h.json").write_text(fp16.to_json())
+    tilegen("captures", "synthesize", "--out", str(tmp_path / "h"), "--spec",
+            str(tmp_path / "h.json"))
+    cap = captures.load(tmp_path / "h" / "synthetic_seed0.pt")
+    assert cap["q"].dtype == torch.float16 and cap["q"].shape[1] == 8 * 64  # files stay BSHD
 
 
 def test_bench_without_gpu_says_so():

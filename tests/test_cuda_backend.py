@@ -31,7 +31,7 @@ import torch
 
 from tilegen.compile import CompileError, ToolchainMissing
 from tilegen.compile import nvcc as nv
-from tilegen.config import KernelConfig, default_config, shared_memory_estimate
+from tilegen.config import KernelConfig, default_config
 from tilegen.reference import LOG2E, attention_fp32
 from tilegen.render import HEADER
 from tilegen.runtime import cuda as rt
@@ -151,7 +151,7 @@ def test_shared_memory_is_one_number():
     for spec in VARIANTS:
         for cfg in (KernelConfig(), OTHER_CONFIG, KernelConfig(num_stages=1, block_n=16)):
             t = nv.cuda_traits(spec, cfg)
-            assert t["smem_bytes"] == shared_memory_estimate(spec, cfg)
+            assert t["smem_bytes"] == nv.shared_memory_bytes(spec, cfg)
             assert t["smem_bytes"] == 2 * spec.head_dim * (cfg.block_m + 2 * cfg.num_stages
                                                            * cfg.block_n)
             text = nv.render_cuda(spec, cfg).text

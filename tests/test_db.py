@@ -8,6 +8,10 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import sqlite3
+import subprocess
+import sys
+import textwrap
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +39,7 @@ from tilegen.db.models import (
     Workload,
     utcnow,
 )
-from tilegen.db.store import MAX_ERROR_TEXT
+from tilegen.db.store import MAX_ERROR_TEXT, merge_export_file
 
 H200 = {"device_name": "NVIDIA H200", "arch": "sm_90", "driver": "570.86", "torch": "2.13.0",
         "triton": "3.6.0", "nvcc": "12.8", "clang": None, "tilegen_version": "0.1.0",
@@ -246,7 +250,7 @@ def test_two_processes_write_at_once(tmp_path: Path) -> None:
 def test_winner_lookup_hit_miss_stale(tmp_path: Path) -> None:
     db = _db(tmp_path)
     tc = toolchain_key(H200)
-    assert tc == "triton=3.6.0 nvcc=12.8"
+    assert tc == "triton=3.6.0"  # the Triton version only: see test_toolchain_key_*
     miss = db.lookup_winner(SPEC_A, "NVIDIA H200", "sm_90", "tpl_aaaa", tc)
     assert miss.status == "miss" and not miss.hit and miss.config is None
     assert "no tuned winner" in miss.message
@@ -314,6 +318,105 @@ def test_set_winner_keeps_the_faster_unless_forced(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a candidate"):
         db.set_winner(SPEC_B, fast, **where, **ident, median_ms=0.1)
     db.close()
+
+
+def test_toolchain_key_has_one_definition_without_sqlalchemy() -> None:
+    """The key winners are stored under comes from one pure module, importable without
+    SQLAlchemy (tilegen.winners needs it there); tilegen.db re-exports the same function."""
+    import triton
+
+    import tilegen.db
+    from tilegen import winners
+    from tilegen.tune import toolchain
+
+    assert tilegen.db.toolchain_key is toolchain.toolchain_key
+    assert tilegen.db.TOOLCHAIN_FIELDS == toolchain.TOOLCHAIN_FIELDS == ("triton",)
+    # nvcc and clang are environment fields, not part of the key (Triton brings its own ptxas)
+    assert toolchain.toolchain_key({**H200, "clang": "18.1.0"}) == "triton=3.6.0"
+    assert toolchain.toolchain_key({"device_name": "x"}) == "none"
+    assert toolchain.current_toolchain_key() == f"triton={triton.__version__}"
+    assert winners.current_toolchain_key() == toolchain.current_toolchain_key()
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["sqlalchemy"] = None  # import sqlalchemy -> ImportError
+        from tilegen.tune.toolchain import current_toolchain_key, toolchain_key
+        assert "tilegen.db" not in sys.modules
+        print(toolchain_key({"triton": "3.6.0", "nvcc": "12.8"}), current_toolchain_key())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["triton=3.6.0", f"triton={triton.__version__}"]
+
+
+def _winner_export(tmp_path: Path, name: str, *, tpl: str, ms: float,
+                   recorded_at: Any) -> dict[str, Any]:
+    """An export whose only winner (of SPEC_A on the H200) has this identity, time and date."""
+    with _db(tmp_path, name) as db:
+        db.upsert_workload(SPEC_A, {"encoding": "lut", "head_dim": 128})
+        cid = db.add_candidate(SPEC_A, f"cfg_{tpl}", {"tpl": tpl}, tpl.ljust(64, "0"))
+        db.set_winner(SPEC_A, cid, device_name="NVIDIA H200", arch="sm_90",
+                      template_set_hash=tpl, toolchain_key="triton=3.6.0", median_ms=ms,
+                      recorded_at=recorded_at)
+        return db.export_dict()
+
+
+def test_import_never_replaces_a_current_winner_with_a_stale_one(tmp_path: Path) -> None:
+    """Times under different template sets (or toolchains) are not comparable: an import
+    keeps the winner recorded later, whichever is faster (unless force)."""
+    now = utcnow()
+    old_fast = _winner_export(tmp_path, "old.sqlite", tpl="OLD", ms=9.0,
+                              recorded_at=now - timedelta(days=30))
+    new_slow = _winner_export(tmp_path, "new.sqlite", tpl="NEW", ms=10.0, recorded_at=now)
+    where = ("NVIDIA H200", "sm_90")
+
+    # Local winner under NEW (10 ms); the file's OLD one is faster (9 ms) but older: kept.
+    with _db(tmp_path, "local_new.sqlite") as db:
+        db.import_json(new_slow)
+        rep = db.import_json(old_fast)
+        assert (rep.winners_kept, rep.winners_replaced, rep.changed) == (1, 0, True)
+        (note,) = rep.notes
+        assert note.startswith("kept local winner") and "recorded later" in note
+        assert "template set NEW" in note and "template set OLD" in note
+        hit = db.lookup_winner(SPEC_A, *where, "NEW", "triton=3.6.0")
+        assert hit.status == "hit" and hit.median_ms == 10.0 and hit.config == {"tpl": "NEW"}
+        # force takes the file's winner all the same
+        rep = db.import_json(old_fast, force=True)
+        assert rep.winners_replaced == 1 and "--force" in rep.notes[0]
+        assert db.lookup_winner(SPEC_A, *where, "NEW", "triton=3.6.0").status == "stale"
+
+    # The other direction: local OLD (9 ms), import NEW (10 ms, recorded later): replaced.
+    with _db(tmp_path, "local_old.sqlite") as db:
+        db.import_json(old_fast)
+        rep = db.import_json(new_slow)
+        assert (rep.winners_kept, rep.winners_replaced) == (0, 1)
+        (note,) = rep.notes
+        assert note.startswith("replaced local winner") and "imported one was recorded later" \
+            in note
+        hit = db.lookup_winner(SPEC_A, *where, "NEW", "triton=3.6.0")
+        assert hit.status == "hit" and hit.median_ms == 10.0
+        again = db.import_json(new_slow)  # the same winner again: no change, no note
+        assert not again.changed and again.notes == []
+
+    # Another toolchain is the same rule; a tie on recorded_at keeps the local winner.
+    other_tool = json.loads(json.dumps(old_fast))
+    other_tool["winners"][0].update(template_set_hash="NEW", toolchain_key="triton=9.9.9",
+                                    recorded_at=new_slow["winners"][0]["recorded_at"])
+    with _db(tmp_path, "tie.sqlite") as db:
+        db.import_json(new_slow)
+        rep = db.import_json(other_tool)
+        assert rep.winners_kept == 1 and "recorded at the same time" in rep.notes[0]
+        assert db.lookup_winner(SPEC_A, *where, "NEW", "triton=3.6.0").status == "hit"
+        other_tool["winners"][0]["recorded_at"] = _later(new_slow["winners"][0]["recorded_at"])
+        assert db.import_json(other_tool).winners_replaced == 1
+        assert db.lookup_winner(SPEC_A, *where, "NEW", "triton=9.9.9").status == "hit"
+
+
+def _later(stamp: str) -> str:
+    from datetime import datetime
+
+    return (datetime.fromisoformat(stamp) + timedelta(seconds=1)).strftime(
+        "%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def test_list_and_show(tmp_path: Path) -> None:
@@ -461,6 +564,79 @@ def test_import_winner_conflicts(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- schema version
+
+
+def test_merge_export_file_keeps_what_the_file_holds(tmp_path: Path) -> None:
+    """``tilegen tune --export FILE`` for a second spec adds to FILE instead of replacing it."""
+    dest = tmp_path / "shipped" / "winners.json"
+    with _db(tmp_path, "src.sqlite") as db:
+        _populate(db)
+        doc_a = db.export_dict(spec_hash=SPEC_A)
+        assert merge_export_file(dest, doc_a) is None  # no file yet: written as is
+        assert dest.read_text() == db.export_json(spec_hash=SPEC_A)
+        rep = merge_export_file(dest, db.export_dict(spec_hash=SPEC_B))
+        assert rep is not None and rep.winners_inserted == 2
+        both = dest.read_text()
+        doc = json.loads(both)
+        assert [(w["spec_hash"], w["device_name"]) for w in doc["winners"]] == [
+            (h, d) for h in (SPEC_A, SPEC_B) for d in ("NVIDIA H100", "NVIDIA H200")]
+        assert both == db.export_json()  # the union is the export of both specs, sorted
+        # Exporting A again is idempotent: same bytes, nothing changed.
+        rep = merge_export_file(dest, doc_a)
+        assert rep is not None and not rep.changed and rep.notes == []
+        assert dest.read_text() == both
+
+        # A file exported with trials keeps them (doc_a brings none).
+        with_trials = tmp_path / "with_trials.json"
+        b_trials = json.loads(db.export_json(with_trials, spec_hash=SPEC_B,
+                                             include_trials=True))["trials"]
+        merge_export_file(with_trials, doc_a)
+        doc = json.loads(with_trials.read_text())
+        assert doc["trials"] == b_trials and len(b_trials) == 6
+        assert [w["spec_hash"] for w in doc["workloads"]] == [SPEC_A, SPEC_B]
+
+    # Winner conflicts follow import_json: a stale (older) winner does not replace the file's.
+    now = utcnow()
+    current = _winner_export(tmp_path, "cur.sqlite", tpl="NEW", ms=10.0, recorded_at=now)
+    stale = _winner_export(tmp_path, "stale.sqlite", tpl="OLD", ms=9.0,
+                           recorded_at=now - timedelta(days=1))
+    merged = tmp_path / "merged.json"
+    merge_export_file(merged, current)
+    rep = merge_export_file(merged, stale)
+    assert rep is not None and rep.winners_kept == 1 and "kept local winner" in rep.notes[0]
+    (w,) = json.loads(merged.read_text())["winners"]
+    assert (w["template_set_hash"], w["median_ms"]) == ("NEW", 10.0)
+
+    # A file that is not an export is an error naming it, and is left alone.
+    for junk in ("not json", '{"format": "something-else"}'):
+        bad = tmp_path / "bad.json"
+        bad.write_text(junk)
+        with pytest.raises(ValueError, match=f"cannot merge into {bad}"):
+            merge_export_file(bad, current)
+        assert bad.read_text() == junk
+
+
+def test_export_writes_through_the_shared_atomic_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One atomic writer for tilegen (tilegen.cache.atomic_write), not a copy in the DB."""
+    import tilegen.cache
+    from tilegen.db import store
+
+    assert store.atomic_write is tilegen.cache.atomic_write
+    calls: list[Path] = []
+
+    def spy(path: Path, data: str | bytes) -> Path:
+        calls.append(path)
+        return tilegen.cache.atomic_write(path, data)
+
+    monkeypatch.setattr(store, "atomic_write", spy)
+    with _db(tmp_path) as db:
+        _populate(db)
+        text = db.export_json(tmp_path / "out" / "x.json")
+    assert calls == [tmp_path / "out" / "x.json"]
+    assert (tmp_path / "out" / "x.json").read_text() == text
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["x.json"]  # no temp file left
 
 
 def _set_stored_version(path: Path, version: int) -> None:

@@ -120,3 +120,61 @@ def test_interpreter_bf16_dot_is_still_broken(interpreter):
                        HAS_COUNTS=False, BLOCK_M=64, BLOCK_N=64)
     o32, _ = attention_fp32(q, cap["k"], cap["v"], cap["topk_idx"], cap["vbs"])
     assert not captures.score(o, o32.to(o.dtype)).passed
+
+
+def online_softmax_emulation(q, k, v, idx, vbs, block_n, p_dtype):
+    """PyTorch model of the GPU kernel's arithmetic (BSHD): the LUT walk in BLOCK_N sub-tiles,
+    base-2 online softmax in fp32, P rounded to `p_dtype` before P.V, output rounded last."""
+    B, S, H, D = q.shape
+    nq, topk = S // 64, idx.shape[-1]
+    scale = (1.0 / D ** 0.5) * 1.4426950408889634
+    out = torch.empty_like(q)
+    for b in range(B):
+        for h in range(H):
+            qc = q[b, :, h].float().reshape(nq, 64, D)
+            kc = k[b, :, h].float().reshape(nq, 64, D)
+            vc = v[b, :, h].float().reshape(nq, 64, D)
+            m = torch.full((nq, 64), float("-inf"))
+            l_sum = torch.zeros(nq, 64)
+            acc = torch.zeros(nq, 64, D)
+            for i in range(topk):
+                cube = idx[b, h, :, i].long()
+                for j in range(0, 64, block_n):
+                    valid = (torch.arange(j, j + block_n)[None, :] < vbs[cube].long()[:, None])
+                    if not valid.any():
+                        continue
+                    kt, vt = kc[cube, j:j + block_n], vc[cube, j:j + block_n]
+                    s = torch.einsum("qmd,qnd->qmn", qc, kt) * scale
+                    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+                    m_new = torch.maximum(m, s.amax(-1))
+                    p = torch.exp2(s - m_new[..., None])
+                    alpha = torch.exp2(m - m_new)
+                    l_sum = l_sum * alpha + p.sum(-1)
+                    pv = torch.einsum("qmn,qnd->qmd", p.to(p_dtype).float(), vt)
+                    acc = acc * alpha[..., None] + pv
+                    m = m_new
+            out[b, :, h] = (acc / l_sum[..., None]).reshape(S, D).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("seed,head_dim,block_n", [(0, 64, 64), (1, 128, 32)])
+def test_interpreter_bf16_matches_gpu_arithmetic(interpreter, seed, head_dim, block_n):
+    """The interp_bf16 rendering computes what the GPU kernel computes (P rounded to bf16
+    before P.V), not something more accurate: against an emulation of that arithmetic it agrees
+    to the last bit almost everywhere, far closer than either is to the fp32 oracle.
+
+    Margin note: against the fp32 oracle, bf16 kernels on these small shapes (3 KV cubes per
+    row) sit at mean|Δ| 7e-5..9.4e-5 of the 1e-4 limit, from the bf16 rounding of P that the
+    contract's reference kernel shares; on the full workload (78 cubes) it is 4.8e-5
+    (bench/RESULTS.md)."""
+    cap = small_capture(seed, head_dim, "bf16", "bshd")
+    args = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"])
+    op = tilegen.load(spec_for(head_dim, "bf16", "bshd"), KernelConfig(block_n=block_n),
+                      target=None)
+    o = op(*args, return_lse=False)
+    emulated = online_softmax_emulation(*args, block_n=block_n, p_dtype=torch.bfloat16)
+    diff = (o.float() - emulated.float()).abs()
+    assert diff.mean() < 2e-6 and (diff > 0).float().mean() < 0.01
+    o32, _ = attention_fp32(*args)
+    far = (o.float() - o32).abs().mean()
+    assert far > 10 * diff.mean()  # the fp32 oracle is a different computation

@@ -77,9 +77,53 @@ def test_invalid_config_is_rejected_before_compiling():
         tilegen.load("default")  # type: ignore[arg-type]
 
 
-def test_no_output_is_written_on_failure():
-    a = inputs()
-    before = [t.clone() for t in (a["q"], a["k"], a["v"])]
-    with pytest.raises(ValueError):
+def test_bad_input_fails_before_anything_is_rendered_or_launched(tmp_path, monkeypatch):
+    """Under the interpreter a good call renders the kernel into the cache and launches it; a
+    bad one raises first, so the cache stays empty."""
+    from tilegen import jit
+
+    monkeypatch.setattr(jit, "_modules", {})  # nothing imported yet in this process
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TILEGEN_CACHE_DIR", str(tmp_path / "bad"))
+    with pytest.raises(ValueError, match="vbs holds values"):
         call(vbs=torch.tensor([64, 32, 16, 0], dtype=torch.int32))
-    assert all(torch.equal(x, y) for x, y in zip(before, (a["q"], a["k"], a["v"]), strict=True))
+    assert not (tmp_path / "bad").exists()
+    monkeypatch.setenv("TILEGEN_CACHE_DIR", str(tmp_path / "good"))
+    call()
+    assert list((tmp_path / "good").rglob("*.py"))  # the good call did render + launch
+
+
+def test_device_mismatch_names_the_argument():
+    a = inputs()
+    with pytest.raises(ValueError, match="k is on meta but q is on cpu"):
+        call(k=a["k"].to("meta"))
+    with pytest.raises(ValueError, match="vbs is on meta"):
+        call(vbs=a["vbs"].to("meta"))
+
+
+def test_sm_scale_and_op_errors_name_the_argument():
+    a = inputs()
+    with pytest.raises(TypeError, match="sm_scale must be a float"):
+        call(sm_scale="x")
+    with pytest.raises(ValueError, match="sm_scale must be positive"):
+        call(sm_scale=-1.0)
+    from tilegen.ops import block_sparse_attention
+
+    with pytest.raises(TypeError, match="q has dtype torch.float32"):
+        block_sparse_attention(a["q"].float(), a["k"], a["v"], a["topk_idx"], a["vbs"])
+    with pytest.raises(ValueError, match="layout='sbhd'"):
+        block_sparse_attention(a["q"], a["k"], a["v"], a["topk_idx"], a["vbs"], layout="sbhd")
+
+
+def test_backend_selection():
+    from tilegen.runtime.cuda import CudaBlockSparseAttention
+
+    op = tilegen.load(Spec(), backend="cuda")  # constructed lazily: compiles on first call
+    assert isinstance(op, CudaBlockSparseAttention)
+    with pytest.raises(ValueError, match="backend='metal' is not allowed"):
+        tilegen.load(Spec(), backend="metal")
+    try:
+        import hip  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="hip-python"):
+            tilegen.load(Spec(), backend="hip")

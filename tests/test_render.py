@@ -68,5 +68,32 @@ def test_strict_undefined(tmp_path):
         env.get_template("triton/lut_kernel.py.j2").render(header="# x", spec=Spec())
 
 
-def test_template_set_hash_is_stable():
-    assert template_set_hash() == template_set_hash()
+def test_template_set_hash_follows_the_templates(tmp_path):
+    """Per-backend hashes: a CUDA template edit changes the CUDA and the overall hash but not the
+    Triton one (Triton winners stay current); a Triton edit changes the Triton hash."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tilegen.paths import ROOT
+
+    shutil.copytree(ROOT / "templates", tmp_path / "templates")
+    code = ("from tilegen.render import template_set_hash as h; "
+            "print(h(), h('triton'), h('cuda'))")
+
+    def hashes():
+        env = {**__import__("os").environ, "TILEGEN_ROOT": str(tmp_path)}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=env, check=True).stdout.split()
+        return dict(zip(("all", "triton", "cuda"), out, strict=True))
+
+    base = hashes()
+    assert base["triton"] == template_set_hash("triton")
+    cu = tmp_path / "templates" / "cuda" / "lut_kernel.cu.j2"
+    cu.write_text(cu.read_text() + "\n")
+    after_cuda = hashes()
+    assert after_cuda["triton"] == base["triton"]
+    assert after_cuda["cuda"] != base["cuda"] and after_cuda["all"] != base["all"]
+    tr = tmp_path / "templates" / "triton" / "attention_macros.j2"
+    tr.write_text(tr.read_text() + "\n")
+    assert hashes()["triton"] != base["triton"]

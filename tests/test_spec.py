@@ -55,6 +55,9 @@ def test_invalid_choices_name_field_and_allowed_values(field, value, allowed):
     ({"num_heads": 0}, "Spec.num_heads"),
     ({"variable_block_sizes": 1}, "Spec.variable_block_sizes"),
     ({"grid": (21, 30, -1)}, "Spec.grid"),
+    ({"cube": (4, 4, 4.5)}, "Spec.cube"),  # never truncated to 4
+    ({"grid": (21, 30, 52.0)}, "Spec.grid"),
+    ({"window": (3, 3, 3)}, "unknown Spec field"),  # a ValueError naming it, not a TypeError
 ])
 def test_invalid_values(kwargs, needle):
     with pytest.raises(ValueError, match=needle.replace(".", r"\.")):

@@ -14,6 +14,7 @@ import argparse
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -166,7 +167,7 @@ def test_space_from_target_and_pruning() -> None:
     assert space.violations(bad) == ["num_warps=8 is more than a 32-row tile can use"]
     # gfx942: the shared-memory predicate names the LDS budget
     amd = SearchSpace.from_target(Spec(), get_target("gfx942"))
-    reasons = amd.violations(KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2))
+    reasons = amd.violations(KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=5))
     assert any("shared memory" in r and "65536" in r for r in reasons)
     # exhaustive order: seeds first, then feasible, then infeasible
     seeds = seed_configs(space)
@@ -280,7 +281,8 @@ def test_worker_isolates_failures(tune_env: Path) -> None:
         assert all(c["passed"] for c in ok.captures) and len(ok.captures) == 2
         assert "power of 2" in results[1].error_text
         assert "synthetic_seed0: finite=True" in results[2].error_text
-        assert "max|Δ|=5.0" in results[2].error_text and "-> FAIL" in results[2].error_text
+        shift = float(re.search(r"max\|Δ\|=([0-9.e+-]+)", results[2].error_text).group(1))
+        assert 0.045 <= shift <= 0.06 and "-> FAIL" in results[2].error_text  # the 0.05 shift
         assert "exceeded 6 s" in results[3].error_text
         assert "SIGSEGV" in results[4].error_text and results[4].error_class == "WorkerDied"
         assert results[5].poisoned and "illegal memory access" in results[5].error_text
@@ -332,9 +334,16 @@ def test_tune_end_to_end_cli(tune_env: Path, capsys: pytest.CaptureFixture[str])
 
     tmp = tune_env
     export = tmp / "export" / "winners.json"
+    other = TINY.replace(num_heads=4)  # already shipped in the export: --export keeps it
+    with TuningDB.open(tmp / "elsewhere.sqlite") as db:
+        _store_winner(db, other, KernelConfig(block_m=64, block_n=32), 2.5)
+        db.export_json(export)
     code, out = _cli(_tune_args(tmp, "--trials", "8", "--workers", "2", "--sampler", "tpe",
                                 "--export", str(export), "--summary", str(tmp / "s.json")))
     assert code == 0, out
+    assert f"merged winners of spec {TINY.short_hash} into {export}" in out
+    shipped = json.loads(export.read_text())
+    assert sorted(w["spec_hash"] for w in shipped["winners"]) == sorted([TINY.hash, other.hash])
     progress = capsys.readouterr().err
     assert "tune [" in progress and "/8" in progress and "best" in progress
     assert "rank" in out and "TFLOP/s" in out and "winner" in out and "PASS" in out
@@ -450,7 +459,87 @@ def test_resume_after_kill(tune_env: Path) -> None:
     assert sorted(r["trial_number"] for r in rows) == sorted(t.number for t in counted)
 
 
-def test_cpu_without_interpreter_fake_timer_is_refused(tune_env: Path) -> None:
-    code, _out = _cli(["tune", "--spec", str(tune_env / "tiny.toml"), "--target", "sm_90",
-                       "--trials", "2"])
-    assert code == 2  # do_bench needs a GPU: a clear error, no session
+def test_do_bench_timer_on_cpu_is_refused(tune_env: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Under the interpreter on the CPU, the default timer (do_bench, CUDA events) is refused
+    with a clear error before any trial, naming the test-only alternative."""
+    code, out = _cli(["tune", "--spec", str(tune_env / "tiny.toml"), "--target", "sm_90",
+                      "--trials", "2"])
+    err = capsys.readouterr().err
+    assert code == 2, out
+    assert "tilegen tune: error:" in err
+    assert "--timer do_bench times kernels with CUDA events and needs a GPU" in err
+    assert "--timer fake-deterministic" in err
+    assert "rank" not in out  # no session ran, no table
+
+
+# ============================================================================ tune --export, db
+
+
+def _store_winner(db, spec: Spec, cfg: KernelConfig, ms: float) -> None:
+    db.upsert_workload(spec.hash, spec.to_dict())
+    cid = db.add_candidate(spec.hash, cfg.name, cfg.to_dict(), "0" * 64)
+    db.set_winner(spec.hash, cid, device_name="NVIDIA H200", arch="sm_90",
+                  template_set_hash="tpl", toolchain_key="triton=3.6.0", median_ms=ms)
+
+
+def test_tune_export_merges_into_an_existing_file(tune_env: Path) -> None:
+    """`tilegen tune --export F` for spec A, then spec B to the same F: both specs' winners are
+    in F; exporting A again gives the same bytes."""
+    from tilegen.db import TuningDB
+    from tilegen.tune.session import export_spec
+
+    spec_a, spec_b = TINY, TINY.replace(num_heads=4)
+    assert spec_a.hash != spec_b.hash
+    dest = tune_env / "tuning_db" / "winners.json"
+    with TuningDB.open() as db:
+        _store_winner(db, spec_a, KernelConfig(block_m=32, block_n=64), 1.5)
+        _store_winner(db, spec_b, KernelConfig(block_m=64, block_n=32), 2.5)
+        out = io.StringIO()
+        export_spec(db, spec_a, dest, out)
+        assert f"exported winners of spec {spec_a.short_hash}" in out.getvalue()
+        first = json.loads(dest.read_text())
+        assert [w["spec_hash"] for w in first["winners"]] == [spec_a.hash]
+        export_spec(db, spec_b, dest, out)
+        assert f"merged winners of spec {spec_b.short_hash} into {dest}" in out.getvalue()
+        both = dest.read_text()
+        doc = json.loads(both)
+        assert sorted(w["spec_hash"] for w in doc["winners"]) == sorted(
+            [spec_a.hash, spec_b.hash])
+        assert {w["spec_hash"] for w in doc["workloads"]} == {spec_a.hash, spec_b.hash}
+        assert both == db.export_json()  # deterministic: the sorted union
+        out = io.StringIO()
+        export_spec(db, spec_a, dest, out)  # idempotent
+        assert dest.read_text() == both and "(no change)" in out.getvalue()
+
+        # A destination that is not an export: a SessionError naming it, the file untouched.
+        from tilegen.tune.session import SessionError
+
+        junk = tune_env / "notes.json"
+        junk.write_text('{"hello": 1}\n')
+        with pytest.raises(SessionError, match="notes.json.*not a tilegen tuning DB export"):
+            export_spec(db, spec_a, junk, io.StringIO())
+        assert junk.read_text() == '{"hello": 1}\n'
+
+
+@pytest.mark.parametrize(("action", "code"), [
+    (["list"], 0), (["show", "abc123"], 1), (["export"], 1),
+    (["export", "--out", "x.json"], 1)])
+def test_db_read_only_actions_never_create_the_db(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    action: list[str], code: int,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for how in ("--db", "TILEGEN_DB"):
+        db = tmp_path / how.strip("-") / "sub" / "tuning.sqlite"
+        if how == "--db":
+            argv = ["db", "--db", str(db), *action]
+        else:
+            monkeypatch.setenv("TILEGEN_DB", str(db))
+            argv = ["db", *action]
+        got, out = _cli(argv)
+        text = out + capsys.readouterr().err
+        assert got == code, text
+        assert f"no tuning DB at {db} (nothing tuned yet; run tilegen tune)" in text
+        assert not db.parent.parent.exists()  # neither the file nor its folders
+        assert not (tmp_path / "x.json").exists()

@@ -11,8 +11,9 @@ from tilegen.config import KernelConfig  # noqa: E402
 from tilegen.spec import Spec  # noqa: E402
 
 
-def load(spec: "Spec | None" = None, config: "KernelConfig | None" = None, **kwargs):
-    """The kernel for `spec` on the current device (see `tilegen.ops.load`)."""
+def load(spec: "Spec | None" = None, config: "KernelConfig | None" = None, **kwargs):  # noqa: ANN201
+    """The kernel for `spec` on the current device; see `tilegen.ops.load` for the keywords
+    (`target`, `backend`) and the returned op types."""
     from tilegen.ops import load as _load
 
     return _load(spec, config, **kwargs)

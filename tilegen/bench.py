@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from tilegen import captures
-from tilegen.config import REFERENCE_CONFIG, KernelConfig
+from tilegen.config import KernelConfig, reference_config
 from tilegen.ops import BlockSparseAttention, load, validate_inputs
 from tilegen.reference import attention_fp32
 from tilegen.spec import Spec
@@ -36,15 +36,13 @@ def iter_captures(spec: Spec, where: str, seeds: int, device: str) -> Iterator[t
     """Capture files from a directory, or `seeds` synthetic ones (each with an outlier head)."""
     if where == "synthetic":
         for seed in range(seeds):
-            cap = captures.synthesize(seed=seed, grid=spec.grid, heads=spec.num_heads,
-                                      head_dim=spec.head_dim, topk=spec.topk, device=device)
-            yield f"synthetic_seed{seed}", cap
+            yield f"synthetic_seed{seed}", captures.synthesize_for(spec, seed, device)
         return
     paths = sorted(Path(where).glob("*.pt"))
     if not paths:
         raise FileNotFoundError(f"no capture .pt files in {where}")
     for path in paths:
-        yield path.name, captures.load(path, device=device)
+        yield path.name, captures.for_spec(captures.load(path, device=device), spec)
 
 
 def time_op(op: BlockSparseAttention, cap: dict) -> float:
@@ -79,12 +77,13 @@ def compare(spec: Spec, cap: dict, variants: dict[str, BlockSparseAttention],
     flops = flops_of(cap, spec)
     if fp32_check:
         o32, _ = attention_fp32(*args, layout=spec.layout, block=spec.block_kv)
-        s = captures.score(ref_op(*args, return_lse=False), o32.to(cap["q"].dtype))
-        rows.append(Row(name, "reference vs fp32", REFERENCE_CONFIG.name, s.passed, str(s),
+        s = captures.score(ref_op(*args, return_lse=False), o32.to(cap["q"].dtype),
+                           layout=spec.layout)
+        rows.append(Row(name, "reference vs fp32", ref_op.config.name, s.passed, str(s),
                         None, None))
     for label, op in variants.items():
         o = op(*args, return_lse=False)
-        s = captures.score(o, o_ref)
+        s = captures.score(o, o_ref, layout=spec.layout)
         ms = time_op(op, cap) if cap["q"].is_cuda else None
         rows.append(Row(name, label, op.config.name, s.passed, str(s), ms,
                         flops / ms / 1e9 if ms else None))
@@ -106,7 +105,7 @@ def run_bench(spec: Spec, where: str, config: KernelConfig | None, seeds: int = 
         print("tilegen bench: no GPU found; bench times kernels on a CUDA/ROCm device",
               file=sys.stderr)
         return 2
-    variants = {"reference": load(spec, REFERENCE_CONFIG), "tilegen": load(spec, config)}
+    variants = {"reference": load(spec, reference_config(spec)), "tilegen": load(spec, config)}
     rows: list[Row] = []
     for name, cap in iter_captures(spec, where, seeds, "cuda"):
         rows += compare(spec, cap, variants, name)

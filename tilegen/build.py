@@ -10,7 +10,10 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import os
 import platform
+import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +70,7 @@ def plan(spec: Spec, target: Target, config: KernelConfig | None = None,
          backends: tuple[str, ...] | None = None) -> list[PlannedSource]:
     """What a build of `target` renders: one source per backend, for `config` or the target's
     default. Invalid configs raise before anything is rendered."""
-    cfg = config or cfgmod.default_config(target)
+    cfg = config or cfgmod.default_config(target, spec)
     cfgmod.check(spec, target, cfg)
     chosen = backends or target.backends
     unknown = [b for b in chosen if b not in target.backends]
@@ -119,9 +122,40 @@ def estimate_occupancy(art: Artifact, target: Target) -> int | None:
 def build(spec: Spec, target: Target, out_dir: Path, config: KernelConfig | None = None,
           backends: tuple[str, ...] | None = None,
           progress: Callable[[str], None] = lambda _: None) -> dict:
-    """Render, compile and write everything for `target`; return the manifest dict."""
+    """Render, compile and write everything for `target`; return the manifest dict.
+
+    All or nothing: missing compilers are reported before any work, everything is compiled
+    into a staging folder beside `out_dir`, and files move into `out_dir` only when every
+    backend succeeded (a failed build leaves `out_dir` as it was)."""
     items = plan(spec, target, config, backends)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    for item in items:
+        require_toolchain(item.backend)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        manifest = _build_into(staging, items, spec, target, progress)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for path in sorted(staging.iterdir()):
+            os.replace(path, out_dir / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return manifest
+
+
+def require_toolchain(backend: str) -> None:
+    """Raise ToolchainMissing (with the install hint) when a backend's compiler is absent."""
+    if backend == "cuda":
+        from tilegen.compile.nvcc import find_nvcc
+
+        find_nvcc()
+    elif backend == "hip":
+        from tilegen.compile.hip import find_clang
+
+        find_clang()
+
+
+def _build_into(out_dir: Path, items: list[PlannedSource], spec: Spec, target: Target,
+                progress: Callable[[str], None]) -> dict:
     artifacts = []
     for item in items:
         src_path = cache.atomic_write(out_dir / item.source.name, item.source.text)

@@ -11,7 +11,9 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from tilegen.paths import cache_dir
 
@@ -24,13 +26,28 @@ def key_of(*parts: str | bytes) -> str:
     return h.hexdigest()
 
 
-def atomic_write(path: Path, data: str | bytes) -> Path:
-    """Write `data` to `path` through a temp file and os.replace (atomic on POSIX)."""
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(path: Path, data: str | bytes | Callable[[BinaryIO], object]) -> Path:
+    """Write `data` (text, bytes, or a function that writes to a binary file) to `path`
+    through a temp file in the same folder, fsync, then os.replace: atomic on POSIX. The file
+    gets the permissions a plain open() would (0666 less the umask), not mkstemp's 0600."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

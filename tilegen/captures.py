@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from tilegen import layout, sparsity
+from tilegen.cache import atomic_write
 
 __all__ = [
     "COS_MIN",
@@ -34,6 +34,8 @@ __all__ = [
     "save",
     "validate",
     "synthesize",
+    "synthesize_for",
+    "for_spec",
 ]
 
 # --- the scoring rule's thresholds (contract.md "Scoring rule"); used only by score() ---------
@@ -250,21 +252,7 @@ def save(cap: dict, path: str | os.PathLike, *, index_key: str = "topk_idx") -> 
         if key in cap:
             val = cap[key]
             out[key] = list(val) if isinstance(val, tuple) and key == "outlier_heads" else val
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(out, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    atomic_write(Path(path), lambda f: torch.save(out, f))
 
 
 # ============================================================================ synthesis
@@ -400,7 +388,8 @@ def synthesize(
     ``(1, 40, 624, 78)`` int32, ``vbs`` ``(624,)`` int32. Returned keys: ``q, k, v, topk_idx, vbs,
     outlier_heads`` (list of int), ``grid, cube, seed, block`` (tokens per cube).
 
-    It closes the loopholes the real captures close (seeds/001):
+    It closes the loopholes the real captures close (the Wan2.2 capture benchmark behind
+    contract.md):
 
     * **Per-head, data-dependent selection.** ``topk_idx`` is :func:`sparsity.mean_pool_topk` of the
       synthesized q/k (mean-pooled cube scores, per head), so it is neither a sliding window nor
@@ -553,3 +542,34 @@ def synthesize(
         "seed": seed,
         "block": block,
     }
+
+
+# ============================================================================ captures for a spec
+
+
+def for_spec(cap: dict, spec: Any) -> dict:
+    """The capture with q, k, v (and a bundled o_ref) in `spec`'s dtype and layout.
+
+    Capture files are BSHD (contract.md); a BHSD spec gets contiguous transposed copies, and a
+    dtype other than the file's is a cast (say so when you tune an fp16 spec on bf16 captures).
+    The shapes must match the spec's head dim; the op validates the rest.
+    """
+    out = dict(cap)
+    if cap["q"].shape[-1] != spec.head_dim:
+        raise ValueError(f"capture has head dim {cap['q'].shape[-1]}, spec wants "
+                         f"head_dim={spec.head_dim}")
+    for key in ("q", "k", "v", "o_ref"):
+        if key in out:
+            t = out[key].to(spec.torch_dtype)
+            out[key] = t.transpose(1, 2).contiguous() if spec.layout == "bhsd" else t
+    return out
+
+
+def synthesize_for(spec: Any, seed: int = 0, device: torch.device | str = "cpu",
+                   outlier: bool | int | Sequence[int] | None = True) -> dict:
+    """`synthesize` at the spec's workload (grid, heads, head dim, topk, batch, cube, dtype),
+    returned in the spec's layout (see `for_spec`)."""
+    cap = synthesize(seed=seed, grid=spec.grid, heads=spec.num_heads, head_dim=spec.head_dim,
+                     topk=spec.topk, outlier=outlier, batch=spec.batch,
+                     dtype=spec.torch_dtype, device=device, cube=spec.cube)
+    return for_spec(cap, spec)

@@ -63,8 +63,10 @@ def cmd_captures(args: argparse.Namespace) -> int:
     for i in range(args.count):
         seed = args.seed + i
         t0 = time.perf_counter()
+        # files are BSHD whatever the spec's layout (contract.md); dtype, cube, batch: the spec's
         cap = captures.synthesize(seed=seed, grid=spec.grid, heads=spec.num_heads,
-                                  head_dim=spec.head_dim, topk=spec.topk,
+                                  head_dim=spec.head_dim, topk=spec.topk, batch=spec.batch,
+                                  dtype=spec.torch_dtype, cube=spec.cube,
                                   outlier=not args.no_outlier)
         path = out / f"synthetic_seed{seed}.pt"
         captures.save(cap, path)

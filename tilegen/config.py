@@ -32,8 +32,9 @@ class KernelConfig:
     - ``store_lse``: render the epilogue that writes ``lse`` (off when the caller drops it).
     - ``interp_bf16``: bf16 under Triton 3.6's CPU interpreter, whose bf16 ``tl.dot``
       multiplies raw bits and whose fp32 -> bf16 cast truncates. The tiles are upcast to fp32
-      before each dot, P stays fp32 and the op writes ``o`` to an fp32 buffer that torch then
-      rounds to bf16. Never built for a GPU (see `interpreter_only_options`).
+      before each dot, P is rounded to bf16 (nearest even) with integer ops, and the op writes
+      ``o`` to an fp32 buffer that torch rounds to bf16: the same operands and roundings as the
+      GPU kernel. Never built for a GPU (see `interpreter_only_options`).
     """
 
     block_m: int = 64
@@ -43,11 +44,25 @@ class KernelConfig:
     store_lse: bool = True
     interp_bf16: bool = False
 
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int", int):
+                if type(value) is not int or value < 1:
+                    raise ValueError(f"KernelConfig.{f.name} must be a positive int, "
+                                     f"got {value!r}")
+            elif type(value) is not bool:
+                raise ValueError(f"KernelConfig.{f.name} must be a bool, got {value!r}")
+
     @property
     def name(self) -> str:
         """Every trait: launch parameters, then the render-time options."""
-        return (f"bm{self.block_m}_bn{self.block_n}_w{self.num_warps}_s{self.num_stages}_"
-                f"{self.render_name}")
+        return f"{self.launch_name}_{self.render_name}"
+
+    @property
+    def launch_name(self) -> str:
+        """The launch parameters alone (what a compiled binary of one source differs by)."""
+        return f"bm{self.block_m}_bn{self.block_n}_w{self.num_warps}_s{self.num_stages}"
 
     @property
     def render_name(self) -> str:
@@ -90,8 +105,23 @@ class KernelConfig:
 REFERENCE_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
 
 
-def default_config(target: Target) -> KernelConfig:
-    return KernelConfig(**target.default)
+def fit_to_spec(cfg: KernelConfig, spec: Spec | None) -> KernelConfig:
+    """Shrink the tile to the spec's blocks where it is larger (a spec with 32-token cubes
+    cannot take a 64-row tile); everything else stays."""
+    if spec is None:
+        return cfg
+    return cfg.replace(block_m=min(cfg.block_m, spec.block_q),
+                       block_n=min(cfg.block_n, spec.block_kv))
+
+
+def default_config(target: Target, spec: Spec | None = None) -> KernelConfig:
+    """The target's default config (targets/<name>/target.toml [default]), fitted to `spec`."""
+    return fit_to_spec(KernelConfig(**target.default), spec)
+
+
+def reference_config(spec: Spec | None = None) -> KernelConfig:
+    """The reference variant for `spec` (REFERENCE_CONFIG, fitted to the spec's blocks)."""
+    return fit_to_spec(REFERENCE_CONFIG, spec)
 
 
 # -- validity predicates -----------------------------------------------------------------------
@@ -130,10 +160,11 @@ def warps_fit_tile(spec: Spec, target: Target, cfg: KernelConfig) -> str | None:
 
 
 def shared_memory_fits(spec: Spec, target: Target, cfg: KernelConfig) -> str | None:
-    """Estimated shared memory (Q tile once, K and V tiles per pipeline stage) fits the target's
-    per-block limit (sm_90/sm_100a: 227 KiB opt-in; gfx942: 64 KiB LDS). Triton raises
-    OutOfResources past it; pruning here saves the compile."""
-    need = shared_memory_estimate(spec, cfg)
+    """Estimated shared memory (`shared_memory_estimate`) fits the target's per-block limit
+    (sm_90/sm_100a: 227 KiB opt-in, cudaFuncAttributeMaxDynamicSharedMemorySize; gfx942:
+    64 KiB LDS per workgroup). Triton raises OutOfResources past it; pruning here saves the
+    compile."""
+    need = shared_memory_estimate(spec, cfg, target)
     if need > target.max_shared_bytes:
         return (f"needs ~{need} B of shared memory, target {target.name} has "
                 f"{target.max_shared_bytes}")
@@ -164,9 +195,20 @@ PREDICATES: tuple[Predicate, ...] = (
 )
 
 
-def shared_memory_estimate(spec: Spec, cfg: KernelConfig) -> int:
+def shared_memory_estimate(spec: Spec, cfg: KernelConfig, target: Target) -> int:
+    """Upper bound on the shared memory / LDS Triton 3.6 allocates for the LUT kernel.
+
+    Calibrated against `triton.compile` (tests/test_config.py checks it is never below the
+    compiler's figure): on NVIDIA the Q tile stays in shared memory (a wgmma operand) and the
+    pipeliner keeps up to max(stages, 3) K/V buffers, plus barriers; on AMD, Q lives in
+    registers, the stream pipeliner keeps max(stages - 2, 1) K/V buffers, and a layout
+    conversion scratch of max(8 KiB, BM x BN x 2) comes on top."""
     elem = 2  # bf16 / fp16
-    return elem * spec.head_dim * (cfg.block_m + max(cfg.num_stages, 1) * 2 * cfg.block_n)
+    kv_tile = 2 * cfg.block_n * spec.head_dim * elem  # one K and one V tile
+    if target.vendor == "amd":
+        return max(cfg.num_stages - 2, 1) * kv_tile + max(8192, cfg.block_m * cfg.block_n * elem)
+    q_tile = cfg.block_m * spec.head_dim * elem
+    return q_tile + max(cfg.num_stages, 3) * kv_tile + 1024
 
 
 def violations(spec: Spec, target: Target, cfg: KernelConfig) -> list[str]:

@@ -23,16 +23,26 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def triton_imported_interpreted() -> bool | None:
+    """Whether `triton.language` was imported in interpreter mode (None: not imported yet).
+
+    Triton picks compiled vs interpreted for its own library functions (tl.sum, ...) at that
+    import, once per process, whatever TRITON_INTERPRET says later."""
+    std = sys.modules.get("triton.language.standard")
+    if std is None:
+        return None
+    return type(std.sum).__name__ == "InterpretedFunction"
+
+
 def check_interpreter_mode() -> None:
-    """Triton picks compiled vs interpreted for its own library functions (tl.sum, ...) when
-    `triton.language` is first imported, so TRITON_INTERPRET must be set before that import.
-    Turning it on later gives Triton's cryptic "Cannot call @triton.jit'd outside of the scope
-    of a kernel"; say what to do instead."""
+    """TRITON_INTERPRET must be set before triton is imported. Turning it on later gives
+    Triton's cryptic "Cannot call @triton.jit'd outside of the scope of a kernel"; say what to
+    do instead."""
     if not interpreting():
         return
-    import triton.language.standard as std
+    import triton.language.standard  # noqa: F401  (decides the mode if nothing did yet)
 
-    if type(std.sum).__name__ != "InterpretedFunction":
+    if not triton_imported_interpreted():
         raise RuntimeError(
             "TRITON_INTERPRET=1 was set after triton was imported in this process; Triton "
             "decides interpreter mode at import time. Set TRITON_INTERPRET=1 in the environment "

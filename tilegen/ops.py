@@ -13,7 +13,9 @@ Validation happens here, at the boundary, before any kernel launch. Execution pa
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,12 +25,16 @@ from tilegen.jit import interpreting, load_triton
 from tilegen.reference import LOG2E, attention_fp32
 from tilegen.render import render_triton
 from tilegen.spec import Spec
-from tilegen.targets import Target, detect_target
+from tilegen.targets import TARGET_NAMES, Target, detect_target
+
+if TYPE_CHECKING:
+    from tilegen.runtime.cuda import CudaBlockSparseAttention
+    from tilegen.runtime.hip import HipBlockSparseAttention
 
 log = logging.getLogger("tilegen")
 
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-SPEC_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
+SPEC_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+TORCH_DTYPES = {v: k for k, v in SPEC_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,7 @@ def validate_inputs(
     """
     for name, x in (("q", q), ("k", k), ("v", v), ("topk_idx", topk_idx), ("vbs", vbs)):
         _tensor(name, x)
-    want = TORCH_DTYPES[spec.dtype]
+    want = spec.torch_dtype
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dtype != want:
             raise TypeError(f"{name} has dtype {x.dtype}, spec wants {want} (dtype={spec.dtype!r})")
@@ -134,6 +140,16 @@ def validate_inputs(
     return Shapes(B, S, H, D, nq, nkv, topk)
 
 
+def check_sm_scale(sm_scale: object) -> None:
+    """sm_scale is None (1/sqrt(D)) or a positive, finite number."""
+    if sm_scale is None:
+        return
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, int | float):
+        raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
+    if not math.isfinite(sm_scale) or sm_scale <= 0:
+        raise ValueError(f"sm_scale must be positive and finite, got {sm_scale!r}")
+
+
 class BlockSparseAttention:
     """A loaded kernel: ``o, lse = op(q, k, v, topk_idx, vbs, counts=None)``."""
 
@@ -161,8 +177,10 @@ class BlockSparseAttention:
         *,
         sm_scale: float | None = None,
         return_lse: bool = True,
-    ):
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """Validate, then run. Returns (o, lse), or o alone when return_lse=False."""
         shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts)
+        check_sm_scale(sm_scale)
         if q.device.type == "cpu" and not interpreting():
             o, lse = attention_fp32(
                 q, k, v, topk_idx, vbs if self.spec.variable_block_sizes else None, counts,
@@ -179,8 +197,12 @@ class BlockSparseAttention:
             cfg = cfg.replace(interp_bf16=True)
         return cfg
 
-    def launch(self, q, k, v, topk_idx, vbs, counts=None, *, shapes: Shapes | None = None,
-               sm_scale: float | None = None, store_lse: bool = True, out=None):
+    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.Tensor,
+               vbs: torch.Tensor, counts: torch.Tensor | None = None, *,
+               shapes: Shapes | None = None, sm_scale: float | None = None,
+               store_lse: bool = True,
+               out: tuple[torch.Tensor, torch.Tensor] | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Launch the Triton kernel with no input checks (call `validate_inputs` once first)."""
         if shapes is None:
             shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
@@ -188,8 +210,9 @@ class BlockSparseAttention:
         cfg = self.kernel_config(q.device, store_lse)
         if cfg.interp_bf16:
             _note_once("Triton interpreter with bf16: rendering the kernel with interp_bf16 "
-                       "(fp32 dots, fp32 P and output), since Triton 3.6's interpreter gets bf16 "
-                       "tl.dot wrong and truncates fp32->bf16 casts")
+                       "(fp32 dots on bf16-rounded operands, output rounded by torch), since "
+                       "Triton 3.6's interpreter gets bf16 tl.dot wrong and truncates "
+                       "fp32->bf16 casts")
         kernel = load_triton(render_triton(self.spec, cfg))
         if out is None:
             o = torch.empty_like(q, dtype=torch.float32 if cfg.interp_bf16 else q.dtype)
@@ -214,30 +237,35 @@ class BlockSparseAttention:
 _noted: set[str] = set()
 
 
-def _note_once(message: str) -> None:
+def _note_once(message: str, level: int = logging.INFO) -> None:
     if message not in _noted:
         _noted.add(message)
-        log.info(message)
+        log.log(level, message)
 
 
 def resolve_config(spec: Spec, target: Target | None) -> tuple[KernelConfig, str]:
     """The tuned winner for (spec, device) when the tuning DB has a current one, else the
     target's default (logged once), else the reference config on a CPU-only machine."""
     if target is None:
-        return cfgmod.REFERENCE_CONFIG, "reference"
+        if torch.cuda.is_available():  # a GPU tilegen has no target file for
+            _note_once(f"no tilegen target for {torch.cuda.get_device_name()}; using the "
+                       f"reference config {cfgmod.reference_config(spec).name} without target "
+                       f"checks (targets: {', '.join(TARGET_NAMES)})", logging.WARNING)
+        return cfgmod.reference_config(spec), "reference"
     from tilegen.winners import lookup_config
 
     found = lookup_config(spec, target)
     if found is not None:
         return found, "winner"
-    return cfgmod.default_config(target), "default"
+    return cfgmod.default_config(target, spec), "default"
 
 
 BACKENDS = ("triton", "cuda", "hip")
 
 
 def load(spec: Spec | None = None, config: KernelConfig | None = None, *,
-         target: Target | str | None = None, backend: str = "triton"):
+         target: Target | str | None = None, backend: str = "triton"
+         ) -> BlockSparseAttention | CudaBlockSparseAttention | HipBlockSparseAttention:
     """The block-sparse attention op for `spec` (default: the contract's workload spec).
 
     `config` pins a variant; otherwise the tuned winner for this device is used when the tuning
@@ -288,7 +316,7 @@ def _load_hip(spec: Spec, config: KernelConfig | None):
     from tilegen.targets import get_target
 
     target = get_target("gfx942")
-    cfg = config or cfgmod.default_config(target)
+    cfg = config or cfgmod.default_config(target, spec)
     problems = cfgmod.violations(spec, target, cfg) + hip_violations(spec, cfg)
     if problems:
         raise ValueError(f"config {cfg.name} is invalid for the HIP backend: "
@@ -302,7 +330,17 @@ _ops: dict[Spec, BlockSparseAttention] = {}
 
 
 def _op_for(q: torch.Tensor, layout: str) -> BlockSparseAttention:
-    spec = Spec(head_dim=q.shape[-1], dtype=SPEC_DTYPES.get(q.dtype, str(q.dtype)), layout=layout)
+    """The op for q's dtype and head dim; errors name the argument, as validate_inputs does."""
+    _tensor("q", q)
+    if q.dtype not in SPEC_DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; block_sparse_attention takes "
+                        f"{[str(d) for d in SPEC_DTYPES]}")
+    if layout not in ("bshd", "bhsd"):
+        raise ValueError(f"layout={layout!r} is not allowed; allowed values: ['bshd', 'bhsd']")
+    if q.dim() != 4 or q.shape[-1] not in (64, 128):
+        raise ValueError(f"q must be 4-D {layout.upper()} with head dim 64 or 128, "
+                         f"got shape {tuple(q.shape)}")
+    spec = Spec(head_dim=q.shape[-1], dtype=SPEC_DTYPES[q.dtype], layout=layout)
     op = _ops.get(spec)
     if op is None:
         op = _ops[spec] = load(spec)

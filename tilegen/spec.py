@@ -34,14 +34,13 @@ SPEC_SCHEMA = 1
 
 def _as_int_tuple(name: str, value: Any, length: int) -> tuple[int, ...]:
     try:
-        out = tuple(int(v) for v in value)
+        items = list(value)
     except TypeError as exc:
         raise ValueError(f"Spec.{name} must be a sequence of {length} ints, got {value!r}") from exc
-    if len(out) != length or any(v <= 0 for v in out) or any(
-        isinstance(v, bool) or float(v) != v for v in value
-    ):
+    # exact ints only: 4.5 must not become 4, and True is not 1
+    if len(items) != length or any(type(v) is not int or v <= 0 for v in items):
         raise ValueError(f"Spec.{name} must be {length} positive ints, got {value!r}")
-    return out
+    return tuple(items)
 
 
 def _choice(name: str, value: Any, allowed: tuple) -> None:
@@ -132,6 +131,13 @@ class Spec:
         return self.num_cubes * self.block_kv
 
     @property
+    def torch_dtype(self):
+        """The torch dtype of q, k, v and o (imports torch on first use)."""
+        import torch
+
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]
+
+    @property
     def sm_scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim)
 
@@ -143,11 +149,6 @@ class Spec:
     @property
     def short_hash(self) -> str:
         return self._hash[:12]
-
-    def flops(self) -> float:
-        """Useful FLOPs of one forward call on the workload shape (both GEMMs, full cubes)."""
-        rows = self.batch * self.num_heads * self.num_cubes * self.block_q
-        return 4.0 * rows * self.topk * self.block_kv * self.head_dim
 
     # -- serialisation -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -216,3 +217,21 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def _reject_unknown_fields(init):
+    """Wrap the dataclass __init__ so an unknown keyword is a ValueError naming the field and
+    the known ones (the contract's promise for invalid specs), not a bare TypeError."""
+    known = tuple(f.name for f in dataclasses.fields(Spec) if f.init)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - set(known))
+        if unknown:
+            raise ValueError(f"unknown Spec field(s) {unknown}; known fields: {list(known)}")
+        init(self, *args, **kwargs)
+
+    __init__.__doc__ = init.__doc__
+    return __init__
+
+
+Spec.__init__ = _reject_unknown_fields(Spec.__init__)  # type: ignore[method-assign]

@@ -73,16 +73,11 @@ class _Match:
 
 
 def current_toolchain_key() -> str:
-    """The toolchain key of the Triton JIT path in this process, e.g. ``"triton=3.6.0"``.
+    """The toolchain key of the Triton JIT path in this process, e.g. ``"triton=3.6.0"``
+    (one definition: `tilegen.tune.toolchain`, which needs no SQLAlchemy)."""
+    from tilegen.tune.toolchain import current_toolchain_key as _key
 
-    Same format as `tilegen.db.toolchain_key` (``tool=version`` pairs), restricted to the tool
-    that builds the Triton kernel: Triton ships its own ptxas and LLVM, so its version pins the
-    machine code; nvcc and clang only matter to the C++ backends (recorded in the DB's
-    environment rows all the same).
-    """
-    import triton
-
-    return f"triton={triton.__version__}"
+    return _key()
 
 
 def current_device_name() -> str:
@@ -218,12 +213,12 @@ def find_winner(
             "stale", cfg, m.where,
             f"stale tuned winner {cfg.name} for spec {spec.short_hash} on {device} "
             f"({arch}) in {m.where}: recorded under {' and '.join(parts)}; not using it "
-            f"(re-run `tilegen tune`), using target default {default_config(target).name}",
+            f"(re-run `tilegen tune`), using target default {default_config(target, spec).name}",
             m.median_ms)
     return WinnerResult(
         "miss", None, "",
         f"no tuned winner for spec {spec.short_hash} on {device} ({arch}); using "
-        f"target default {default_config(target).name} (run `tilegen tune` to tune it)")
+        f"target default {default_config(target, spec).name} (run `tilegen tune` to tune it)")
 
 
 # --------------------------------------------------------------------------- the op's entry

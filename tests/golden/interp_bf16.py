@@ -65,7 +65,9 @@ def tilegen_block_sparse_attn(
                 p = tl.math.exp2(qk - m_ij[:, None])
                 alpha = tl.math.exp2(m_i - m_ij)
                 l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32))
+                p_bits = p.to(tl.uint32, bitcast=True)
+                p_bits = (p_bits + 0x7FFF + ((p_bits >> 16) & 1)) & 0xFFFF0000
+                acc = acc * alpha[:, None] + tl.dot(p_bits.to(tl.float32, bitcast=True).to(tl.float32), v.to(tl.float32))
                 m_i = m_ij
 
             elif sub_start < n_valid:
@@ -78,7 +80,9 @@ def tilegen_block_sparse_attn(
                 p = tl.math.exp2(qk - m_ij[:, None])
                 alpha = tl.math.exp2(m_i - m_ij)
                 l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32))
+                p_bits = p.to(tl.uint32, bitcast=True)
+                p_bits = (p_bits + 0x7FFF + ((p_bits >> 16) & 1)) & 0xFFFF0000
+                acc = acc * alpha[:, None] + tl.dot(p_bits.to(tl.float32, bitcast=True).to(tl.float32), v.to(tl.float32))
                 m_i = m_ij
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)

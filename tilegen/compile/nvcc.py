@@ -58,6 +58,12 @@ MAX_REGISTERS = 255
 
 
 # -- decisions ---------------------------------------------------------------------------------
+# Per-block shared memory opt-in limit of sm_90 and sm_100a (CUDA C Programming Guide, compute
+# capabilities 9.0 and 10.0: 227 KiB), and the kernel's static shared memory on top of it.
+MAX_SHARED_BYTES = 232448
+STATIC_SMEM_BYTES = 128
+
+
 def cuda_violations(spec: Spec, cfg: KernelConfig) -> list[str]:
     """Why the CUDA kernel cannot be built for (spec, cfg); empty when it can.
 
@@ -82,6 +88,10 @@ def cuda_violations(spec: Spec, cfg: KernelConfig) -> list[str]:
         problems.append(f"num_stages={cfg.num_stages} < 1")
     if cfg.interp_bf16:
         problems.append("interp_bf16 is a Triton-interpreter option; the CUDA kernel has none")
+    if shared_memory_bytes(spec, cfg) + STATIC_SMEM_BYTES > MAX_SHARED_BYTES:
+        problems.append(f"needs {shared_memory_bytes(spec, cfg) + STATIC_SMEM_BYTES} B of shared "
+                        f"memory, more than the {MAX_SHARED_BYTES} B a block may opt into on "
+                        "sm_90 / sm_100a")
     if not problems and registers_needed(spec, cfg) > MAX_REGISTERS:
         problems.append(f"each thread would hold ~{registers_needed(spec, cfg)} registers "
                         f"(O and S accumulators of {cfg.block_m // cfg.num_warps} rows per warp), "
@@ -161,7 +171,12 @@ def render_cuda(spec: Spec, cfg: KernelConfig) -> Source:
 def find_nvcc() -> Path:
     """$TILEGEN_NVCC, else nvcc on PATH, else $CUDA_HOME/bin/nvcc or /usr/local/cuda/bin/nvcc."""
     explicit = os.environ.get("TILEGEN_NVCC")
-    candidates = [explicit] if explicit else []
+    if explicit:  # an explicit choice is final: never fall back to another nvcc silently
+        if Path(explicit).is_file() and os.access(explicit, os.X_OK):
+            return Path(explicit)
+        raise ToolchainMissing(f"nvcc not found: TILEGEN_NVCC={explicit!r} is not an "
+                               f"executable; {INSTALL_HINT}")
+    candidates: list[str] = []
     on_path = shutil.which("nvcc")
     if on_path:
         candidates.append(on_path)
@@ -171,8 +186,7 @@ def find_nvcc() -> Path:
     for cand in candidates:
         if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
             return Path(cand)
-    where = f"TILEGEN_NVCC={explicit!r} is not an executable; " if explicit else ""
-    raise ToolchainMissing(f"nvcc not found ({where}searched PATH, $CUDA_HOME, /usr/local/cuda): "
+    raise ToolchainMissing(f"nvcc not found (searched PATH, $CUDA_HOME, /usr/local/cuda): "
                            f"{INSTALL_HINT}")
 
 

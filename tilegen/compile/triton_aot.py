@@ -18,7 +18,7 @@ from pathlib import Path
 from tilegen import cache
 from tilegen.compile import Artifact, CompileError
 from tilegen.config import KernelConfig
-from tilegen.jit import load_triton
+from tilegen.jit import load_triton, triton_imported_interpreted
 from tilegen.render import TRITON_KERNEL_NAME, Source, render_triton
 from tilegen.spec import Spec
 from tilegen.targets import Target
@@ -79,10 +79,7 @@ def _require_compiled_mode() -> None:
     """Triton fixes interpreter mode for its own library when `triton.language` is first
     imported; a process that imported it under TRITON_INTERPRET=1 cannot compile for a GPU
     (the AMD backend then fails inside Triton with a bare AssertionError). Say so instead."""
-    import sys
-
-    std = sys.modules.get("triton.language.standard")
-    if std is not None and type(std.sum).__name__ == "InterpretedFunction":
+    if triton_imported_interpreted():
         raise CompileError(
             "ahead-of-time compilation needs a process that imported triton without "
             "TRITON_INTERPRET=1; unset it (the `tilegen build` command does this itself)")
@@ -118,7 +115,7 @@ def compile_triton(spec: Spec, cfg: KernelConfig, target: Target, out_dir: Path,
             os.environ["TRITON_INTERPRET"] = saved
     asm = compiled.asm
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"triton_{source.name.removesuffix('.py')}_{cfg.name.split('_lse')[0]}"
+    stem = f"triton_{source.name.removesuffix('.py')}_{cfg.launch_name}"
     meta = compiled.metadata
     if target.triton_backend == "cuda":
         binary, kind = asm["cubin"], "cubin"
@@ -137,9 +134,9 @@ def compile_triton(spec: Spec, cfg: KernelConfig, target: Target, out_dir: Path,
         cache.atomic_write(out_dir / f"{stem}.amdgcn", amdgcn)
         registers = _amd_field(amdgcn, "vgpr_count")
         agprs = _amd_field(amdgcn, "agpr_count")
-        spills = (_amd_field(amdgcn, "vgpr_spill_count") or 0) + (
-            _amd_field(amdgcn, "sgpr_spill_count") or 0)
-        stack = _amd_field(amdgcn, "private_segment_fixed_size")
+        # scratch (private segment) bytes per lane, the unit the HIP backend reports too
+        spills = _amd_field(amdgcn, "private_segment_fixed_size")
+        stack = spills
         compiler = {"triton": triton.__version__, "llvm": "bundled with triton"}
     arch = target.arch
     return Artifact(

@@ -3,6 +3,9 @@
 The file is ``TuningDB.open(path)``'s ``path``, else ``$TILEGEN_DB``, else
 ``$XDG_CACHE_HOME/tilegen/tuning.sqlite`` (``~/.cache/tilegen/tuning.sqlite``). Schema and
 export format: ``tuning_db/README.md``.
+
+Importing this package needs SQLAlchemy. ``toolchain_key`` and ``TOOLCHAIN_FIELDS`` are
+re-exported from ``tilegen.tune.toolchain``, their one definition, which does not need it.
 """
 
 from tilegen.db.migrations import MIGRATIONS, SchemaVersionError
@@ -25,6 +28,7 @@ from tilegen.db.store import (
     canonical_json,
     default_db_path,
     env_key,
+    merge_export_file,
     normalize_env,
     resolve_db_path,
     toolchain_key,
@@ -51,6 +55,7 @@ __all__ = [
     "canonical_json",
     "default_db_path",
     "env_key",
+    "merge_export_file",
     "normalize_env",
     "resolve_db_path",
     "toolchain_key",

@@ -49,9 +49,9 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-
-#: Fields of an environment, in ``env_key`` order. ``device_name`` and ``arch`` are required;
-#: together they are the environment's identity (a unique key).
+#: Fields of an environment, in ``env_key`` order. ``device_name`` and ``arch`` are required
+#: (the others may be ""). All nine together are the environment's identity: the unique key
+#: ``uq_environments_identity`` covers every one of them, and ``env_key`` is a hash of them.
 ENV_FIELDS: tuple[str, ...] = (
     "device_name",
     "arch",
@@ -63,6 +63,7 @@ ENV_FIELDS: tuple[str, ...] = (
     "tilegen_version",
     "template_set_hash",
 )
+
 
 class UTCDateTime(TypeDecorator[datetime]):
     """A datetime stored as naive UTC (SQLite has no time zones) and read back as aware UTC.

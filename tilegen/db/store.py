@@ -31,6 +31,7 @@ from sqlalchemy import Engine, create_engine, event, func, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from tilegen.cache import atomic_write
 from tilegen.db.migrations import MIGRATIONS, Migration, read_version, upgrade
 from tilegen.db.models import (
     ENV_FIELDS,
@@ -42,6 +43,7 @@ from tilegen.db.models import (
     Workload,
     utcnow,
 )
+from tilegen.tune.toolchain import TOOLCHAIN_FIELDS, toolchain_key
 
 T = TypeVar("T")
 
@@ -62,11 +64,9 @@ TRIAL_STATUSES: tuple[str, ...] = (
     "pruned",
 )
 
-
-#: Environment fields that change generated machine code, hence winner validity (see
-#: ``toolchain_key``). The driver and torch are left out: Triton ships its own ptxas, and torch
-#: only launches the kernel.
-TOOLCHAIN_FIELDS: tuple[str, ...] = ("triton", "nvcc", "clang")
+# ``TOOLCHAIN_FIELDS`` and ``toolchain_key`` (imported above, re-exported by ``tilegen.db``) are
+# defined in ``tilegen.tune.toolchain``, the one definition of the key that winners are
+# recorded under; it is pure Python so that ``tilegen.winners`` can use it without SQLAlchemy.
 
 EXPORT_FORMAT = "tilegen-tuning-db"
 DEFAULT_BUSY_TIMEOUT_MS = 30_000
@@ -204,14 +204,32 @@ def env_key(env: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical_json(norm).encode()).hexdigest()[:16]
 
 
-def toolchain_key(env: Mapping[str, Any]) -> str:
-    """Readable key of the compilers in ``env``, e.g. ``"triton=3.6.0 nvcc=12.8"``.
+def _identity_text(tpl: str, tool: str, ms: float, when: datetime) -> str:
+    return f"{ms:.4g} ms, template set {tpl[:12]}, toolchain {tool!r}, recorded {_fmt_time(when)}"
 
-    Winners store it; a lookup with another key reports the winner as stale. Callers may pass
-    their own key instead; this is the recommended one.
-    """
-    parts = [f"{f}={env[f]}" for f in TOOLCHAIN_FIELDS if env.get(f)]
-    return " ".join(parts) if parts else "none"
+
+def _winner_note(
+    w: Mapping[str, Any],
+    res: SetWinnerResult,
+    local: tuple[str, str, float, datetime],
+    imported: tuple[str, str, float, datetime],
+) -> str:
+    """One line for ``ImportReport.notes``: what happened to a conflicting winner, and why."""
+    what = f"winner of {w['spec_hash'][:12]} on {w['device_name']} ({w['arch']})"
+    mine, theirs = _identity_text(*local), _identity_text(*imported)
+    why = {
+        "forced": "--force takes the file's winner",
+        "faster": "same template set and toolchain, the imported one is faster",
+        "slower": "same template set and toolchain, the local one is faster",
+        "newer": "another template set or toolchain, so the times are not comparable; "
+                 "the imported one was recorded later",
+        "older": "another template set or toolchain, so the times are not comparable; "
+                 + ("both were recorded at the same time" if local[3] == imported[3]
+                    else "the local one was recorded later"),
+    }.get(res.reason, res.reason)
+    if res.action == "replaced":
+        return f"replaced local {what} ({mine}) with the imported one ({theirs}): {why}"
+    return f"kept local {what} ({mine}) over the imported one ({theirs}): {why}"
 
 
 def _is_locked(exc: OperationalError) -> bool:
@@ -341,11 +359,18 @@ class WorkloadDetail:
 
 @dataclass(frozen=True)
 class SetWinnerResult:
-    """What ``set_winner`` did: "inserted", "replaced" or "kept" (the old one stays)."""
+    """What ``set_winner`` did: "inserted", "replaced" or "kept" (the old one stays).
+
+    ``reason`` says why: "new" (no winner before), "same" (the same winner again), "forced",
+    "faster" or "slower" (same template set and toolchain: times compared), "stale" (the old
+    one was recorded under another template set or toolchain, ``set_winner``), "newer" or
+    "older" (another template set or toolchain: the more recent recording is kept, import).
+    """
 
     action: WinnerAction
     median_ms: float
     previous_ms: float | None = None
+    reason: str = ""
 
 
 @dataclass
@@ -685,9 +710,19 @@ class TuningDB:
                 raise ValueError(f"candidate {candidate_id} is not a candidate of {spec_hash}")
             return self._put_winner(s, workload.id, cand.id, device_name, arch,
                                     template_set_hash, toolchain_key, ms, when,
-                                    force=force, replace_stale=True)
+                                    force=force, other_identity="replace")
 
         return self._retry(run, write=True)
+
+    @staticmethod
+    def _winner_row(s: Session, workload_id: int, device_name: str, arch: str) -> Winner | None:
+        return s.scalar(
+            select(Winner).where(
+                Winner.workload_id == workload_id,
+                Winner.device_name == device_name,
+                Winner.arch == arch,
+            )
+        )
 
     @staticmethod
     def _put_winner(
@@ -702,36 +737,47 @@ class TuningDB:
         recorded_at: datetime,
         *,
         force: bool,
-        replace_stale: bool,
+        other_identity: Literal["replace", "newer"],
     ) -> SetWinnerResult:
-        row = s.scalar(
-            select(Winner).where(
-                Winner.workload_id == workload_id,
-                Winner.device_name == device_name,
-                Winner.arch == arch,
-            )
-        )
+        """Insert, replace or keep the winner of (workload, device_name, arch).
+
+        Times are compared only between winners of the same (template set, toolchain). With
+        another identity, ``other_identity`` decides: "replace" (``set_winner``: a fresh
+        measurement beats a stale one) or "newer" (import: the more recent ``recorded_at``
+        wins, since a later recording is made with later templates). ``force`` always replaces.
+        """
+        row = TuningDB._winner_row(s, workload_id, device_name, arch)
         if row is None:
             s.add(Winner(workload_id=workload_id, device_name=device_name, arch=arch,
                          template_set_hash=template_set_hash, toolchain_key=toolchain,
                          candidate_id=candidate_id, median_ms=median_ms,
                          recorded_at=recorded_at))
             s.flush()
-            return SetWinnerResult("inserted", median_ms)
-        same = (row.candidate_id == candidate_id and row.median_ms == median_ms
-                and row.template_set_hash == template_set_hash
-                and row.toolchain_key == toolchain)
-        stale = row.template_set_hash != template_set_hash or row.toolchain_key != toolchain
+            return SetWinnerResult("inserted", median_ms, reason="new")
         previous = row.median_ms
-        if same or not (force or median_ms < row.median_ms or (replace_stale and stale)):
-            return SetWinnerResult("kept", row.median_ms, previous)
+        same_identity = (row.template_set_hash == template_set_hash
+                         and row.toolchain_key == toolchain)
+        if same_identity and row.candidate_id == candidate_id and row.median_ms == median_ms:
+            return SetWinnerResult("kept", row.median_ms, previous, reason="same")
+        if force:
+            reason, replace = "forced", True
+        elif same_identity:
+            replace = median_ms < row.median_ms
+            reason = "faster" if replace else "slower"
+        elif other_identity == "replace":
+            reason, replace = "stale", True
+        else:
+            replace = recorded_at > row.recorded_at
+            reason = "newer" if replace else "older"
+        if not replace:
+            return SetWinnerResult("kept", row.median_ms, previous, reason=reason)
         row.candidate_id = candidate_id
         row.template_set_hash = template_set_hash
         row.toolchain_key = toolchain
         row.median_ms = median_ms
         row.recorded_at = recorded_at
         s.flush()
-        return SetWinnerResult("replaced", median_ms, previous)
+        return SetWinnerResult("replaced", median_ms, previous, reason=reason)
 
     # -- reads -------------------------------------------------------------------------
 
@@ -966,17 +1012,8 @@ class TuningDB:
         if not isinstance(dest, str | os.PathLike):
             dest.write(text)
             return text
-        out = Path(dest)
-        out.parent.mkdir(parents=True, exist_ok=True)
         # Atomic: a reader (or a crash) never sees a half-written export.
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, out)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(Path(dest), text)
         return text
 
     def import_json(
@@ -988,7 +1025,15 @@ class TuningDB:
         """Merge an export into this DB, in one transaction. Re-importing is a no-op.
 
         Existing rows are kept (trials too: a local trial with the same (study, number) wins).
-        A winner conflict keeps the faster one, unless ``force``, which takes the file's.
+        A winner conflict (same spec, device name and arch) is settled by:
+
+        - ``force``: the file's winner replaces the local one;
+        - the same template set and toolchain: the faster one is kept;
+        - another template set or toolchain: the times are not comparable, so the one with the
+          later ``recorded_at`` is kept (a later recording is made with later templates); a
+          tie keeps the local one.
+
+        Every conflict that is not the same winner again gets a line in the report's ``notes``.
         ``src`` is a path, an open text file, or an already parsed document.
         """
         if isinstance(src, Mapping):
@@ -1076,23 +1121,63 @@ class TuningDB:
         for w in doc.get("winners", []):
             ms = _finite(w["median_ms"], "median_ms", required=True)
             assert ms is not None
+            wid = workload_id(w["spec_hash"])
+            when = _parse_time(w.get("recorded_at"))
+            prev = self._winner_row(s, wid, w["device_name"], w["arch"])
+            # Snapshot: _put_winner updates the row in place when it replaces it.
+            before = None if prev is None else (
+                prev.template_set_hash, prev.toolchain_key, prev.median_ms, prev.recorded_at)
             res = self._put_winner(
-                s, workload_id(w["spec_hash"]),
-                candidate_id(w["spec_hash"], w["config_name"], w["source_sha256"]),
+                s, wid, candidate_id(w["spec_hash"], w["config_name"], w["source_sha256"]),
                 w["device_name"], w["arch"], w["template_set_hash"], w["toolchain_key"],
-                ms, _parse_time(w.get("recorded_at")), force=force, replace_stale=False)
+                ms, when, force=force, other_identity="newer")
             if res.action == "inserted":
                 rep.winners_inserted += 1
             elif res.action == "replaced":
                 rep.winners_replaced += 1
             else:
                 rep.winners_kept += 1
-                if res.median_ms != ms:
-                    rep.notes.append(
-                        f"kept local winner of {w['spec_hash'][:12]} on {w['device_name']} "
-                        f"({w['arch']}): {res.median_ms:.4g} ms vs imported {ms:.4g} ms"
-                    )
+            if before is not None and res.reason != "same":
+                rep.notes.append(_winner_note(
+                    w, res, before, (w["template_set_hash"], w["toolchain_key"], ms, when)))
         return rep
+
+
+def merge_export_file(
+    dest: str | os.PathLike[str], doc: Mapping[str, Any]
+) -> ImportReport | None:
+    """Write the export ``doc`` to the file ``dest``, merged with the export already there.
+
+    When ``dest`` does not exist, ``doc`` is written as is (the same bytes as ``export_json``)
+    and None is returned. Otherwise the existing file and then ``doc`` are imported into a
+    throwaway DB, and the union is exported over ``dest`` (atomically, sorted, deterministic):
+    rows of both are kept, winner conflicts follow ``import_json``'s rules (``doc`` is the
+    import), and trials are kept only when the existing file has them. Merging the same
+    ``doc`` again gives the same bytes. Returns the report of importing ``doc``, whose
+    ``notes`` explain winner conflicts. An existing file that is not an export raises
+    ``ValueError`` naming it, and is left as it was.
+    """
+    out = Path(dest)
+    if not out.exists():
+        text = json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False,
+                          allow_nan=False) + "\n"
+        atomic_write(out, text)
+        return None
+    try:
+        existing = json.loads(out.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ValueError(f"cannot merge into {out}: not JSON ({exc})") from exc
+    with tempfile.TemporaryDirectory(prefix="tilegen-merge-") as tmp:
+        with TuningDB.open(Path(tmp) / DB_FILENAME) as db:
+            try:
+                db.import_json(existing)
+            except (KeyError, ValueError) as exc:
+                detail = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+                raise ValueError(f"cannot merge into {out}: {detail}") from exc
+            report = db.import_json(doc)
+            include_trials = isinstance(existing, Mapping) and "trials" in existing
+            db.export_json(out, include_trials=include_trials)
+    return report
 
 
 __all__ = [
@@ -1113,6 +1198,7 @@ __all__ = [
     "canonical_json",
     "default_db_path",
     "env_key",
+    "merge_export_file",
     "normalize_env",
     "resolve_db_path",
     "toolchain_key",

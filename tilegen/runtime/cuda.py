@@ -203,7 +203,7 @@ class CudaBlockSparseAttention:
         from tilegen.targets import get_target
 
         target = get_target(target_name)
-        cfg = self._config or default_config(target)
+        cfg = self._config or default_config(target, self.spec)
         check_config(self.spec, target, cfg)
         cuda_traits(self.spec, cfg)  # CUDA's own tiling rules
         return cfg

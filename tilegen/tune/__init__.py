@@ -4,7 +4,8 @@
   launch and render fragments, seeds;
 - `tilegen.tune.objective`: one trial in a persistent worker process, failure classes;
 - `tilegen.tune.session`: the Optuna study (resumable RDB storage), winners into the DB;
-- `tilegen.tune.cli`: ``tilegen tune`` and ``tilegen db``.
+- `tilegen.tune.cli`: ``tilegen tune`` and ``tilegen db``;
+- `tilegen.tune.toolchain`: the toolchain key winners are recorded under (pure Python).
 
 Names are imported lazily: ``import tilegen.tune`` pulls in neither Optuna nor torch.
 """
@@ -29,6 +30,9 @@ _EXPORTS = {
     "SessionResult": "session",
     "SessionError": "session",
     "run_session": "session",
+    "TOOLCHAIN_FIELDS": "toolchain",
+    "current_toolchain_key": "toolchain",
+    "toolchain_key": "toolchain",
 }
 
 

@@ -116,7 +116,8 @@ def add_tune_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                    "--space num_stages=2,3,4,5")
     p.add_argument("--export", metavar="JSON",
                    help="after the session, export this spec's winners and candidates "
-                   "(tilegen db export format), e.g. tuning_db/winners.json")
+                   "(tilegen db export format), e.g. tuning_db/winners.json; an existing "
+                   "export there is merged with, not overwritten (same rules as db import)")
     p.add_argument("--summary", metavar="JSON",
                    help="write the session summary (wall time, counts, best, seeds, speedups)")
     p.add_argument("--plot", metavar="PNG", help="plot the tuning history (needs matplotlib)")
@@ -131,10 +132,32 @@ def add_tune_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 # ============================================================================ db
 
 
+#: Actions that only read the DB: they never create it (or its folder).
+_READ_ONLY = ("list", "show", "export")
+
+
 def _open_db(args: argparse.Namespace):
     from tilegen.db import TuningDB
 
     return TuningDB.open(args.db)
+
+
+def _missing_db(args: argparse.Namespace) -> int | None:
+    """For a read-only action on a DB file that does not exist: say so and return the exit
+    code (0 for list: an empty listing; 1 for show and export: nothing to show). Else None."""
+    from tilegen.db import resolve_db_path
+
+    if args.action not in _READ_ONLY:
+        return None
+    path = resolve_db_path(args.db)
+    if path.exists():
+        return None
+    line = f"no tuning DB at {path} (nothing tuned yet; run tilegen tune)"
+    if args.action == "list":
+        print(line)
+        return 0
+    print(f"tilegen db: error: {line}", file=sys.stderr)
+    return 1
 
 
 def _resolve_hash(db: Any, prefix: str) -> str:
@@ -147,6 +170,9 @@ def _resolve_hash(db: Any, prefix: str) -> str:
 
 
 def cmd_db(args: argparse.Namespace) -> int:
+    code = _missing_db(args)
+    if code is not None:
+        return code
     try:
         with _open_db(args) as db:
             return _DB_ACTIONS[args.action](db, args)

@@ -282,7 +282,6 @@ class _WorkerState:
 
         from tilegen import bench, captures
         from tilegen.jit import interpreting
-        from tilegen.ops import TORCH_DTYPES
         from tilegen.spec import Spec
         from tilegen.targets import detect_target
 
@@ -313,8 +312,7 @@ class _WorkerState:
         self.caps: list[tuple[str, dict]] = []
         self.refs: list[Any] = []
         self.infos: list[CaptureInfo] = []
-        dtype = TORCH_DTYPES[self.spec.dtype]
-        for name, cap in self._captures(captures, dtype):
+        for name, cap in self._captures(captures):
             ref, how = self._reference(cap)
             outlier = bool(cap.get("outlier_heads")) or "o_ref" in cap
             self.caps.append((name, cap))
@@ -322,9 +320,7 @@ class _WorkerState:
             self.infos.append(CaptureInfo(name, bench.flops_of(cap, self.spec), outlier, how))
         if not any(i.outlier for i in self.infos):
             # The gate must see an overflow-prone head (contract: "including an outlier one").
-            cap = captures.synthesize(seed=0, grid=self.spec.grid, heads=self.spec.num_heads,
-                                      head_dim=self.spec.head_dim, topk=self.spec.topk,
-                                      dtype=dtype, device=self.device, outlier=True)
+            cap = captures.synthesize_for(self.spec, seed=0, device=self.device, outlier=True)
             ref, how = self._reference(cap)
             self.caps.append(("synthetic_outlier_seed0", cap))
             self.refs.append(ref)
@@ -339,26 +335,24 @@ class _WorkerState:
             torch=torch.__version__, triton=triton.__version__, captures=self.infos,
             setup_s=time.perf_counter() - t0, notes=self.notes)
 
-    def _captures(self, captures: Any, dtype: Any):
+    def _captures(self, captures: Any):
+        """The capture set in the spec's dtype and layout (files on disk are BSHD)."""
         from pathlib import Path
 
-        spec = self.spec
         if self.setup.captures == "synthetic":
             for seed in self.setup.seeds:
-                cap = captures.synthesize(seed=seed, grid=spec.grid, heads=spec.num_heads,
-                                          head_dim=spec.head_dim, topk=spec.topk, dtype=dtype,
-                                          device=self.device, outlier=True)
-                yield f"synthetic_seed{seed}", cap
+                yield f"synthetic_seed{seed}", captures.synthesize_for(
+                    self.spec, seed=seed, device=self.device, outlier=True)
             return
         paths = sorted(Path(self.setup.captures).glob("*.pt"))
         if not paths:
             raise WorkerSetupError(f"no capture .pt files in {self.setup.captures}")
         for path in paths:
-            yield path.name, captures.load(path, device=self.device)
+            yield path.name, captures.for_spec(captures.load(path, device=self.device), self.spec)
 
     def _reference(self, cap: dict) -> tuple[Any, str]:
         """The output a candidate is scored against, computed once per capture."""
-        from tilegen.config import REFERENCE_CONFIG
+        from tilegen.config import reference_config
         from tilegen.ops import BlockSparseAttention, validate_inputs
         from tilegen.reference import attention_fp32
 
@@ -372,7 +366,8 @@ class _WorkerState:
         try:
             # Built directly (not through load): the reference variant is the contract's
             # kernel, used as the yardstick even where its tiles exceed a target's preference.
-            ref_op = BlockSparseAttention(self.spec, REFERENCE_CONFIG, None, "reference")
+            ref_op = BlockSparseAttention(self.spec, reference_config(self.spec), None,
+                                          "reference")
             o, _ = ref_op(*args)
             self._sync()
             return o, "reference variant"

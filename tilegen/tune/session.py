@@ -21,7 +21,8 @@ Flow (`run_session`):
    (failures as FAIL, with class and message in the trial's user attributes);
 6. the best passing trial becomes the winner in the tilegen DB (`set_winner`, keyed by spec
    hash, device name, arch, template-set hash and toolchain key); a table of the top configs
-   is printed, and optionally an export, a summary JSON and a plot are written.
+   is printed, and optionally an export (merged into the file when it already holds one), a
+   summary JSON and a plot are written.
 
 Scaling out: with ``--workers N`` one session drives N local GPUs (one worker each, pinned
 with ``CUDA_VISIBLE_DEVICES``) over one study. Several hosts share a study through
@@ -79,7 +80,6 @@ CLAIMED = "claimed"
 _UNTAGGED_GRACE_S = 30.0
 
 
-
 def _open_storage(optuna: Any, url: str, kwargs: dict[str, Any]) -> Any:
     """Optuna's RDB storage. Hosts that start on a fresh database at the same moment race to
     create its tables (PostgreSQL then raises a unique violation on its catalog); the loser
@@ -94,6 +94,7 @@ def _open_storage(optuna: Any, url: str, kwargs: dict[str, Any]) -> Any:
                 raise
             time.sleep(0.5 * (attempt + 1) + random.random() * 0.5)
     raise AssertionError("unreachable")
+
 
 class SessionError(RuntimeError):
     """The session cannot run (no device, bad options, a worker that cannot start)."""
@@ -314,7 +315,8 @@ class _Session:
 
     def prepare(self, info: WorkerInfo, target: Target) -> None:
         from tilegen import __version__
-        from tilegen.winners import current_template_set_hash, current_toolchain_key, find_winner
+        from tilegen.tune.toolchain import current_toolchain_key
+        from tilegen.winners import current_template_set_hash, find_winner
 
         o, optuna = self.opts, self.optuna
         self.info, self.target = info, target
@@ -831,6 +833,33 @@ def plot_history(rows: Sequence[TrialRow], path: str | Path, title: str = "") ->
     return f"tune: wrote tuning history plot {path}"
 
 
+def export_spec(db: Any, spec: Spec, dest: str | Path, out: IO[str]) -> None:
+    """``--export``: write the spec's workload, candidates and winners to `dest`.
+
+    An existing export at `dest` is merged with, not overwritten
+    (`tilegen.db.merge_export_file`), so that exporting a second spec to
+    ``tuning_db/winners.json`` keeps the winners already shipped there. The tuning results are
+    in the DB before this runs; a file that cannot be merged is a `SessionError` naming it.
+    """
+    from tilegen.db import merge_export_file
+
+    doc = db.export_dict(spec_hash=spec.hash)
+    try:
+        report = merge_export_file(dest, doc)
+    except (ValueError, OSError) as exc:
+        raise SessionError(
+            f"--export {dest}: {exc}; the session's results are in the tuning DB {db.path} "
+            f"(move the file away and run `tilegen db export --spec-hash {spec.short_hash} "
+            f"--out {dest}`)") from exc
+    if report is None:
+        print(f"exported winners of spec {spec.short_hash} to {dest}", file=out)
+        return
+    print(f"merged winners of spec {spec.short_hash} into {dest}"
+          + ("" if report.changed else " (no change)"), file=out)
+    for note in report.notes:
+        print(f"  {note}", file=out)
+
+
 def run_session(opts: TuneOptions) -> SessionResult:
     """Run (or resume) a tuning session; see the module docstring."""
     t0 = time.perf_counter()
@@ -907,8 +936,7 @@ def run_session(opts: TuneOptions) -> SessionResult:
             print(f"speedup of the best over {label}: {factor:.3f}x", file=out)
         print(f"winner: {winner}", file=out)
         if opts.export:
-            sess.db.export_json(opts.export, spec_hash=opts.spec.hash)
-            print(f"exported winners of spec {opts.spec.short_hash} to {opts.export}", file=out)
+            export_spec(sess.db, opts.spec, opts.export, out)
         if opts.summary:
             Path(opts.summary).parent.mkdir(parents=True, exist_ok=True)
             Path(opts.summary).write_text(json.dumps(result.to_dict(), indent=2,
@@ -930,6 +958,7 @@ __all__ = [
     "TuneOptions",
     "default_storage_url",
     "default_study_name",
+    "export_spec",
     "plot_history",
     "run_session",
 ]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from tilegen import config as cfgmod
-from tilegen.config import REFERENCE_CONFIG, KernelConfig, default_config
+from tilegen.config import KernelConfig, default_config, reference_config
 from tilegen.spec import Spec
 from tilegen.targets import Target
 
@@ -142,7 +142,7 @@ class SearchSpace:
         ranges.update(overrides or {})
         launch = [make_dim(n, ranges[n]) for n in LAUNCH_FIELDS if n in ranges]
         render = [make_dim(n, ranges[n]) for n in sorted(ranges) if n not in LAUNCH_FIELDS]
-        return cls(spec, target, tuple(launch + render), default_config(target))
+        return cls(spec, target, tuple(launch + render), default_config(target, spec))
 
     # -- shape -----------------------------------------------------------------------------
     @property
@@ -217,8 +217,8 @@ def seed_configs(space: SearchSpace, known: Sequence[tuple[str, KernelConfig]] =
     `known` (e.g. a tuned winner, even a stale one). Configs outside the space are dropped (an
     Optuna parameter cannot take a value outside its choices); a repeated config keeps one
     entry whose label joins its roles."""
-    candidates = [("target default", default_config(space.target)),
-                  ("reference", REFERENCE_CONFIG), *known]
+    candidates = [("target default", default_config(space.target, space.spec)),
+                  ("reference", reference_config(space.spec)), *known]
     labels: dict[str, list[str]] = {}
     configs: dict[str, KernelConfig] = {}
     for label, cfg in candidates:

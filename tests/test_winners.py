@@ -180,3 +180,22 @@ def test_lookup_without_sqlalchemy(where: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [TUNED.name, "None"]
     assert "no tuned winner" in out.stderr  # WARNING reaches stderr with no logging set up
+
+
+def test_shipped_winners_are_current():
+    """Every winner shipped in tuning_db/*.json was tuned under the current Triton templates and
+    Triton version; otherwise a fresh install would log it as stale and run the default. A
+    Triton template edit therefore needs a re-tune (bench/tune_h200.sh) before it lands."""
+    import triton
+
+    from tilegen.paths import ROOT
+
+    shipped = sorted((ROOT / "tuning_db").glob("*.json"))
+    assert shipped, "no shipped winners in tuning_db/"
+    for path in shipped:
+        for w in json.loads(path.read_text())["winners"]:
+            assert w["template_set_hash"] == template_set_hash("triton"), (
+                f"{path.name}: winner {w['config_name']} on {w['device_name']} was tuned under "
+                f"template set {w['template_set_hash'][:12]}, current "
+                f"{template_set_hash('triton')[:12]}: re-run bench/tune_h200.sh")
+            assert w["toolchain_key"] == f"triton={triton.__version__}", path.name

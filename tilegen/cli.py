@@ -24,7 +24,7 @@ EPILOG = """examples:
 
 
 def _spec(args: argparse.Namespace) -> Spec:
-    return Spec.from_file(args.spec) if getattr(args, "spec", None) else Spec()
+    return Spec.from_file_or_default(getattr(args, "spec", None))
 
 
 def _config(args: argparse.Namespace) -> KernelConfig | None:

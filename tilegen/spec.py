@@ -206,6 +206,11 @@ class Spec:
     def replace(self, **changes: Any) -> Spec:
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def from_file_or_default(cls, path: str | Path | None) -> Spec:
+        """`from_file(path)`, or the default spec when no path is given (the CLI's --spec)."""
+        return cls.from_file(path) if path else cls()
+
 
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):

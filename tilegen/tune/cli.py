@@ -36,7 +36,7 @@ DB_EPILOG = """examples:
 def _spec(args: argparse.Namespace):
     from tilegen.spec import Spec
 
-    return Spec.from_file(args.spec) if getattr(args, "spec", None) else Spec()
+    return Spec.from_file_or_default(getattr(args, "spec", None))
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

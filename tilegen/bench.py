@@ -1,4 +1,5 @@
-"""Score and time kernels on captures: the op under test against the reference variant.
+"""Score and time kernels on captures: the op under test against the reference variant, with
+dense PyTorch SDPA beside them as the peer a sparse kernel must beat.
 
 Both run in the same process on the same inputs, so a noisy shared GPU affects them alike.
 Timing is kernel-only: inputs are validated once, then `launch` is timed with
@@ -100,6 +101,23 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def dense_peer(spec: Spec, cap: dict, name: str) -> Row:
+    """The dense baseline a sparse kernel has to beat: PyTorch SDPA (FlashAttention backend
+    where available) over every token, on the same q, k, v. Timed only: it computes a different
+    function (no sparsity, no vbs masking), so there is no score, and it never fails the run."""
+    import torch.nn.functional as F
+    import triton
+
+    q, k, v = (t if spec.layout == "bhsd" else t.transpose(1, 2).contiguous()
+               for t in (cap["q"], cap["k"], cap["v"]))
+    ms = float(triton.testing.do_bench(lambda: F.scaled_dot_product_attention(q, k, v),
+                                       warmup=100, rep=500, return_mode="median"))
+    B, H, S, D = q.shape
+    flops = 4.0 * B * H * S * S * D
+    return Row(name, "peer: dense SDPA", "torch", True, "timing only (dense attention)", ms,
+               flops / ms / 1e9)
+
+
 def run_bench(spec: Spec, where: str, config: KernelConfig | None, seeds: int = 1) -> int:
     if not torch.cuda.is_available():
         print("tilegen bench: no GPU found; bench times kernels on a CUDA/ROCm device",
@@ -109,6 +127,7 @@ def run_bench(spec: Spec, where: str, config: KernelConfig | None, seeds: int = 
     rows: list[Row] = []
     for name, cap in iter_captures(spec, where, seeds, "cuda"):
         rows += compare(spec, cap, variants, name)
+        rows.append(dense_peer(spec, cap, name))
         del cap
         torch.cuda.empty_cache()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")

@@ -147,9 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-outlier", action="store_true", help="omit the overflow outlier head")
     p.set_defaults(func=cmd_captures)
 
-    p = sub.add_parser("bench", help="score and time the op on captures (needs a GPU)",
+    p = sub.add_parser("bench", help="score and time the op on captures, beside dense SDPA (GPU)",
                        description="Run the op and the reference variant on each capture: "
-                       "score with the contract's rule and time with triton.testing.do_bench.")
+                       "score with the contract's rule and time with triton.testing.do_bench; "
+                       "dense PyTorch SDPA on the same q, k, v is timed beside them (peer).")
     p.add_argument("--spec")
     p.add_argument("--captures", default="synthetic",
                    help="directory of capture .pt files, or 'synthetic' (default)")

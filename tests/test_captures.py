@@ -301,5 +301,9 @@ def test_synthesize_for_spec_follows_dtype_layout_and_cube():
     bshd = captures.synthesize(seed=1, grid=(4, 4, 8), heads=2, head_dim=64, topk=2, batch=2,
                                dtype=torch.float16, cube=(2, 4, 4))
     assert torch.equal(captures.for_spec(bshd, spec)["k"], cap["k"])
-    with pytest.raises(ValueError, match="head_dim=128"):
+    with pytest.raises(ValueError, match="head_dim is 64, spec wants 128"):
         captures.for_spec(bshd, spec.replace(head_dim=128))
+    with pytest.raises(ValueError, match="topk is 2, spec wants 3"):
+        captures.for_spec(bshd, spec.replace(topk=3))
+    with pytest.raises(ValueError, match="seq_len"):  # converting twice is caught too
+        captures.for_spec(cap, spec)

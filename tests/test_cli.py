@@ -59,6 +59,18 @@ def test_build_with_spec_file_and_config(tmp_path):
     assert manifest["artifacts"][0]["config"] == "bm32_bn32_w4_s2_lse"
 
 
+def test_rebuild_replaces_the_previous_build(tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")  # not tilegen's: left alone
+    tilegen("build", "--target", "sm_90", "--backend", "triton", "--out", str(out))
+    tilegen("build", "--target", "sm_90", "--backend", "triton", "--out", str(out),
+            "--config", '{"block_n": 32}')
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert sorted(p.name for p in out.iterdir()) == sorted(manifest["files"] + ["notes.txt"])
+    assert not list(out.glob("*bn64*"))  # no binary of the first build is left behind
+
+
 def test_missing_compiler_fails_before_writing_anything(tmp_path):
     out = tmp_path / "out"
     res = tilegen("build", "--target", "sm_90", "--out", str(out), check=False,

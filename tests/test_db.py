@@ -731,3 +731,31 @@ def test_next_schema_change_is_append_a_function(tmp_path: Path) -> None:
     # This code is still at SCHEMA_VERSION, so the upgraded file is now "newer".
     with pytest.raises(SchemaVersionError):
         TuningDB.open(path)
+
+
+def test_import_prefers_the_winner_matching_the_current_templates(tmp_path):
+    """An export tuned later on an older checkout must not replace the winner that matches
+    this checkout's templates (tilegen.load would only report it stale)."""
+    from datetime import UTC, datetime
+
+    def make(path, tpl, ms, when):
+        db = TuningDB.open(path)
+        db.upsert_workload("a" * 64, {"head_dim": 128})
+        cid = db.add_candidate("a" * 64, f"cfg_{tpl}", {"block_m": 64}, "s" * 64)
+        db.set_winner("a" * 64, cid, device_name="NVIDIA H200", arch="sm_90",
+                      template_set_hash=tpl, toolchain_key="triton=3.6.0", median_ms=ms,
+                      recorded_at=when)
+        return db
+
+    local = make(tmp_path / "local.sqlite", "NEW", 10.0, datetime(2026, 1, 1, tzinfo=UTC))
+    other = make(tmp_path / "other.sqlite", "OLD", 9.0, datetime(2026, 6, 1, tzinfo=UTC))
+    doc = other.export_dict()
+    rep = local.import_json(doc, current=("NEW", "triton=3.6.0"))
+    assert local.lookup_winner("a" * 64, "NVIDIA H200", "sm_90", "NEW", "triton=3.6.0").hit
+    assert any("matches this checkout" in n for n in rep.notes)
+    # without knowing the current identity, the later recording wins (documented fallback)
+    local.import_json(doc)
+    assert local.lookup_winner("a" * 64, "NVIDIA H200", "sm_90", "NEW",
+                               "triton=3.6.0").status == "stale"
+    local.close()
+    other.close()

@@ -134,12 +134,30 @@ def build(spec: Spec, target: Target, out_dir: Path, config: KernelConfig | None
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         manifest = _build_into(staging, items, spec, target, progress)
+        manifest["files"] = sorted(p.name for p in staging.iterdir()) + ["manifest.json"]
+        cache.atomic_write(staging / "manifest.json", json.dumps(manifest, indent=2) + "\n")
         out_dir.mkdir(parents=True, exist_ok=True)
+        _remove_previous_build(out_dir)
         for path in sorted(staging.iterdir()):
             os.replace(path, out_dir / path.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return manifest
+
+
+def _remove_previous_build(out_dir: Path) -> None:
+    """Delete what an earlier build listed in its manifest, so the folder never mixes binaries
+    of two builds; files the user put there are left alone."""
+    old = out_dir / "manifest.json"
+    if not old.exists():
+        return
+    try:
+        names = json.loads(old.read_text()).get("files", [])
+    except (OSError, ValueError):
+        names = []
+    for name in names:
+        if "/" not in name and name not in ("", ".", ".."):
+            (out_dir / name).unlink(missing_ok=True)
 
 
 def require_toolchain(backend: str) -> None:
@@ -181,7 +199,6 @@ def _build_into(out_dir: Path, items: list[PlannedSource], spec: Spec, target: T
         "backend_template_hashes": {b: template_set_hash(b) for b in target.backends},
         "artifacts": [_relative(a.to_dict(), out_dir) for a in artifacts],
     }
-    cache.atomic_write(out_dir / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 

@@ -26,10 +26,15 @@ def key_of(*parts: str | bytes) -> str:
     return h.hexdigest()
 
 
-def _umask() -> int:
-    mask = os.umask(0)
+def _read_umask() -> int:
+    # Read once, at import: os.umask can only be read by setting it, which would race with
+    # other threads creating files (tuning sessions drive workers from threads).
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+_UMASK = _read_umask()
 
 
 def atomic_write(path: Path, data: str | bytes | Callable[[BinaryIO], object]) -> Path:
@@ -47,7 +52,7 @@ def atomic_write(path: Path, data: str | bytes | Callable[[BinaryIO], object]) -
                 f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -552,12 +552,20 @@ def for_spec(cap: dict, spec: Any) -> dict:
 
     Capture files are BSHD (contract.md); a BHSD spec gets contiguous transposed copies, and a
     dtype other than the file's is a cast (say so when you tune an fp16 spec on bf16 captures).
-    The shapes must match the spec's head dim; the op validates the rest.
+    The capture must be BSHD (as loaded or synthesized, not already converted) and match the
+    spec's workload (batch, grid and cube, heads, head dim, topk): ValueError naming the field.
     """
     out = dict(cap)
-    if cap["q"].shape[-1] != spec.head_dim:
-        raise ValueError(f"capture has head dim {cap['q'].shape[-1]}, spec wants "
-                         f"head_dim={spec.head_dim}")
+    # The workload fields are part of the spec hash that keys tuned winners: a capture of
+    # another shape would record a winner for a workload it was never measured on.
+    B, S, H, D = cap["q"].shape  # BSHD, as on disk
+    topk = cap["topk_idx"].shape[-1]
+    for field_name, have, want in (("head_dim", D, spec.head_dim), ("batch", B, spec.batch),
+                                   ("seq_len (grid, cube)", S, spec.seq_len),
+                                   ("num_heads", H, spec.num_heads), ("topk", topk, spec.topk)):
+        if have != want:
+            raise ValueError(f"capture q {tuple(cap['q'].shape)} (BSHD) does not fit the spec: "
+                             f"{field_name} is {have}, spec wants {want}")
     for key in ("q", "k", "v", "o_ref"):
         if key in out:
             t = out[key].to(spec.torch_dtype)

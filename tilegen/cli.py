@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                        description="Run the op and the reference variant on each capture: "
                        "score with the contract's rule and time with triton.testing.do_bench; "
                        "dense PyTorch SDPA on the same q, k, v is timed beside them (peer).")
-    p.add_argument("--spec")
+    p.add_argument("--spec", help="spec file (.toml or .json); default: the Wan2.2 workload spec")
     p.add_argument("--captures", default="synthetic",
                    help="directory of capture .pt files, or 'synthetic' (default)")
     p.add_argument("--seeds", type=int, default=1, help="synthetic captures to make")

@@ -11,6 +11,7 @@ the kernel cache, the tuning DB and the build manifests.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -229,13 +230,13 @@ def _reject_unknown_fields(init):
     the known ones (the contract's promise for invalid specs), not a bare TypeError."""
     known = tuple(f.name for f in dataclasses.fields(Spec) if f.init)
 
+    @functools.wraps(init)  # keeps the field signature for help() and IDEs
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         unknown = sorted(set(kwargs) - set(known))
         if unknown:
             raise ValueError(f"unknown Spec field(s) {unknown}; known fields: {list(known)}")
         init(self, *args, **kwargs)
 
-    __init__.__doc__ = init.__doc__
     return __init__
 
 

@@ -226,6 +226,8 @@ def _winner_note(
         "older": "another template set or toolchain, so the times are not comparable; "
                  + ("both were recorded at the same time" if local[3] == imported[3]
                     else "the local one was recorded later"),
+        "current": "only the imported one matches this checkout's templates and toolchain",
+        "stale": "only the local one matches this checkout's templates and toolchain",
     }.get(res.reason, res.reason)
     if res.action == "replaced":
         return f"replaced local {what} ({mine}) with the imported one ({theirs}): {why}"
@@ -364,7 +366,9 @@ class SetWinnerResult:
     ``reason`` says why: "new" (no winner before), "same" (the same winner again), "forced",
     "faster" or "slower" (same template set and toolchain: times compared), "stale" (the old
     one was recorded under another template set or toolchain, ``set_winner``), "newer" or
-    "older" (another template set or toolchain: the more recent recording is kept, import).
+    "older" (another template set or toolchain: the more recent recording is kept, import),
+    "current" (import: only the imported one matches the caller's current identity; the
+    same word "stale" then means only the local one does).
     """
 
     action: WinnerAction
@@ -738,13 +742,16 @@ class TuningDB:
         *,
         force: bool,
         other_identity: Literal["replace", "newer"],
+        current: tuple[str, str] | None = None,
     ) -> SetWinnerResult:
         """Insert, replace or keep the winner of (workload, device_name, arch).
 
         Times are compared only between winners of the same (template set, toolchain). With
         another identity, ``other_identity`` decides: "replace" (``set_winner``: a fresh
-        measurement beats a stale one) or "newer" (import: the more recent ``recorded_at``
-        wins, since a later recording is made with later templates). ``force`` always replaces.
+        measurement beats a stale one) or "newer" (import). On import, when ``current`` (this
+        process's (template set hash, toolchain key)) is given and exactly one of the two
+        winners matches it, that one wins: the other would only be reported stale. Otherwise
+        the more recent ``recorded_at`` wins. ``force`` always replaces.
         """
         row = TuningDB._winner_row(s, workload_id, device_name, arch)
         if row is None:
@@ -766,6 +773,11 @@ class TuningDB:
             reason = "faster" if replace else "slower"
         elif other_identity == "replace":
             reason, replace = "stale", True
+        elif current is not None and (
+                ((template_set_hash, toolchain) == current)
+                != ((row.template_set_hash, row.toolchain_key) == current)):
+            replace = (template_set_hash, toolchain) == current
+            reason = "current" if replace else "stale"
         else:
             replace = recorded_at > row.recorded_at
             reason = "newer" if replace else "older"
@@ -1021,6 +1033,7 @@ class TuningDB:
         src: str | os.PathLike[str] | IO[str] | Mapping[str, Any],
         *,
         force: bool = False,
+        current: tuple[str, str] | None = None,
     ) -> ImportReport:
         """Merge an export into this DB, in one transaction. Re-importing is a no-op.
 
@@ -1029,9 +1042,10 @@ class TuningDB:
 
         - ``force``: the file's winner replaces the local one;
         - the same template set and toolchain: the faster one is kept;
-        - another template set or toolchain: the times are not comparable, so the one with the
-          later ``recorded_at`` is kept (a later recording is made with later templates); a
-          tie keeps the local one.
+        - another template set or toolchain: the times are not comparable. When ``current``
+          (the caller's (template set hash, toolchain key), as `tilegen.load` would match) is
+          given and only one of the two matches it, that one is kept; otherwise the one with
+          the later ``recorded_at`` is kept, and a tie keeps the local one.
 
         Every conflict that is not the same winner again gets a line in the report's ``notes``.
         ``src`` is a path, an open text file, or an already parsed document.
@@ -1049,9 +1063,10 @@ class TuningDB:
             raise ValueError(
                 f"export has schema version {version!r}; this tilegen reads 1..{SCHEMA_VERSION}"
             )
-        return self._retry(lambda s: self._import(s, doc, force), write=True)
+        return self._retry(lambda s: self._import(s, doc, force, current), write=True)
 
-    def _import(self, s: Session, doc: Mapping[str, Any], force: bool) -> ImportReport:
+    def _import(self, s: Session, doc: Mapping[str, Any], force: bool,
+                current: tuple[str, str] | None = None) -> ImportReport:
         rep = ImportReport()
         wl: dict[str, int] = {}
         for w in doc.get("workloads", []):
@@ -1130,7 +1145,7 @@ class TuningDB:
             res = self._put_winner(
                 s, wid, candidate_id(w["spec_hash"], w["config_name"], w["source_sha256"]),
                 w["device_name"], w["arch"], w["template_set_hash"], w["toolchain_key"],
-                ms, when, force=force, other_identity="newer")
+                ms, when, force=force, other_identity="newer", current=current)
             if res.action == "inserted":
                 rep.winners_inserted += 1
             elif res.action == "replaced":
@@ -1144,7 +1159,8 @@ class TuningDB:
 
 
 def merge_export_file(
-    dest: str | os.PathLike[str], doc: Mapping[str, Any]
+    dest: str | os.PathLike[str], doc: Mapping[str, Any],
+    current: tuple[str, str] | None = None,
 ) -> ImportReport | None:
     """Write the export ``doc`` to the file ``dest``, merged with the export already there.
 
@@ -1174,7 +1190,7 @@ def merge_export_file(
             except (KeyError, ValueError) as exc:
                 detail = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
                 raise ValueError(f"cannot merge into {out}: {detail}") from exc
-            report = db.import_json(doc)
+            report = db.import_json(doc, current=current)
             include_trials = isinstance(existing, Mapping) and "trials" in existing
             db.export_json(out, include_trials=include_trials)
     return report

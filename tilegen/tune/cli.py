@@ -230,7 +230,9 @@ def _db_export(db: Any, args: argparse.Namespace) -> int:
 
 
 def _db_import(db: Any, args: argparse.Namespace) -> int:
-    rep = db.import_json(Path(args.file), force=args.force)
+    from tilegen.tune.session import _current_identity
+
+    rep = db.import_json(Path(args.file), force=args.force, current=_current_identity())
     print(f"imported {args.file} into {db.path}: workloads +{rep.workloads_added}, "
           f"environments +{rep.environments_added}, candidates +{rep.candidates_added}, "
           f"trials +{rep.trials_added} ({rep.trials_skipped} already there), winners "

@@ -513,6 +513,8 @@ class _Session:
             if running is None:
                 running = self._claimed_elsewhere(trial.number, cfg.name)
             if running is None:
+                # claim right after the look: the double-run window is one storage round trip
+                trial.set_user_attr(CLAIMED, True)
                 self._sync_finished()
             prior = self.finished.get(cfg.name)
             if prior is not None or running is not None:
@@ -534,7 +536,6 @@ class _Session:
                 self.finished.setdefault(cfg.name, row)
                 self._report(row)
                 continue
-            trial.set_user_attr(CLAIMED, True)
             self.in_flight[trial.number] = (trial, cfg)
             return trial, cfg
         return None
@@ -551,14 +552,21 @@ class _Session:
         Claim protocol over the shared storage: a trial first tags itself with its config,
         then looks for others with the same config. It yields to one that has finished its
         claim (CLAIMED), or to a lower-numbered one still claiming; the one that proceeds then
-        marks itself CLAIMED. Two claimants that tag before either looks thus never both run;
-        only a look that lands between another's look and its CLAIMED write can double up.
+        marks itself CLAIMED at once. Two claimants that tag before either looks thus never both
+        run; only a look that lands between another's look and its CLAIMED write (one storage
+        round trip) can double up. A claim older than the stale limit (`resume`'s: a host that
+        died mid-trial) owns nothing.
         """
         TS = self.optuna.trial.TrialState
+        now = datetime.now(UTC)
+        stale_after = 2 * self.opts.timeout_s + self.opts.setup_timeout_s
         for t in self.study.get_trials(deepcopy=False, states=(TS.RUNNING,)):
             if t.number == number or t.user_attrs.get("config") != name:
                 continue
             if t.user_attrs.get("duplicate_of") is not None:
+                continue
+            start = t.datetime_start
+            if start and (now - start.replace(tzinfo=UTC)).total_seconds() > stale_after:
                 continue
             if t.user_attrs.get(CLAIMED) or t.number < number:
                 return t.number
@@ -833,6 +841,13 @@ def plot_history(rows: Sequence[TrialRow], path: str | Path, title: str = "") ->
     return f"tune: wrote tuning history plot {path}"
 
 
+def _current_identity() -> tuple[str, str]:
+    """(template set hash, toolchain key) of this checkout: what tilegen.load would match."""
+    from tilegen.winners import current_template_set_hash, current_toolchain_key
+
+    return current_template_set_hash(), current_toolchain_key()
+
+
 def export_spec(db: Any, spec: Spec, dest: str | Path, out: IO[str]) -> None:
     """``--export``: write the spec's workload, candidates and winners to `dest`.
 
@@ -845,7 +860,7 @@ def export_spec(db: Any, spec: Spec, dest: str | Path, out: IO[str]) -> None:
 
     doc = db.export_dict(spec_hash=spec.hash)
     try:
-        report = merge_export_file(dest, doc)
+        report = merge_export_file(dest, doc, current=_current_identity())
     except (ValueError, OSError) as exc:
         raise SessionError(
             f"--export {dest}: {exc}; the session's results are in the tuning DB {db.path} "

@@ -229,12 +229,14 @@ class CudaBlockSparseAttention:
                 found = self._kernels[key] = (kern, cfg)
         return found
 
-    def __call__(self, q, k, v, topk_idx, vbs, counts=None, sm_scale: float | None = None,
-                 *, return_lse: bool = True):
-        """Validate (`tilegen.ops.validate_inputs`), then launch. Returns (o, lse)."""
-        from tilegen.ops import validate_inputs
+    def __call__(self, q, k, v, topk_idx, vbs, counts=None, *, sm_scale: float | None = None,
+                 return_lse: bool = True):
+        """Validate (`tilegen.ops.validate_inputs`), then launch. Returns (o, lse), or o when
+        return_lse=False (the same call as the Triton op)."""
+        from tilegen.ops import check_sm_scale, validate_inputs
 
         shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts)
+        check_sm_scale(sm_scale)
         if q.device.type != "cuda":
             raise ValueError(f"q is on {q.device}; the CUDA backend needs CUDA tensors")
         o, lse = self.launch(q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale,

@@ -19,7 +19,7 @@ import torch
 from tilegen.compile import Artifact
 from tilegen.compile.hip import HIP_KERNEL_NAME, HipPlan, plan_for
 from tilegen.config import KernelConfig
-from tilegen.ops import Shapes, validate_inputs
+from tilegen.ops import Shapes, check_sm_scale, validate_inputs
 from tilegen.reference import LOG2E
 from tilegen.spec import Spec
 
@@ -151,14 +151,34 @@ class HipBlockSparseAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  topk_idx: torch.Tensor, vbs: torch.Tensor, counts: torch.Tensor | None = None,
-                 *, sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 *, sm_scale: float | None = None, return_lse: bool = True,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None] | torch.Tensor:
+        """Validate (as `tilegen.ops` does), then launch; (o, lse), or o when return_lse=False."""
         shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts)
+        check_sm_scale(sm_scale)
         if q.device.type != "cuda" or not getattr(torch.version, "hip", None):
             raise ValueError(f"the HIP backend runs on ROCm devices; q is on {q.device}")
         check_alignment(q=q, k=k, v=v)
-        o = torch.empty_like(q)
-        lse = (torch.empty((shapes.batch, shapes.heads, shapes.seq_len), dtype=torch.float32,
-                           device=q.device) if self.plan.store_lse else None)
+        o, lse = self.launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale)
+        return (o, lse) if return_lse else o
+
+    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.Tensor,
+               vbs: torch.Tensor, counts: torch.Tensor | None = None, *,
+               shapes: Shapes | None = None, sm_scale: float | None = None,
+               out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Launch with no input checks (validate once first), like
+        `tilegen.ops.BlockSparseAttention.launch`, so bench and tune can time it."""
+        if shapes is None:
+            shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
+                                     check_values=False)
+        if out is None:
+            o = torch.empty_like(q)
+            lse = (torch.empty((shapes.batch, shapes.heads, shapes.seq_len),
+                               dtype=torch.float32, device=q.device)
+                   if self.plan.store_lse else None)
+        else:
+            o, lse = out
         scale = sm_scale if sm_scale is not None else self.spec.sm_scale
         values = kernel_values(q, k, v, topk_idx, vbs, counts, o, lse, shapes, scale * LOG2E)
         grid, block = launch_geometry(self.plan, shapes)

@@ -1,4 +1,7 @@
-"""Golden snapshots of rendered Triton sources; set TILEGEN_UPDATE_GOLDEN=1 to rewrite them."""
+"""Golden snapshots of rendered Triton sources; set TILEGEN_UPDATE_GOLDEN=1 to rewrite them.
+
+The default spec's snapshot is the committed targets/*/generated/ source that `tilegen check`
+(tests/test_check.py) compares; the snapshots here cover the other render-time variants."""
 
 import os
 from pathlib import Path
@@ -12,7 +15,6 @@ from tilegen.render import HEADER, environment, render_triton, template_set_hash
 GOLDEN = Path(__file__).parent / "golden"
 SMALL = dict(grid=(5, 6, 8), num_heads=2, topk=3)
 CASES = {
-    "default": (Spec(), KernelConfig()),
     "d64_fp16_bhsd_full_nolse": (
         Spec(head_dim=64, dtype="fp16", layout="bhsd", variable_block_sizes=False, **SMALL),
         KernelConfig(store_lse=False)),
@@ -32,7 +34,7 @@ def test_golden(case):
 
 
 def test_header_names_template_and_spec_hash():
-    spec, cfg = CASES["default"]
+    spec, cfg = Spec(), KernelConfig()
     first = render_triton(spec, cfg).text.splitlines()[0]
     assert first == "# " + HEADER.format(template="triton/lut_kernel.py.j2", spec_hash=spec.hash)
 

@@ -114,7 +114,8 @@ def fit_to_spec(cfg: KernelConfig, spec: Spec | None) -> KernelConfig:
                        block_n=min(cfg.block_n, spec.block_kv))
 
 
-def default_config(target: Target, spec: Spec | None = None) -> KernelConfig:
+def default_config(target: Target, spec: Spec | None = None,
+                   backend: str | None = None) -> KernelConfig:
     """The target's default config (targets/<name>/target.toml [default]), fitted to `spec`."""
     return fit_to_spec(KernelConfig(**target.default), spec)
 

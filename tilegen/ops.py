@@ -13,14 +13,19 @@ Validation happens here, at the boundary, before any kernel launch. Execution pa
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from tilegen import config as cfgmod
 from tilegen.config import KernelConfig
+from tilegen.inputs import (
+    SPEC_DTYPES,
+    Shapes,
+    _tensor,
+    check_sm_scale,
+    validate_inputs,
+)
 from tilegen.jit import interpreting, load_triton
 from tilegen.reference import LOG2E, attention_fp32
 from tilegen.render import render_triton
@@ -32,123 +37,6 @@ if TYPE_CHECKING:
     from tilegen.runtime.hip import HipBlockSparseAttention
 
 log = logging.getLogger("tilegen")
-
-SPEC_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-TORCH_DTYPES = {v: k for k, v in SPEC_DTYPES.items()}
-
-
-@dataclass(frozen=True)
-class Shapes:
-    batch: int
-    seq_len: int
-    heads: int
-    head_dim: int
-    num_q_blocks: int
-    num_kv_blocks: int
-    topk: int
-
-
-def _tensor(name: str, x: object) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    return x
-
-
-def validate_inputs(
-    spec: Spec,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    topk_idx: torch.Tensor,
-    vbs: torch.Tensor,
-    counts: torch.Tensor | None = None,
-    *,
-    check_values: bool = True,
-) -> Shapes:
-    """Check shapes, dtypes, devices and index ranges against `spec`; raise before any launch.
-
-    Errors name the argument: TypeError for a wrong type or dtype, ValueError for the rest.
-    ``check_values`` reads index ranges back from the device (one sync); the benchmark path
-    turns it off after validating once.
-    """
-    for name, x in (("q", q), ("k", k), ("v", v), ("topk_idx", topk_idx), ("vbs", vbs)):
-        _tensor(name, x)
-    want = spec.torch_dtype
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dtype != want:
-            raise TypeError(f"{name} has dtype {x.dtype}, spec wants {want} (dtype={spec.dtype!r})")
-        if x.dim() != 4:
-            raise ValueError(f"{name} must be 4-D {spec.layout.upper()}, "
-                             f"got shape {tuple(x.shape)}")
-    if k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q, k, v must have one shape; got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    device = q.device
-    for name, x in (("k", k), ("v", v), ("topk_idx", topk_idx), ("vbs", vbs)):
-        if x.device != device:
-            raise ValueError(f"{name} is on {x.device} but q is on {device}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not x.is_contiguous():
-            raise ValueError(f"{name} is not contiguous in {spec.layout.upper()}; pass "
-                             f"{name}.contiguous() or use a spec with the layout it has")
-    if spec.layout == "bshd":
-        B, S, H, D = q.shape
-    else:
-        B, H, S, D = q.shape
-    if D != spec.head_dim:
-        raise ValueError(f"q has head dim {D}, spec wants head_dim={spec.head_dim}")
-    if S % spec.block_q:
-        raise ValueError(f"q has sequence length {S}, not a multiple of block_q={spec.block_q} "
-                         "(pad to whole cubes: tilegen.layout.to_cubes)")
-    nq = S // spec.block_q
-    nkv = S // spec.block_kv
-    if topk_idx.dtype != torch.int32:
-        raise TypeError(f"topk_idx has dtype {topk_idx.dtype}, expected torch.int32")
-    if topk_idx.dim() != 4 or tuple(topk_idx.shape[:3]) != (B, H, nq):
-        raise ValueError(f"topk_idx must have shape (B, H, NQ, TOPK) = ({B}, {H}, {nq}, TOPK), "
-                         f"got {tuple(topk_idx.shape)}")
-    topk = topk_idx.shape[3]
-    if topk < 1 or topk > nkv:
-        raise ValueError(f"topk_idx has TOPK={topk}; need 1 <= TOPK <= NKV={nkv}")
-    if not topk_idx.is_contiguous():
-        raise ValueError("topk_idx must be contiguous")
-    if vbs.dtype != torch.int32:
-        raise TypeError(f"vbs has dtype {vbs.dtype}, expected torch.int32")
-    if tuple(vbs.shape) != (nkv,):
-        raise ValueError(f"vbs must have shape (NKV,) = ({nkv},), got {tuple(vbs.shape)}")
-    if counts is not None:
-        _tensor("counts", counts)
-        if counts.dtype != torch.int32:
-            raise TypeError(f"counts has dtype {counts.dtype}, expected torch.int32")
-        if tuple(counts.shape) != (B, H, nq) or not counts.is_contiguous():
-            raise ValueError(f"counts must be a contiguous (B, H, NQ) = ({B}, {H}, {nq}) tensor, "
-                             f"got shape {tuple(counts.shape)}")
-        if counts.device != device:
-            raise ValueError(f"counts is on {counts.device} but q is on {device}")
-    if check_values:
-        if topk_idx.numel():
-            lo, hi = int(topk_idx.min()), int(topk_idx.max())
-            if lo < 0 or hi >= nkv:
-                raise ValueError(f"topk_idx holds values in [{lo}, {hi}], outside [0, NKV={nkv})")
-        lo, hi = int(vbs.min()), int(vbs.max())
-        if lo < 1 or hi > spec.block_kv:
-            raise ValueError(f"vbs holds values in [{lo}, {hi}], outside 1..{spec.block_kv}")
-        if counts is not None and counts.numel():
-            lo, hi = int(counts.min()), int(counts.max())
-            if lo < 0 or hi > topk:
-                raise ValueError(f"counts holds values in [{lo}, {hi}], outside 0..TOPK={topk}")
-    return Shapes(B, S, H, D, nq, nkv, topk)
-
-
-def check_sm_scale(sm_scale: object) -> None:
-    """sm_scale is None (1/sqrt(D)) or a positive, finite number."""
-    if sm_scale is None:
-        return
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, int | float):
-        raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
-    if not math.isfinite(sm_scale) or sm_scale <= 0:
-        raise ValueError(f"sm_scale must be positive and finite, got {sm_scale!r}")
-
 
 class BlockSparseAttention:
     """A loaded kernel: ``o, lse = op(q, k, v, topk_idx, vbs, counts=None)``."""

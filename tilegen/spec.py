@@ -32,6 +32,13 @@ BLOCK_SIZES = (16, 32, 64, 128)
 # Bumped when the meaning of a field changes, so old hashes never alias new kernels.
 SPEC_SCHEMA = 1
 
+#: Fields that change the generated kernel. Two specs with equal kernel fields compile to the
+#: same source, so a winner tuned for one workload is a sound choice for another.
+KERNEL_FIELDS = ("encoding", "block_q", "block_kv", "cube", "head_dim", "dtype", "layout",
+                 "variable_block_sizes")
+#: Fields that only describe the shape tuning and benchmarks run on (the kernel takes any).
+WORKLOAD_FIELDS = ("grid", "num_heads", "topk", "batch")
+
 
 def _as_int_tuple(name: str, value: Any, length: int) -> tuple[int, ...]:
     try:
@@ -151,6 +158,36 @@ class Spec:
     def short_hash(self) -> str:
         return self._hash[:12]
 
+    # -- kernel fields vs workload fields ------------------------------------------------------
+    def kernel_dict(self) -> dict[str, Any]:
+        """The fields that decide the generated kernel (`KERNEL_FIELDS`)."""
+        d = self.to_dict()
+        return {k: d[k] for k in KERNEL_FIELDS}
+
+    def workload_dict(self) -> dict[str, Any]:
+        """The fields that only describe the tuned / benchmarked shape (`WORKLOAD_FIELDS`)."""
+        d = self.to_dict()
+        return {k: d[k] for k in WORKLOAD_FIELDS}
+
+    @property
+    def kernel_hash(self) -> str:
+        """sha256 of the kernel fields alone: what names a kernel in the variant key."""
+        return _digest({"schema": SPEC_SCHEMA, **self.kernel_dict()})
+
+    @property
+    def workload_hash(self) -> str:
+        return _digest({"schema": SPEC_SCHEMA, **self.workload_dict()})
+
+    def workload_distance(self, other: Spec) -> float:
+        """How far apart two workloads are, for picking the nearest tuned one: the sum of the
+        absolute log ratios of query tokens, heads, top-k and batch (0 for equal workloads)."""
+        def tokens(s: Spec) -> int:
+            return math.prod(s.grid)
+
+        pairs = ((tokens(self), tokens(other)), (self.num_heads, other.num_heads),
+                 (self.topk, other.topk), (self.batch, other.batch))
+        return sum(abs(math.log(a / b)) for a, b in pairs)
+
     # -- serialisation -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         out = {}
@@ -211,6 +248,11 @@ class Spec:
     def from_file_or_default(cls, path: str | Path | None) -> Spec:
         """`from_file(path)`, or the default spec when no path is given (the CLI's --spec)."""
         return cls.from_file(path) if path else cls()
+
+
+def _digest(obj: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+                          ).hexdigest()
 
 
 def _toml_value(value: Any) -> str:

@@ -36,6 +36,10 @@ class Target:
     default: dict[str, int]
     tunable: dict[str, tuple[int, ...]]
 
+    def tunable_for(self, backend: str) -> dict[str, tuple[int, ...]]:
+        """The tunable ranges of `backend` on this target (one table for all backends today)."""
+        return dict(self.tunable)
+
     @property
     def generated_dir(self):
         return TARGETS_DIR / self.name / "generated"

@@ -233,7 +233,7 @@ class CudaBlockSparseAttention:
                  return_lse: bool = True):
         """Validate (`tilegen.ops.validate_inputs`), then launch. Returns (o, lse), or o when
         return_lse=False (the same call as the Triton op)."""
-        from tilegen.ops import check_sm_scale, validate_inputs
+        from tilegen.inputs import check_sm_scale, validate_inputs
 
         shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts)
         check_sm_scale(sm_scale)

@@ -19,7 +19,7 @@ import torch
 from tilegen.compile import Artifact
 from tilegen.compile.hip import HIP_KERNEL_NAME, HipPlan, plan_for
 from tilegen.config import KernelConfig
-from tilegen.ops import Shapes, check_sm_scale, validate_inputs
+from tilegen.inputs import Shapes, check_sm_scale, validate_inputs
 from tilegen.reference import LOG2E
 from tilegen.spec import Spec
 

@@ -353,7 +353,8 @@ class _WorkerState:
     def _reference(self, cap: dict) -> tuple[Any, str]:
         """The output a candidate is scored against, computed once per capture."""
         from tilegen.config import reference_config
-        from tilegen.ops import BlockSparseAttention, validate_inputs
+        from tilegen.inputs import validate_inputs
+        from tilegen.ops import BlockSparseAttention
         from tilegen.reference import attention_fp32
 
         args = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"])

@@ -1,0 +1,44 @@
+"""The backend registry: every kernel family tilegen can render, compile and run.
+
+To add a backend, write `tilegen/backends/<name>/` with a `Backend` subclass named `BACKEND`
+and add one line to `BACKEND_MODULES`. Modules are imported on first use, so a backend whose
+runtime needs an optional package costs nothing until it is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from tilegen.backends.base import Backend
+from tilegen.targets import Target
+
+#: name -> module holding `BACKEND`. Order is the order `build` and `check` walk them in.
+BACKEND_MODULES: dict[str, str] = {
+    "triton": "tilegen.backends.triton",
+    "cuda": "tilegen.backends.cuda",
+    "hip": "tilegen.backends.hip",
+}
+
+_loaded: dict[str, Backend] = {}
+
+
+def names() -> tuple[str, ...]:
+    return tuple(BACKEND_MODULES)
+
+
+def get(name: str) -> Backend:
+    """The backend called `name`; unknown names raise ValueError listing the known ones."""
+    if name not in BACKEND_MODULES:
+        raise ValueError(f"backend={name!r} is not allowed; allowed values: {list(names())}")
+    backend = _loaded.get(name)
+    if backend is None:
+        backend = _loaded[name] = importlib.import_module(BACKEND_MODULES[name]).BACKEND
+    return backend
+
+
+def for_target(target: Target) -> list[Backend]:
+    """The backends `target` lists (target.toml `backends`), in registry order."""
+    return [get(n) for n in names() if n in target.backends]
+
+
+__all__ = ["BACKEND_MODULES", "Backend", "for_target", "get", "names"]

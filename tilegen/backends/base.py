@@ -1,0 +1,96 @@
+"""The backend protocol: what every kernel family (triton, cuda, hip, ...) provides.
+
+`build`, `check`, `load`, `tune` and `bench` only talk to backends through this class, so a new
+kernel family is one folder under `tilegen/backends/` plus one line in the registry
+(`tilegen.backends.BACKEND_MODULES`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from tilegen import config as cfgmod
+from tilegen.config import KernelConfig
+from tilegen.identity import VariantKey
+from tilegen.spec import Spec
+from tilegen.targets import Target
+
+if TYPE_CHECKING:
+    from tilegen.compile import Artifact
+    from tilegen.render import Source
+
+
+class Backend(ABC):
+    """One kernel family. Subclasses set `name` and implement the abstract methods."""
+
+    #: registry name, also the `templates/<name>/` folder and the target toml's backends entry
+    name: ClassVar[str]
+    #: whether the op runs on this machine without the backend's GPU (interpreter / CPU path)
+    runs_on_cpu: ClassVar[bool] = False
+
+    # -- what it accepts ---------------------------------------------------------------------
+    def spec_violations(self, spec: Spec, target: Target) -> list[str]:
+        """Reasons this backend cannot compute `spec` on `target` at all (any config)."""
+        if self.name not in target.backends:
+            return [f"target {target.name} has no {self.name} backend "
+                    f"(its backends: {list(target.backends)})"]
+        return []
+
+    def config_violations(self, spec: Spec, target: Target, cfg: KernelConfig) -> list[str]:
+        """The backend's own tiling rules, on top of the target's (`tilegen.config`)."""
+        return []
+
+    def violations(self, spec: Spec, target: Target, cfg: KernelConfig) -> list[str]:
+        """Every rule (spec, target and config) the variant breaks; empty when valid."""
+        problems = self.spec_violations(spec, target)
+        if problems:
+            return problems
+        return cfgmod.violations(spec, target, cfg) + self.config_violations(spec, target, cfg)
+
+    def check(self, spec: Spec, target: Target, cfg: KernelConfig) -> None:
+        problems = self.violations(spec, target, cfg)
+        if problems:
+            raise ValueError(f"config {cfg.name} is invalid for the {self.name} backend on "
+                             f"{target.name}: " + "; ".join(problems))
+
+    def default_config(self, spec: Spec, target: Target) -> KernelConfig:
+        """The target's default config for this backend, fitted to the spec."""
+        return cfgmod.default_config(target, spec, backend=self.name)
+
+    def tunable(self, target: Target) -> dict[str, tuple[Any, ...]]:
+        """The search space of this backend on `target` (targets/<t>/target.toml)."""
+        return target.tunable_for(self.name)
+
+    # -- source, toolchain, identity ---------------------------------------------------------
+    @abstractmethod
+    def render(self, spec: Spec, cfg: KernelConfig, target: Target) -> Source:
+        """The kernel source for (spec, config) on `target`; deterministic."""
+
+    @abstractmethod
+    def toolchain(self, target: Target) -> str:
+        """Which compiler turns the source into machine code, e.g. ``"triton=3.6.0"``."""
+
+    def require_toolchain(self, target: Target) -> None:  # noqa: B027 - optional hook
+        """Raise `tilegen.compile.ToolchainMissing` (with the install hint) if absent."""
+        return None
+
+    def variant_key(self, spec: Spec, cfg: KernelConfig, target: Target,
+                    source: Source | None = None) -> VariantKey:
+        """The one name of this compiled variant (`tilegen.identity`)."""
+        src = source or self.render(spec, cfg, target)
+        return VariantKey(kernel_hash=spec.kernel_hash, backend=self.name, config=cfg.name,
+                          source_sha256=src.sha256, toolchain=self.toolchain(target),
+                          target=target.name)
+
+    # -- compile and run ---------------------------------------------------------------------
+    @abstractmethod
+    def compile(self, spec: Spec, cfg: KernelConfig, target: Target, source: Source,
+                out_dir: Path) -> Artifact:
+        """Compile ahead of time (no GPU) into `out_dir`; return the artifact with resources."""
+
+    @abstractmethod
+    def make_op(self, spec: Spec, cfg: KernelConfig, target: Target | None,
+                config_source: str = "explicit") -> Any:
+        """The callable op (``o, lse = op(q, k, v, topk_idx, vbs, ...)``) for this variant."""

@@ -1,0 +1,45 @@
+"""The Triton backend: the generated Triton kernel, JIT-compiled in process or AOT with no GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tilegen.backends.base import Backend
+from tilegen.config import KernelConfig
+from tilegen.spec import Spec
+from tilegen.targets import Target
+
+if TYPE_CHECKING:
+    from tilegen.compile import Artifact
+    from tilegen.render import Source
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    runs_on_cpu = True
+
+    def render(self, spec: Spec, cfg: KernelConfig, target: Target | None) -> Source:
+        from tilegen.render import render_triton
+
+        return render_triton(spec, cfg)
+
+    def toolchain(self, target: Target | None = None) -> str:
+        import triton
+
+        return f"triton={triton.__version__}"
+
+    def compile(self, spec: Spec, cfg: KernelConfig, target: Target, source: Source,
+                out_dir: Path) -> Artifact:
+        from tilegen.compile.triton_aot import compile_triton
+
+        return compile_triton(spec, cfg, target, out_dir, source)
+
+    def make_op(self, spec: Spec, cfg: KernelConfig, target: Target | None,
+                config_source: str = "explicit") -> Any:
+        from tilegen.ops import BlockSparseAttention
+
+        return BlockSparseAttention(spec, cfg, target, config_source)
+
+
+BACKEND = TritonBackend()

@@ -213,8 +213,8 @@ def run_case(case: Case, device: torch.device, use_triton: bool) -> Row:
     Triton output while the Triton output itself shows the same mean error (both cast P to
     16 bits before P V, which dominates the mean error on small shapes).
     """
+    from tilegen.backends.cuda.runtime import CudaBlockSparseAttention
     from tilegen.reference import attention_fp32
-    from tilegen.runtime.cuda import CudaBlockSparseAttention
 
     row = Row(case)
     spec = case.spec
@@ -277,7 +277,7 @@ def _triton_op(case: Case):
 
 
 def _triton_ms(op, case: Case, x: dict, device: torch.device) -> float:
-    from tilegen.ops import validate_inputs
+    from tilegen.inputs import validate_inputs
 
     args = (x["q"], x["k"], x["v"], x["topk_idx"], x["vbs"], x["counts"])
     shapes = validate_inputs(case.spec, *args)
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(cc {'.'.join(map(str, torch.cuda.get_device_capability(device)))}), "
           f"torch {torch.__version__}")
     try:
-        from tilegen.compile.nvcc import find_nvcc, nvcc_version
+        from tilegen.backends.cuda.nvcc import find_nvcc, nvcc_version
 
         print(f"nvcc: {find_nvcc()} {nvcc_version()}")
     except Exception as exc:

@@ -1,8 +1,9 @@
 import os
 
 # Triton decides interpreter mode when triton.language is first imported (see
-# tilegen.jit.check_interpreter_mode), so the whole test session runs with it on: CPU tensors go
-# through Triton's interpreter unless a test turns the variable off to take the PyTorch path.
+# tilegen.backends.triton.jit.check_interpreter_mode), so the whole test session runs with it on:
+# CPU tensors go through Triton's interpreter unless a test turns the variable off to take the
+# PyTorch path.
 # AOT compilation (triton.compile for a GPUTarget) is unaffected by it.
 os.environ["TRITON_INTERPRET"] = "1"
 

@@ -97,7 +97,7 @@ def test_aot_compile_refuses_an_interpreter_mode_process(tmp_path):
     code = ("import triton.language\n"
             "from pathlib import Path\n"
             "from tilegen import Spec, KernelConfig\n"
-            "from tilegen.compile.triton_aot import compile_triton\n"
+            "from tilegen.backends.triton.aot import compile_triton\n"
             "from tilegen.targets import get_target\n"
             f"compile_triton(Spec(), KernelConfig(64, 32, 4, 2), get_target('gfx942'), "
             f"Path({str(tmp_path)!r}))\n")

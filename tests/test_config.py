@@ -60,7 +60,7 @@ def compiled_shared_bytes(target: str, head_dim: int, out: Path) -> dict[str, in
         "import json, sys\n"
         "from pathlib import Path\n"
         "from tilegen import KernelConfig, Spec\n"
-        "from tilegen.compile.triton_aot import compile_triton\n"
+        "from tilegen.backends.triton.aot import compile_triton\n"
         "from tilegen.targets import get_target\n"
         f"grid = {GRID!r}\n"
         f"target, spec = get_target({target!r}), Spec(head_dim={head_dim})\n"

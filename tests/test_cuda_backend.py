@@ -29,14 +29,16 @@ import numpy as np
 import pytest
 import torch
 
+from tilegen.backends.cuda import nvcc as nv
+from tilegen.backends.cuda import runtime as rt
 from tilegen.compile import CompileError, ToolchainMissing
-from tilegen.compile import nvcc as nv
 from tilegen.config import KernelConfig, default_config
 from tilegen.reference import LOG2E, attention_fp32
 from tilegen.render import HEADER
-from tilegen.runtime import cuda as rt
 from tilegen.spec import Spec
 from tilegen.targets import get_target
+
+SM90 = get_target("sm_90")
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ("sm_90", "sm_100a")
@@ -82,7 +84,8 @@ def artifacts():
         pytest.skip("nvcc not found: install the CUDA toolkit 12.8+ (nvcc)")
     jobs = _jobs()
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        arts = list(pool.map(lambda j: nv.compile_cuda(nv.render_cuda(j[0], j[1]), j[2]), jobs))
+        arts = list(pool.map(lambda j: nv.compile_cuda(
+            nv.render_cuda(j[0], j[1], get_target(j[2])), get_target(j[2])), jobs))
     return list(zip(jobs, arts, strict=True))
 
 
@@ -90,8 +93,9 @@ def artifacts():
 @pytest.mark.parametrize("spec", VARIANTS, ids=lambda s: f"d{s.head_dim}_{s.dtype}_{s.layout}")
 def test_header_name_and_choices(spec):
     cfg = default_config(get_target("sm_90"))
-    src = nv.render_cuda(spec, cfg)
-    header = "// " + HEADER.format(template=nv.CUDA_TEMPLATE, spec_hash=spec.hash)
+    src = nv.render_cuda(spec, cfg, SM90)
+    header = "// " + HEADER.format(template=nv.CUDA_TEMPLATE, spec_hash=spec.hash,
+                                   target="sm_90 (sm_90a)")
     assert src.text.splitlines()[0] == header
     name = nv.kernel_name(spec, cfg)
     assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name)
@@ -109,52 +113,53 @@ def test_header_name_and_choices(spec):
 
 def test_render_is_deterministic():
     cfg = KernelConfig()
-    a, b = nv.render_cuda(Spec(), cfg), nv.render_cuda(Spec(), cfg)
+    a, b = nv.render_cuda(Spec(), cfg, SM90), nv.render_cuda(Spec(), cfg, SM90)
     assert a.text == b.text and a.sha256 == b.sha256
     # and across processes (no dict-order or hash-seed dependence)
-    code = ("from tilegen.compile.nvcc import render_cuda; from tilegen import Spec, KernelConfig;"
-            "print(render_cuda(Spec(), KernelConfig()).sha256)")
+    code = ("from tilegen.backends.cuda.nvcc import render_cuda; "
+            "from tilegen import Spec, KernelConfig; from tilegen.targets import get_target; "
+            "print(render_cuda(Spec(), KernelConfig(), get_target('sm_90')).sha256)")
     env = {**os.environ, "PYTHONHASHSEED": "123"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          check=True, cwd=ROOT).stdout.strip()
     assert out == a.sha256
-    assert nv.render_cuda(Spec(layout="bhsd"), cfg).sha256 != a.sha256
-    assert nv.render_cuda(Spec(), cfg.replace(num_stages=2)).sha256 != a.sha256
+    assert nv.render_cuda(Spec(layout="bhsd"), cfg, SM90).sha256 != a.sha256
+    assert nv.render_cuda(Spec(), cfg.replace(num_stages=2), SM90).sha256 != a.sha256
 
 
 def test_render_time_options():
-    no_vbs = nv.render_cuda(Spec(variable_block_sizes=False), KernelConfig()).text
+    no_vbs = nv.render_cuda(Spec(variable_block_sizes=False), KernelConfig(), SM90).text
     assert "__ldg(vbs" not in no_vbs and "meta[" not in no_vbs and "step<true>" not in no_vbs
-    with_vbs = nv.render_cuda(Spec(), KernelConfig()).text
+    with_vbs = nv.render_cuda(Spec(), KernelConfig(), SM90).text
     assert "__ldg(vbs + c)" in with_vbs and "step<true>" in with_vbs
-    no_lse = nv.render_cuda(Spec(), KernelConfig(store_lse=False)).text
+    no_lse = nv.render_cuda(Spec(), KernelConfig(store_lse=False), SM90).text
     assert "lse_rows[row] =" not in no_lse and "lse_rows[row] =" in with_vbs
 
 
 def test_cuda_config_rules():
     spec = Spec()
-    assert nv.cuda_violations(spec, KernelConfig()) == []
-    assert nv.cuda_violations(spec, OTHER_CONFIG) == []
+    assert nv.cuda_violations(spec, KernelConfig(), SM90) == []
+    assert nv.cuda_violations(spec, OTHER_CONFIG, SM90) == []
     assert any("16 x num_warps" in p for p in
-               nv.cuda_violations(spec, KernelConfig(block_m=32, num_warps=4)))
-    assert any("block_n" in p for p in nv.cuda_violations(spec, KernelConfig(block_n=8)))
+               nv.cuda_violations(spec, KernelConfig(block_m=32, num_warps=4), SM90))
+    assert any("block_n" in p for p in nv.cuda_violations(spec, KernelConfig(block_n=8), SM90))
     assert any("interp_bf16" in p for p in
-               nv.cuda_violations(spec, KernelConfig(interp_bf16=True)))
+               nv.cuda_violations(spec, KernelConfig(interp_bf16=True), SM90))
     assert any("registers" in p for p in
-               nv.cuda_violations(spec, KernelConfig(block_m=64, block_n=64, num_warps=2)))
+               nv.cuda_violations(spec, KernelConfig(block_m=64, block_n=64, num_warps=2), SM90))
     with pytest.raises(ValueError, match="cannot be built as CUDA"):
-        nv.render_cuda(spec, KernelConfig(block_m=32, num_warps=4))
+        nv.render_cuda(spec, KernelConfig(block_m=32, num_warps=4), SM90)
 
 
 def test_shared_memory_is_one_number():
     """Host (launcher), config predicate and rendered source agree on shared memory."""
     for spec in VARIANTS:
         for cfg in (KernelConfig(), OTHER_CONFIG, KernelConfig(num_stages=1, block_n=16)):
-            t = nv.cuda_traits(spec, cfg)
+            t = nv.cuda_traits(spec, cfg, SM90)
             assert t["smem_bytes"] == nv.shared_memory_bytes(spec, cfg)
             assert t["smem_bytes"] == 2 * spec.head_dim * (cfg.block_m + 2 * cfg.num_stages
                                                            * cfg.block_n)
-            text = nv.render_cuda(spec, cfg).text
+            text = nv.render_cuda(spec, cfg, SM90).text
             assert f"#define TILEGEN_DYNAMIC_SMEM_BYTES {t['smem_bytes']}\n" in text
             assert f"#define TILEGEN_THREADS {32 * cfg.num_warps}\n" in text
 
@@ -183,7 +188,7 @@ ptxas info    : Used 168 registers, used 1 barriers, 128 bytes smem, 400 bytes c
 
 def test_unknown_target():
     with pytest.raises(ValueError, match="no CUDA backend"):
-        nv.arch_of("gfx942")
+        nv.arch_of(get_target("gfx942"))
 
 
 @needs_nvcc
@@ -201,7 +206,7 @@ def test_every_variant_compiles(artifacts):
     for (spec, cfg, target, is_default), art in artifacts:
         tgt = get_target(target)
         assert art.path.is_file() and art.path.stat().st_size > 0
-        assert art.arch == nv.ARCHS[target] and art.kind == "cubin" and art.backend == "cuda"
+        assert art.arch == get_target(target).arch and art.kind == "cubin" and art.backend == "cuda"
         assert art.kernel_name == nv.kernel_name(spec, cfg) and art.config == cfg.name
         assert art.compiler == {"nvcc": version}
         assert f"arch=compute_{art.arch[3:]},code={art.arch}" in art.command
@@ -236,13 +241,13 @@ def test_sass_uses_tensor_cores(artifacts, tmp_path):
 
 @needs_nvcc
 def test_compile_cache_hit_skips_nvcc(artifacts, monkeypatch, tmp_path):
-    src = nv.render_cuda(Spec(), default_config(get_target("sm_90")))
+    src = nv.render_cuda(Spec(), default_config(SM90), SM90)
 
     def boom(*a, **k):
         raise AssertionError("nvcc ran although the cubin is cached")
 
     monkeypatch.setattr(nv, "_run_nvcc", boom)
-    art = nv.compile_cuda(src, "sm_90", tmp_path / "out")
+    art = nv.compile_cuda(src, SM90, tmp_path / "out")
     assert art.path == tmp_path / "out" / f"{Path(src.name).stem}.sm_90a.cubin"
     assert art.source == tmp_path / "out" / src.name and art.source.read_text() == src.text
     assert art.spill_bytes == 0 and art.registers
@@ -250,11 +255,11 @@ def test_compile_cache_hit_skips_nvcc(artifacts, monkeypatch, tmp_path):
 
 @needs_nvcc
 def test_compile_error_carries_nvcc_output():
-    src = nv.render_cuda(Spec(), KernelConfig())
+    src = nv.render_cuda(Spec(), KernelConfig(), SM90)
     broken = replace(src, text=src.text.replace("static_assert(Stages >= 1",
                                                 "static_assert(Stages >= 100"))
     with pytest.raises(CompileError, match="at least one K/V buffer"):
-        nv.compile_cuda(broken, "sm_90")
+        nv.compile_cuda(broken, SM90)
 
 
 # -- host-side launch math ---------------------------------------------------------------------
@@ -272,7 +277,8 @@ def _signature(text: str, name: str) -> list[tuple[str, str]]:
 def test_kernel_args_match_rendered_signature():
     cfg = KernelConfig()
     for spec in (Spec(), Spec(layout="bhsd", head_dim=64, dtype="fp16")):
-        assert _signature(nv.render_cuda(spec, cfg).text, nv.kernel_name(spec, cfg)) == list(
+        text = nv.render_cuda(spec, cfg, SM90).text
+        assert _signature(text, nv.kernel_name(spec, cfg)) == list(
             rt.KERNEL_SIGNATURE)
     args = rt.kernel_args({"q": 1, "k": 2, "v": 3, "lut": 4, "vbs": 6, "o": 7, "lse": 8},
                           39936, 40, 624, 78, 0.125)
@@ -286,21 +292,21 @@ def test_kernel_args_match_rendered_signature():
 
 def test_launch_params():
     spec = Spec()
-    p = rt.launch_params(spec, KernelConfig(), batch=1, heads=40, num_q_blocks=624)
+    p = rt.launch_params(spec, KernelConfig(), SM90, batch=1, heads=40, num_q_blocks=624)
     assert p.grid == (624, 40, 1) and p.block == (128, 1, 1)
     assert p.shared_bytes == 2 * 128 * (64 + 3 * 2 * 64) and p.needs_opt_in()
     p = rt.launch_params(spec, KernelConfig(block_m=32, block_n=32, num_warps=2, num_stages=1),
-                         batch=2, heads=3, num_q_blocks=5)
+                         SM90, batch=2, heads=3, num_q_blocks=5)
     assert p.grid == (10, 6, 1) and p.block == (64, 1, 1)
     assert p.shared_bytes == 2 * 128 * (32 + 2 * 32) and not p.needs_opt_in()
     assert p.needs_opt_in(static_bytes=48 * 1024)
     with pytest.raises(ValueError, match="grid"):
-        rt.launch_params(spec, KernelConfig(), batch=2, heads=40000, num_q_blocks=1)
+        rt.launch_params(spec, KernelConfig(), SM90, batch=2, heads=40000, num_q_blocks=1)
 
 
 def test_runtime_imports_without_gpu_and_explains_what_is_missing():
-    assert rt.target_for_capability(9, 0) == "sm_90"
-    assert rt.target_for_capability(10, 0) == "sm_100a"
+    assert rt.target_for_capability(9, 0).name == "sm_90"
+    assert rt.target_for_capability(10, 0).name == "sm_100a"
     with pytest.raises(rt.CudaRuntimeMissing, match="8.6"):
         rt.target_for_capability(8, 6)
     if importlib.util.find_spec("cuda") is None:
@@ -532,13 +538,13 @@ class _Cta:
 
 def _emulate(spec: Spec, cfg: KernelConfig, q, k, v, lut, counts, vbs, sm_scale):
     """Run every CTA of the launch grid; returns (o, lse) as fp32 tensors."""
-    t = nv.cuda_traits(spec, cfg)
+    t = nv.cuda_traits(spec, cfg, SM90)
     if spec.layout == "bshd":
         B_, SEQ, H, D = q.shape
     else:
         B_, H, SEQ, D = q.shape
     nq, topk = SEQ // spec.block_q, lut.shape[-1]
-    p = rt.launch_params(spec, cfg, B_, H, nq)
+    p = rt.launch_params(spec, cfg, SM90, B_, H, nq)
     assert p.block == (t["threads"], 1, 1)
     assert p.shared_bytes == t["block_m"] * D * 2 + t["stages"] * 2 * t["block_n"] * D * 2
     gmem = {name: x.float().numpy().reshape(-1) for name, x in (("q", q), ("k", k), ("v", v))}
@@ -629,17 +635,17 @@ def test_gpu_check_script_cpu_parts():
     assert [c.heads for c in full if c.name.startswith("full")] == [40]
     assert all(c.topk == 78 and c.grid == (21, 30, 52) for c in full)
     sweep = mod.cases(mod.parse_args(["--sweep", "--no-small", "--only", "sweep"]))
-    assert sweep and all(nv.cuda_violations(c.spec, c.config) == [] for c in sweep)
+    assert sweep and all(nv.cuda_violations(c.spec, c.config, SM90) == [] for c in sweep)
     for case in mod.cases(args):  # every config the script builds is valid for sm_90
         if case.config is not None:
-            assert nv.cuda_violations(case.spec, case.config) == []
+            assert nv.cuda_violations(case.spec, case.config, SM90) == []
 
     case = next(c for c in mod.cases(args) if c.name == "small_counts_bn32_d64_fp16_bhsd")
     x = mod.make_inputs(case, "cpu")
     assert x["q"].dtype == torch.float16 and x["q"].shape == (1, 2, 768, 64)
     assert x["q"].is_contiguous() and x["counts"].shape == (1, 2, 12)
     assert (x["counts"] == 0).any() and x["outlier_heads"]
-    from tilegen.ops import validate_inputs
+    from tilegen.inputs import validate_inputs
 
     validate_inputs(case.spec, x["q"], x["k"], x["v"], x["topk_idx"], x["vbs"], x["counts"])
     assert set(x["vbs"].tolist()) > {64} and x["vbs"].min() >= 1

@@ -19,12 +19,13 @@ import numpy as np
 import pytest
 import torch
 
+from tilegen.backends.hip import compile as hipcc
+from tilegen.backends.hip import plan as hipp
+from tilegen.backends.hip import runtime as hiprt
 from tilegen.compile import CompileError, ToolchainMissing
-from tilegen.compile import hip as hipc
 from tilegen.config import KernelConfig, default_config
 from tilegen.reference import LOG2E, attention_fp32
 from tilegen.render import HEADER, Source
-from tilegen.runtime import hip as hiprt
 from tilegen.spec import Spec
 from tilegen.targets import get_target
 
@@ -39,7 +40,7 @@ VARIANTS = [Spec(head_dim=d, dtype=dt, layout=lay)
 
 needs_clang = pytest.mark.skipif(
     shutil.which("clang++-19") is None and shutil.which("/opt/rocm/llvm/bin/clang++") is None,
-    reason=f"clang++-19 not installed (install: {hipc.INSTALL_HINT})")
+    reason=f"clang++-19 not installed (install: {hipcc.INSTALL_HINT})")
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,8 @@ def compiled(hip_cache):
     def get(spec: Spec, cfg: KernelConfig):
         key = (spec, cfg)
         if key not in done:
-            done[key] = hipc.compile_hip(hipc.render_hip(spec, cfg), hip_cache / "out")
+            src = hipp.render_hip(spec, cfg, TARGET)
+            done[key] = hipcc.compile_hip(src, hip_cache / "out", TARGET)
         return done[key]
 
     return get
@@ -69,14 +71,15 @@ def compiled(hip_cache):
 # -- rendering ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec", VARIANTS, ids=lambda s: f"d{s.head_dim}_{s.dtype}_{s.layout}")
 def test_render_header_and_determinism(spec: Spec) -> None:
-    src = hipc.render_hip(spec, DEFAULT)
+    src = hipp.render_hip(spec, DEFAULT, TARGET)
     first = src.text.splitlines()[0]
-    assert first == "// " + HEADER.format(template=hipc.HIP_TEMPLATE, spec_hash=spec.hash)
-    assert hipc.render_hip(spec, DEFAULT).text == src.text
+    assert first == "// " + HEADER.format(template=hipp.HIP_TEMPLATE, spec_hash=spec.hash,
+                                          target="gfx942 (gfx942)")
+    assert hipp.render_hip(spec, DEFAULT, TARGET).text == src.text
     assert src.name == (f"lut_d{spec.head_dim}_{spec.dtype}_{spec.layout}_vbs_q64k64_"
                         f"{DEFAULT.name}.hip")
-    stamp = hipc.source_stamp(src)
-    plan = hipc.plan_for(spec, DEFAULT)
+    stamp = hipp.source_stamp(src)
+    plan = hipp.plan_for(spec, DEFAULT, TARGET)
     assert stamp == {"config": DEFAULT.name, "threads": plan.threads,
                      "lds_bytes": plan.lds_bytes, "mfma": plan.mfma_name}
     # render-time choices leave no trace of the other variants
@@ -87,30 +90,31 @@ def test_render_header_and_determinism(spec: Spec) -> None:
 
 def test_render_differs_per_config_and_rejects_bad_ones() -> None:
     spec = Spec()
-    texts = {hipc.render_hip(spec, cfg).text for cfg in (DEFAULT, *OTHER_CONFIGS)}
+    texts = {hipp.render_hip(spec, cfg, TARGET).text for cfg in (DEFAULT, *OTHER_CONFIGS)}
     assert len(texts) == 3
     with pytest.raises(ValueError, match="block_m=48"):
-        hipc.render_hip(spec, KernelConfig(block_m=48))
+        hipp.render_hip(spec, KernelConfig(block_m=48), TARGET)
     with pytest.raises(ValueError, match="key slices"):
-        hipc.render_hip(spec, KernelConfig(block_m=32, block_n=32, num_warps=8))
+        hipp.render_hip(spec, KernelConfig(block_m=32, block_n=32, num_warps=8), TARGET)
     with pytest.raises(ValueError, match="LDS"):
-        hipc.render_hip(spec, KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3))
+        hipp.render_hip(spec, KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),
+                        TARGET)
 
 
 def test_plan_of_default() -> None:
-    plan = hipc.plan_for(Spec(), DEFAULT)
+    plan = hipp.plan_for(Spec(), DEFAULT, TARGET)
     assert (plan.warps_m, plan.warps_n, plan.wave_m, plan.slice_n) == (4, 1, 16, 32)
     assert plan.mfma_name == "v_mfma_f32_16x16x16bf16_1k"
     assert plan.lds_bytes == 2 * 2 * 32 * 128 * 2 == 32768  # 2 stages x (K + V^T): 2 per CU
     assert plan.grid(1, 40, 624) == (624, 40, 1) and plan.block == (256, 1, 1)
-    p32 = hipc.plan_for(Spec(), OTHER_CONFIGS[0])
+    p32 = hipp.plan_for(Spec(), OTHER_CONFIGS[0], TARGET)
     assert (p32.mfma_mn, p32.mfma_k, p32.mfma_name) == (32, 8, "v_mfma_f32_32x32x8bf16_1k")
 
 
 # -- MFMA lane maps and LDS layout ------------------------------------------------------------
 @pytest.mark.parametrize("cfg", [DEFAULT, OTHER_CONFIGS[0]], ids=["16x16x16", "32x32x8"])
 def test_mfma_lane_maps(cfg: KernelConfig) -> None:
-    p = hipc.plan_for(Spec(), cfg)
+    p = hipp.plan_for(Spec(), cfg, TARGET)
     mn, k = p.mfma_mn, p.mfma_k
     # A (MN x K) / B (K x MN): every element supplied by exactly one (lane, t)
     cells = {(p.operand_row(lane), p.operand_k(lane, t)) for lane in range(64) for t in range(4)}
@@ -130,7 +134,7 @@ def test_mfma_lane_maps(cfg: KernelConfig) -> None:
 @pytest.mark.parametrize("spec,cfg", [(Spec(), DEFAULT), (Spec(head_dim=64), DEFAULT),
                                       (Spec(), OTHER_CONFIGS[0])])
 def test_lds_layout_is_a_conflict_free_permutation(spec: Spec, cfg: KernelConfig) -> None:
-    p = hipc.plan_for(spec, cfg)
+    p = hipp.plan_for(spec, cfg, TARGET)
     k_offs = {p.k_offset(key, d) for key in range(p.block_n) for d in range(p.head_dim)}
     v_offs = {p.vt_offset(d, key) for key in range(p.block_n) for d in range(p.head_dim)}
     assert k_offs | v_offs == set(range(p.stage_elems)) and not k_offs & v_offs
@@ -171,10 +175,10 @@ def test_pack_kernargs() -> None:
 def test_launch_geometry() -> None:
     shapes = hiprt.Shapes(batch=2, seq_len=4 * 64, heads=3, head_dim=128, num_q_blocks=4,
                           num_kv_blocks=4, topk=2)
-    assert hiprt.launch_geometry(hipc.plan_for(Spec(), DEFAULT), shapes) == ((4, 6, 1),
+    assert hiprt.launch_geometry(hipp.plan_for(Spec(), DEFAULT, TARGET), shapes) == ((4, 6, 1),
                                                                             (256, 1, 1))
     half = KernelConfig(block_m=32, block_n=32, num_warps=2, num_stages=2)
-    assert hiprt.launch_geometry(hipc.plan_for(Spec(), half), shapes)[0] == (8, 6, 1)
+    assert hiprt.launch_geometry(hipp.plan_for(Spec(), half, TARGET), shapes)[0] == (8, 6, 1)
 
 
 def test_launcher_needs_hip_python() -> None:
@@ -191,18 +195,18 @@ def test_launcher_needs_hip_python() -> None:
 def test_find_clang_missing(monkeypatch) -> None:
     monkeypatch.setenv("TILEGEN_CLANG", "no-such-clang++")
     with pytest.raises(ToolchainMissing, match="apt-get install -y clang-19 lld-19"):
-        hipc.find_clang()
+        hipcc.find_clang()
     monkeypatch.delenv("TILEGEN_CLANG")
-    monkeypatch.setattr(hipc.shutil, "which", lambda name: None)
+    monkeypatch.setattr(hipcc.shutil, "which", lambda name: None)
     with pytest.raises(ToolchainMissing, match="apt-get install -y clang-19 lld-19"):
-        hipc.find_clang()
+        hipcc.find_clang()
 
 
 @needs_clang
 @pytest.mark.parametrize("spec", VARIANTS, ids=lambda s: f"d{s.head_dim}_{s.dtype}_{s.layout}")
 def test_default_variants_compile_within_budget(spec: Spec, compiled) -> None:
     art = compiled(spec, DEFAULT)
-    plan = hipc.plan_for(spec, DEFAULT)
+    plan = hipp.plan_for(spec, DEFAULT, TARGET)
     assert art.path.exists() and art.path.read_bytes()[:4] == b"\x7fELF"
     assert (art.kind, art.backend, art.target, art.arch) == ("hsaco", "hip", "gfx942", "gfx942")
     assert art.config == DEFAULT.name and art.threads == 256
@@ -219,13 +223,14 @@ def test_default_variants_compile_within_budget(spec: Spec, compiled) -> None:
 def test_other_configs_compile(cfg: KernelConfig, compiled) -> None:
     art = compiled(Spec(), cfg)
     assert art.spill_bytes == 0
-    assert art.shared_bytes == hipc.plan_for(Spec(), cfg).lds_bytes <= TARGET.max_shared_bytes
+    lds = hipp.plan_for(Spec(), cfg, TARGET).lds_bytes
+    assert art.shared_bytes == lds <= TARGET.max_shared_bytes
 
 
 @needs_clang
 def test_kernarg_layout_matches_code_object(compiled) -> None:
     art = compiled(Spec(), DEFAULT)
-    meta = hipc.kernel_metadata(art.path)
+    meta = hipcc.kernel_metadata(art.path)
     if meta is None:
         pytest.skip("llvm-readelf-19 not installed")
     got = [(a["offset"], a["size"]) for a in meta["args"]]
@@ -240,31 +245,31 @@ def test_kernarg_layout_matches_code_object(compiled) -> None:
 def test_cache_and_errors(compiled, hip_cache) -> None:
     spec = Spec()
     art = compiled(spec, DEFAULT)
-    again = hipc.compile_hip(hipc.render_hip(spec, DEFAULT), hip_cache / "again")
+    again = hipcc.compile_hip(hipp.render_hip(spec, DEFAULT, TARGET), hip_cache / "again", TARGET)
     assert again.path.read_bytes() == art.path.read_bytes()
     assert again.registers == art.registers and again.occupancy == art.occupancy
     entries = list((hip_cache / "cache" / "hip").rglob("meta.json"))
     assert entries and all('"warnings": []' in e.read_text() for e in entries)
-    src = hipc.render_hip(spec, DEFAULT)
+    src = hipp.render_hip(spec, DEFAULT, TARGET)
     # A plan that disagrees with the C++ index maps does not compile.
-    fp = hipc.plan_for(spec, DEFAULT).fingerprints()["acc_rows"]
+    fp = hipp.plan_for(spec, DEFAULT, TARGET).fingerprints()["acc_rows"]
     broken = Source(src.text.replace(f"{fp}u", f"{fp + 1}u"), "broken.hip", src.template, "hip")
     with pytest.raises(CompileError, match="accumulator lane map"):
-        hipc.compile_hip(broken, hip_cache / "broken")
+        hipcc.compile_hip(broken, hip_cache / "broken", TARGET)
     bad = Source(src.text + "\nthis is not C++;\n", "bad.hip", src.template, "hip")
     with pytest.raises(CompileError, match="error"):
-        hipc.compile_hip(bad, hip_cache / "bad")
+        hipcc.compile_hip(bad, hip_cache / "bad", TARGET)
 
 
 def test_parse_resource_usage() -> None:
     stderr = "\n".join(
         f"k.hip:1:1: remark: {line} [-Rpass-analysis=kernel-resource-usage]" for line in (
             "Function Name: other", "    VGPRs: 3",
-            f"Function Name: {hipc.HIP_KERNEL_NAME}", "    SGPRs: 45", "    VGPRs: 160",
+            f"Function Name: {hipp.HIP_KERNEL_NAME}", "    SGPRs: 45", "    VGPRs: 160",
             "    AGPRs: 44", "    ScratchSize [bytes/lane]: 0", "    Dynamic Stack: False",
             "    Occupancy [waves/SIMD]: 2", "    SGPRs Spill: 0", "    VGPRs Spill: 0",
             "    LDS Size [bytes/block]: 32768"))
-    assert hipc.parse_resource_usage(stderr) == {
+    assert hipcc.parse_resource_usage(stderr) == {
         "sgprs": 45, "vgprs": 160, "agprs": 44, "scratch_bytes": 0, "dynamic_stack": 0,
         "occupancy": 2, "sgpr_spill": 0, "vgpr_spill": 0, "lds_bytes": 32768}
 
@@ -292,7 +297,7 @@ class Emulator:
     """The generated kernel, structure for structure, on flat arrays (global memory as 16-bit
     patterns, LDS as a 16-bit array with a 32-bit view for the merge)."""
 
-    def __init__(self, plan: hipc.HipPlan) -> None:
+    def __init__(self, plan: hipp.HipPlan) -> None:
         self.p = plan
         lanes = np.arange(64)
         mn = plan.mfma_mn
@@ -546,7 +551,7 @@ def make_problem(spec: Spec, *, seed: int = 0, batch: int = 1, heads: int = 2, c
 
 def emulate(spec: Spec, cfg: KernelConfig, q, k, v, lut, vbs, counts,
             paths: Counter | None = None):
-    plan = hipc.plan_for(spec, cfg)
+    plan = hipp.plan_for(spec, cfg, TARGET)
     shapes = hiprt.validate_inputs(spec, q, k, v, lut, vbs, counts)
     bits = [t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
             for t in (q, k, v)]
@@ -589,7 +594,7 @@ def test_emulated_kernel_matches_reference(spec: Spec, cfg: KernelConfig,
     o, lse = emulate(spec, cfg, q, k, v, lut, vbs, counts, paths)
     # the problem's vbs (64, 33, 8, 1) drive every path: full, cut and (split keys) empty slices
     assert paths["unmasked"] and (paths["masked"] > 0) == spec.variable_block_sizes
-    plan = hipc.plan_for(spec, cfg)
+    plan = hipp.plan_for(spec, cfg, TARGET)
     assert (paths["skipped"] > 0) == (spec.variable_block_sizes and plan.warps_n > 1)
     o_ref, lse_ref = attention_fp32(q, k, v, lut, vbs if spec.variable_block_sizes else None,
                                     counts, layout=spec.layout, block=spec.block_kv)
@@ -610,7 +615,7 @@ def test_emulation_catches_a_wrong_lane_map(monkeypatch) -> None:
     spec = Spec(head_dim=64)
     q, k, v, lut, vbs, counts = make_problem(spec, heads=1, cubes=2, topk=2)
     good, _ = emulate(spec, DEFAULT, q, k, v, lut, vbs, counts)
-    monkeypatch.setattr(hipc.HipPlan, "acc_row",
+    monkeypatch.setattr(hipp.HipPlan, "acc_row",
                         lambda self, lane, r: (4 * (lane // self.mfma_mn) + r + 4) % 16)
     bad, _ = emulate(spec, DEFAULT, q, k, v, lut, vbs, counts)
     assert not torch.allclose(good, bad, atol=1e-2)

@@ -11,9 +11,9 @@ import torch
 
 import tilegen
 from tilegen import KernelConfig, Spec, captures
-from tilegen.jit import load_triton
+from tilegen.backends.triton.jit import load_triton
+from tilegen.backends.triton.render import render_triton
 from tilegen.reference import attention_fp32
-from tilegen.render import render_triton
 
 GRID, HEADS, TOPK = (5, 6, 8), 2, 3
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -111,12 +111,14 @@ def test_interpreter_bf16_dot_is_still_broken(interpreter):
     interp_bf16 workaround can go."""
     cap = small_capture(0, 64, "bf16", "bshd")
     spec = spec_for(64, "bf16", "bshd")
-    kernel = load_triton(render_triton(spec, KernelConfig()))
+    kernel = load_triton(render_triton(spec, KernelConfig(), None))
     q = cap["q"]
     o = torch.empty_like(q)
     lse = torch.empty(1, HEADS, q.shape[1])
+    err = torch.zeros(1, dtype=torch.int32)
     kernel[(8, HEADS)](q, cap["k"], cap["v"], cap["topk_idx"], cap["topk_idx"], cap["vbs"], o,
-                       lse, q.shape[1], HEADS, 8, TOPK, spec.sm_scale * 1.4426950408889634,
+                       lse, err, q.shape[1], HEADS, 8, 8, TOPK,
+                       spec.sm_scale * 1.4426950408889634,
                        HAS_COUNTS=False, BLOCK_M=64, BLOCK_N=64)
     o32, _ = attention_fp32(q, cap["k"], cap["v"], cap["topk_idx"], cap["vbs"])
     assert not captures.score(o, o32.to(o.dtype)).passed

@@ -80,7 +80,7 @@ def test_invalid_config_is_rejected_before_compiling():
 def test_bad_input_fails_before_anything_is_rendered_or_launched(tmp_path, monkeypatch):
     """Under the interpreter a good call renders the kernel into the cache and launches it; a
     bad one raises first, so the cache stays empty."""
-    from tilegen import jit
+    from tilegen.backends.triton import jit
 
     monkeypatch.setattr(jit, "_modules", {})  # nothing imported yet in this process
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -116,7 +116,7 @@ def test_sm_scale_and_op_errors_name_the_argument():
 
 
 def test_backend_selection():
-    from tilegen.runtime.cuda import CudaBlockSparseAttention
+    from tilegen.backends.cuda.runtime import CudaBlockSparseAttention
 
     op = tilegen.load(Spec(), backend="cuda")  # constructed lazily: compiles on first call
     assert isinstance(op, CudaBlockSparseAttention)

@@ -10,7 +10,15 @@ import jinja2
 import pytest
 
 from tilegen import KernelConfig, Spec
-from tilegen.render import HEADER, environment, render_triton, template_set_hash
+from tilegen.backends.triton.render import render_triton as _render_triton
+from tilegen.render import HEADER, environment, template_set_hash
+from tilegen.targets import get_target
+
+TARGET = get_target("sm_90")
+
+
+def render_triton(spec, cfg):
+    return _render_triton(spec, cfg, TARGET)
 
 GOLDEN = Path(__file__).parent / "golden"
 SMALL = dict(grid=(5, 6, 8), num_heads=2, topk=3)
@@ -36,7 +44,19 @@ def test_golden(case):
 def test_header_names_template_and_spec_hash():
     spec, cfg = Spec(), KernelConfig()
     first = render_triton(spec, cfg).text.splitlines()[0]
-    assert first == "# " + HEADER.format(template="triton/lut_kernel.py.j2", spec_hash=spec.hash)
+    assert first == "# " + HEADER.format(template="triton/lut_kernel.py.j2", spec_hash=spec.hash,
+                                         target="sm_90 (sm_90a)")
+
+
+def test_every_render_sees_its_target():
+    """The target reaches every template: each target's sources name it."""
+    from tilegen import backends
+
+    for name in ("sm_90", "sm_100a", "gfx942"):
+        target = get_target(name)
+        for impl in backends.for_target(target):
+            src = impl.render(Spec(), impl.default_config(Spec(), target), target)
+            assert f"target {name} ({target.arch})" in src.text.splitlines()[0]
 
 
 def test_deterministic_and_launch_parameters_do_not_change_text():

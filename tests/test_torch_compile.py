@@ -28,6 +28,8 @@ def test_op_is_registered_with_a_fake():
     args = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"], None, "bshd", None)
     torch.library.opcheck(torch.ops.tilegen.block_sparse_attention.default, args,
                           test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.tilegen.block_sparse_attention.default, (*args, False),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

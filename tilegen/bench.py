@@ -17,7 +17,8 @@ import torch
 
 from tilegen import captures
 from tilegen.config import KernelConfig, reference_config
-from tilegen.ops import BlockSparseAttention, load, validate_inputs
+from tilegen.inputs import validate_inputs
+from tilegen.ops import BlockSparseAttention, load
 from tilegen.reference import attention_fp32
 from tilegen.spec import Spec
 

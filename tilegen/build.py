@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tilegen import __version__, cache
-from tilegen import config as cfgmod
-from tilegen.compile import Artifact
+from tilegen import backends as registry
 from tilegen.config import KernelConfig
-from tilegen.render import Source, render_triton, template_set_hash
+from tilegen.identity import VariantKey
+from tilegen.render import Source
 from tilegen.spec import Spec
 from tilegen.targets import Target
 
@@ -32,91 +32,26 @@ class PlannedSource:
     backend: str
     config: KernelConfig
     source: Source
-
-
-def _render_cuda(spec: Spec, cfg: KernelConfig) -> Source:
-    from tilegen.compile.nvcc import render_cuda
-
-    return render_cuda(spec, cfg)
-
-
-def _render_hip(spec: Spec, cfg: KernelConfig) -> Source:
-    from tilegen.compile.hip import render_hip
-
-    return render_hip(spec, cfg)
-
-
-RENDERERS: dict[str, Callable[[Spec, KernelConfig], Source]] = {
-    "triton": render_triton,
-    "cuda": _render_cuda,
-    "hip": _render_hip,
-}
-
-
-def backend_violations(backend: str, spec: Spec, cfg: KernelConfig) -> list[str]:
-    """Rules of one C++ backend's tiling on top of the target's (`config.PREDICATES`)."""
-    if backend == "cuda":
-        from tilegen.compile.nvcc import cuda_violations
-
-        return cuda_violations(spec, cfg)
-    if backend == "hip":
-        from tilegen.compile.hip import hip_violations
-
-        return hip_violations(spec, cfg)
-    return []
+    key: VariantKey | None = None  # filled in by build(), which knows the toolchain
 
 
 def plan(spec: Spec, target: Target, config: KernelConfig | None = None,
          backends: tuple[str, ...] | None = None) -> list[PlannedSource]:
-    """What a build of `target` renders: one source per backend, for `config` or the target's
-    default. Invalid configs raise before anything is rendered."""
-    cfg = config or cfgmod.default_config(target, spec)
-    cfgmod.check(spec, target, cfg)
+    """What a build of `target` renders: one source per backend of the target (registry order),
+    for `config` or each backend's default. Invalid configs raise before anything renders."""
     chosen = backends or target.backends
     unknown = [b for b in chosen if b not in target.backends]
     if unknown:
         raise ValueError(f"backend(s) {unknown} not available for {target.name}; "
                          f"allowed values: {list(target.backends)}")
-    for b in chosen:
-        problems = backend_violations(b, spec, cfg)
-        if problems:
-            raise ValueError(f"config {cfg.name} is invalid for the {b} backend on "
-                             f"{target.name}: " + "; ".join(problems))
-    return [PlannedSource(b, cfg, RENDERERS[b](spec, cfg)) for b in chosen]
-
-
-def compile_one(item: PlannedSource, spec: Spec, target: Target, out_dir: Path) -> Artifact:
-    if item.backend == "triton":
-        from tilegen.compile.triton_aot import compile_triton
-
-        return compile_triton(spec, item.config, target, out_dir, item.source)
-    if item.backend == "cuda":
-        from tilegen.compile.nvcc import compile_cuda
-
-        return compile_cuda(item.source, target.name, out_dir)
-    if item.backend == "hip":
-        from tilegen.compile.hip import compile_hip
-
-        return compile_hip(item.source, out_dir)
-    raise ValueError(f"unknown backend {item.backend!r}")
-
-
-def estimate_occupancy(art: Artifact, target: Target) -> int | None:
-    """Resident blocks per SM/CU from registers, shared memory and threads (upper bound)."""
-    if not art.threads or art.registers is None:
-        return None
-    waves = art.threads // target.warp_size
-    if target.vendor == "nvidia":
-        regs_per_warp = -(-art.registers * target.warp_size // 256) * 256  # 256-reg granules
-        by_regs = target.registers_per_sm // max(regs_per_warp * waves, 1)
-        by_smem = (target.max_shared_bytes + 1024) // max(art.shared_bytes or 1, 1)
-        return max(0, min(by_regs, by_smem, 32))
-    # CDNA3: 512 VGPRs (arch + acc) per SIMD lane, 4 SIMDs per CU, waves spread over SIMDs
-    vgprs = (art.registers or 0) + (art.agprs or 0)
-    waves_per_simd = 512 // max(-(-vgprs // 8) * 8, 8)
-    by_regs = (waves_per_simd * 4) // max(waves, 1)
-    by_lds = target.max_shared_bytes // max(art.shared_bytes or 1, 1)
-    return max(0, min(by_regs, by_lds, 8))
+    items = []
+    for impl in registry.for_target(target):
+        if impl.name not in chosen:
+            continue
+        cfg = config or impl.default_config(spec, target)
+        impl.check(spec, target, cfg)
+        items.append(PlannedSource(impl.name, cfg, impl.render(spec, cfg, target)))
+    return items
 
 
 def build(spec: Spec, target: Target, out_dir: Path, config: KernelConfig | None = None,
@@ -129,7 +64,7 @@ def build(spec: Spec, target: Target, out_dir: Path, config: KernelConfig | None
     backend succeeded (a failed build leaves `out_dir` as it was)."""
     items = plan(spec, target, config, backends)
     for item in items:
-        require_toolchain(item.backend)
+        registry.get(item.backend).require_toolchain(target)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -160,33 +95,24 @@ def _remove_previous_build(out_dir: Path) -> None:
             (out_dir / name).unlink(missing_ok=True)
 
 
-def require_toolchain(backend: str) -> None:
-    """Raise ToolchainMissing (with the install hint) when a backend's compiler is absent."""
-    if backend == "cuda":
-        from tilegen.compile.nvcc import find_nvcc
-
-        find_nvcc()
-    elif backend == "hip":
-        from tilegen.compile.hip import find_clang
-
-        find_clang()
-
-
 def _build_into(out_dir: Path, items: list[PlannedSource], spec: Spec, target: Target,
                 progress: Callable[[str], None]) -> dict:
     artifacts = []
     for item in items:
         src_path = cache.atomic_write(out_dir / item.source.name, item.source.text)
         progress(f"[{target.name}] {item.backend}: compiling {item.source.name}")
-        art = compile_one(item, spec, target, out_dir)
+        impl = registry.get(item.backend)
+        art = impl.compile(spec, item.config, target, item.source, out_dir)
         art.source = src_path
         art.source_sha256 = item.source.sha256
         art.config = item.config.name
         if art.occupancy is None:
-            art.occupancy = estimate_occupancy(art, target)
+            art.occupancy = target.occupancy(art.registers, art.threads, art.shared_bytes,
+                                             art.agprs)
+        key = impl.variant_key(spec, item.config, target, item.source)
         progress(f"[{target.name}] {item.backend}: {art.path.name} regs={art.registers} "
                  f"shared={art.shared_bytes} spills={art.spill_bytes}")
-        artifacts.append(art)
+        artifacts.append((art, key))
     manifest = {
         "tilegen": __version__,
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
@@ -195,9 +121,9 @@ def _build_into(out_dir: Path, items: list[PlannedSource], spec: Spec, target: T
         "arch": target.arch,
         "spec": spec.to_dict(),
         "spec_hash": spec.hash,
-        "template_set_hash": template_set_hash(),
-        "backend_template_hashes": {b: template_set_hash(b) for b in target.backends},
-        "artifacts": [_relative(a.to_dict(), out_dir) for a in artifacts],
+        "kernel_hash": spec.kernel_hash,
+        "artifacts": [{**_relative(a.to_dict(), out_dir), "variant": key.to_dict(),
+                       "variant_id": key.digest} for a, key in artifacts],
     }
     return manifest
 

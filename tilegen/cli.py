@@ -101,7 +101,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 # Commands that compile for a GPU must import triton in compiled mode (see
-# tilegen.compile.triton_aot._require_compiled_mode): the interpreter has no say in them.
+# tilegen.backends.triton.aot._require_compiled_mode): the interpreter has no say in them.
 _AOT_COMMANDS = ("build",)
 
 

@@ -46,8 +46,9 @@ def validate_inputs(
     """Check shapes, dtypes, devices and index ranges against `spec`; raise before any launch.
 
     Errors name the argument: TypeError for a wrong type or dtype, ValueError for the rest.
-    ``check_values`` reads index ranges back from the device (one sync); the benchmark path
-    turns it off after validating once.
+    ``check_values`` also runs `check_input_values` (index, vbs and count ranges, distinct indices):
+    one host sync. Backends whose kernels guard their loads and flag bad values on the device
+    (`DeviceErrorFlag`) pass False on GPUs.
     """
     for name, x in (("q", q), ("k", k), ("v", v), ("topk_idx", topk_idx), ("vbs", vbs)):
         _tensor(name, x)
@@ -103,19 +104,10 @@ def validate_inputs(
                              f"got shape {tuple(counts.shape)}")
         if counts.device != device:
             raise ValueError(f"counts is on {counts.device} but q is on {device}")
+    shapes = Shapes(B, S, H, D, nq, nkv, topk)
     if check_values:
-        if topk_idx.numel():
-            lo, hi = int(topk_idx.min()), int(topk_idx.max())
-            if lo < 0 or hi >= nkv:
-                raise ValueError(f"topk_idx holds values in [{lo}, {hi}], outside [0, NKV={nkv})")
-        lo, hi = int(vbs.min()), int(vbs.max())
-        if lo < 1 or hi > spec.block_kv:
-            raise ValueError(f"vbs holds values in [{lo}, {hi}], outside 1..{spec.block_kv}")
-        if counts is not None and counts.numel():
-            lo, hi = int(counts.min()), int(counts.max())
-            if lo < 0 or hi > topk:
-                raise ValueError(f"counts holds values in [{lo}, {hi}], outside 0..TOPK={topk}")
-    return Shapes(B, S, H, D, nq, nkv, topk)
+        check_input_values(spec, shapes, topk_idx, vbs, counts)
+    return shapes
 
 
 def check_sm_scale(sm_scale: object) -> None:
@@ -126,3 +118,99 @@ def check_sm_scale(sm_scale: object) -> None:
         raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
     if not math.isfinite(sm_scale) or sm_scale <= 0:
         raise ValueError(f"sm_scale must be positive and finite, got {sm_scale!r}")
+
+
+def check_input_values(spec: Spec, shapes: Shapes, topk_idx: torch.Tensor, vbs: torch.Tensor,
+                 counts: torch.Tensor | None = None) -> None:
+    """The eager value checks (``check_values=True``; always on the CPU): index range, vbs
+    range, counts range and distinct indices within each row's used prefix. Reads the answer
+    back from the device: one host sync."""
+    nkv, topk = shapes.num_kv_blocks, shapes.topk
+    if topk_idx.numel():
+        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        if lo < 0 or hi >= nkv:
+            raise ValueError(f"topk_idx holds values in [{lo}, {hi}], outside [0, NKV={nkv})")
+    if spec.variable_block_sizes and vbs.numel():
+        lo, hi = int(vbs.min()), int(vbs.max())
+        if lo < 1 or hi > spec.block_kv:
+            raise ValueError(f"vbs holds values in [{lo}, {hi}], outside 1..{spec.block_kv}")
+    if counts is not None and counts.numel():
+        lo, hi = int(counts.min()), int(counts.max())
+        if lo < 0 or hi > topk:
+            raise ValueError(f"counts holds values in [{lo}, {hi}], outside 0..TOPK={topk}")
+    if topk_idx.numel() and topk > 1:
+        idx = topk_idx.long()
+        if counts is not None:  # slots past a row's count are never read: give them unique ids
+            slot = torch.arange(topk, device=idx.device)
+            unused = slot >= counts.long()[..., None]
+            idx = torch.where(unused, -1 - slot, idx)
+        ordered = idx.sort(dim=-1).values
+        dup = ordered[..., 1:] == ordered[..., :-1]
+        if bool(dup.any()):
+            where = dup.any(dim=-1).nonzero()[0].tolist()
+            row = ordered[tuple(where)]
+            value = int(row[1:][row[1:] == row[:-1]][0])
+            raise ValueError(f"topk_idx row (b, h, q) = {tuple(where)} holds index {value} "
+                             "more than once; indices within a row must be distinct")
+
+
+class DeviceErrorFlag:
+    """An int32 error word the kernel sets on the device when it meets a bad index, vbs or count,
+    read back without a host sync.
+
+    After each launch the word is copied to pinned host memory on the launch stream and an event
+    is recorded; the next call looks at it only once that event has completed (no waiting).
+    `check()` waits and raises. During CUDA graph capture nothing is copied: the kernel still
+    sets the word, and `check()` after a replay reads it."""
+
+    def __init__(self) -> None:
+        self._dev: dict[torch.device, torch.Tensor] = {}
+        self._host: dict[torch.device, torch.Tensor] = {}
+        self._event: dict[torch.device, torch.cuda.Event] = {}
+
+    def buffer(self, device: torch.device) -> torch.Tensor:
+        """The device word for `device` (zeroed on first use)."""
+        buf = self._dev.get(device)
+        if buf is None:
+            buf = self._dev[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return buf
+
+    def after_launch(self, device: torch.device) -> None:
+        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        host = self._host.get(device)
+        if host is None:
+            host = self._host[device] = torch.zeros(1, dtype=torch.int32).pin_memory()
+            self._event[device] = torch.cuda.Event()
+        host.copy_(self._dev[device], non_blocking=True)
+        self._event[device].record()
+
+    def raise_pending(self, device: torch.device) -> None:
+        """Raise for an earlier launch on `device` whose flag is known set (never waits)."""
+        event = self._event.get(device)
+        if event is None or not event.query():
+            return
+        self._raise_if_set(device)
+
+    def check(self, device: torch.device | None = None) -> None:
+        """Wait for the launches so far and raise if any of them met a bad value."""
+        for dev in [device] if device is not None else list(self._dev):
+            if dev not in self._dev:
+                continue
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            host = self._host.get(dev)
+            if host is not None:
+                host.copy_(self._dev[dev])
+            self._raise_if_set(dev, fresh=self._dev[dev].cpu())
+
+    def _raise_if_set(self, device: torch.device, fresh: torch.Tensor | None = None) -> None:
+        word = int((fresh if fresh is not None else self._host[device]).item())
+        if word:
+            self._dev[device].zero_()
+            if device in self._host:
+                self._host[device].zero_()
+            raise ValueError(
+                "an earlier block-sparse attention call met a bad value (a topk_idx entry "
+                "outside [0, NKV), a vbs entry outside 1..block or a count outside 0..TOPK); "
+                "the rows it touched came out NaN. Call with check_values=True to find it.")

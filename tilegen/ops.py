@@ -1,126 +1,29 @@
-"""The importable ops: `load(spec)` and the `tilegen::block_sparse_attention` custom op.
+"""The importable ops: `load(spec)` over the backend registry, and the
+`tilegen::block_sparse_attention` custom op.
 
-Validation happens here, at the boundary, before any kernel launch. Execution paths:
-
-- CUDA / ROCm tensors: the generated Triton kernel, compiled by Triton's JIT.
-- CPU tensors with TRITON_INTERPRET=1: the same generated kernel under Triton's interpreter.
-  Triton 3.6's interpreter computes bf16 ``tl.dot`` wrongly (it multiplies raw bits) and
-  truncates fp32 -> bf16 casts, so for bf16 the kernel is rendered with the ``interp_bf16``
-  option (see `KernelConfig`); the op says so once in the log. fp16 runs the GPU text unchanged.
-- CPU tensors otherwise: the fp32 PyTorch path (`tilegen.reference`), cast to the input dtype.
+Every backend's op validates its inputs on the host (`tilegen.inputs`) before any launch; see
+`tilegen.backends.triton.op` for where the default (Triton) op runs and how it checks values
+without a host sync.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
+from tilegen import backends
 from tilegen import config as cfgmod
+from tilegen.backends.triton.op import BlockSparseAttention
 from tilegen.config import KernelConfig
-from tilegen.inputs import (
-    SPEC_DTYPES,
-    Shapes,
-    _tensor,
-    check_sm_scale,
-    validate_inputs,
-)
-from tilegen.jit import interpreting, load_triton
-from tilegen.reference import LOG2E, attention_fp32
-from tilegen.render import render_triton
+from tilegen.inputs import SPEC_DTYPES, _tensor
 from tilegen.spec import Spec
-from tilegen.targets import TARGET_NAMES, Target, detect_target
-
-if TYPE_CHECKING:
-    from tilegen.runtime.cuda import CudaBlockSparseAttention
-    from tilegen.runtime.hip import HipBlockSparseAttention
+from tilegen.targets import TARGET_NAMES, Target, detect_target, get_target
 
 log = logging.getLogger("tilegen")
 
-class BlockSparseAttention:
-    """A loaded kernel: ``o, lse = op(q, k, v, topk_idx, vbs, counts=None)``."""
-
-    def __init__(self, spec: Spec, config: KernelConfig, target: Target | None,
-                 source: str = "default") -> None:
-        self.spec = spec
-        self.config = config
-        self.target = target
-        #: where the config came from: "explicit", "winner", "default" or "reference"
-        self.config_source = source
-
-    def __repr__(self) -> str:
-        where = self.target.name if self.target else "cpu"
-        return (f"BlockSparseAttention(spec={self.spec.short_hash}, config={self.config.name}, "
-                f"target={where}, from={self.config_source})")
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        topk_idx: torch.Tensor,
-        vbs: torch.Tensor,
-        counts: torch.Tensor | None = None,
-        *,
-        sm_scale: float | None = None,
-        return_lse: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-        """Validate, then run. Returns (o, lse), or o alone when return_lse=False."""
-        shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts)
-        check_sm_scale(sm_scale)
-        if q.device.type == "cpu" and not interpreting():
-            o, lse = attention_fp32(
-                q, k, v, topk_idx, vbs if self.spec.variable_block_sizes else None, counts,
-                layout=self.spec.layout, block=self.spec.block_kv, sm_scale=sm_scale)
-            o = o.to(q.dtype)
-        else:
-            o, lse = self.launch(q, k, v, topk_idx, vbs, counts, shapes=shapes,
-                                 sm_scale=sm_scale, store_lse=return_lse)
-        return (o, lse) if return_lse else o
-
-    def kernel_config(self, device: torch.device, store_lse: bool = True) -> KernelConfig:
-        cfg = self.config.replace(store_lse=store_lse)
-        if device.type == "cpu" and self.spec.dtype == "bf16":
-            cfg = cfg.replace(interp_bf16=True)
-        return cfg
-
-    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.Tensor,
-               vbs: torch.Tensor, counts: torch.Tensor | None = None, *,
-               shapes: Shapes | None = None, sm_scale: float | None = None,
-               store_lse: bool = True,
-               out: tuple[torch.Tensor, torch.Tensor] | None = None,
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Launch the Triton kernel with no input checks (call `validate_inputs` once first)."""
-        if shapes is None:
-            shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
-                                     check_values=False)
-        cfg = self.kernel_config(q.device, store_lse)
-        if cfg.interp_bf16:
-            _note_once("Triton interpreter with bf16: rendering the kernel with interp_bf16 "
-                       "(fp32 dots on bf16-rounded operands, output rounded by torch), since "
-                       "Triton 3.6's interpreter gets bf16 tl.dot wrong and truncates "
-                       "fp32->bf16 casts")
-        kernel = load_triton(render_triton(self.spec, cfg))
-        if out is None:
-            o = torch.empty_like(q, dtype=torch.float32 if cfg.interp_bf16 else q.dtype)
-            lse = torch.empty((shapes.batch, shapes.heads, shapes.seq_len), dtype=torch.float32,
-                              device=q.device) if store_lse else o
-        else:
-            o, lse = out
-        scale = sm_scale if sm_scale is not None else self.spec.sm_scale
-        grid = (shapes.num_q_blocks * (self.spec.block_q // cfg.block_m),
-                shapes.batch * shapes.heads)
-        kernel[grid](
-            q, k, v, topk_idx, counts if counts is not None else topk_idx, vbs, o, lse,
-            shapes.seq_len, shapes.heads, shapes.num_q_blocks, shapes.topk, scale * LOG2E,
-            HAS_COUNTS=counts is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        if cfg.interp_bf16 and out is None:
-            o = o.to(q.dtype)
-        return o, (lse if store_lse else None)
-
+__all__ = ["BlockSparseAttention", "block_sparse_attention", "load", "resolve_config"]
 
 _noted: set[str] = set()
 
@@ -131,9 +34,11 @@ def _note_once(message: str, level: int = logging.INFO) -> None:
         log.log(level, message)
 
 
-def resolve_config(spec: Spec, target: Target | None) -> tuple[KernelConfig, str]:
-    """The tuned winner for (spec, device) when the tuning DB has a current one, else the
-    target's default (logged once), else the reference config on a CPU-only machine."""
+def resolve_config(spec: Spec, target: Target | None, backend: str = "triton"
+                   ) -> tuple[KernelConfig, str]:
+    """The tuned winner for (spec, device) when the tuning DB or the shipped winners hold a
+    current one, else the target's default (logged), else the reference config on a machine
+    with no tilegen target."""
     if target is None:
         if torch.cuda.is_available():  # a GPU tilegen has no target file for
             _note_once(f"no tilegen target for {torch.cuda.get_device_name()}; using the "
@@ -145,81 +50,73 @@ def resolve_config(spec: Spec, target: Target | None) -> tuple[KernelConfig, str
     found = lookup_config(spec, target)
     if found is not None:
         return found, "winner"
-    return cfgmod.default_config(target, spec), "default"
+    return backends.get(backend).default_config(spec, target), "default"
 
 
-BACKENDS = ("triton", "cuda", "hip")
+def _target_for(backend: backends.Backend, target: Target | str | None) -> Target | None:
+    """The explicit target, else the current device's, else (for a backend that only one target
+    lists) that target, so C++ sources can be built on a machine without the GPU."""
+    if isinstance(target, str):
+        return get_target(target)
+    if target is not None:
+        return target
+    found = detect_target()
+    if found is not None or backend.runs_on_cpu:
+        return found
+    listed = [get_target(n) for n in TARGET_NAMES if backend.name in get_target(n).backends]
+    return listed[0] if len(listed) == 1 else None
 
 
 def load(spec: Spec | None = None, config: KernelConfig | None = None, *,
-         target: Target | str | None = None, backend: str = "triton"
-         ) -> BlockSparseAttention | CudaBlockSparseAttention | HipBlockSparseAttention:
+         target: Target | str | None = None, backend: str = "triton") -> Any:
     """The block-sparse attention op for `spec` (default: the contract's workload spec).
 
     `config` pins a variant; otherwise the tuned winner for this device is used when the tuning
-    DB holds one, else the target's default config. Configs are checked against the target's
-    rules before anything is compiled.
+    DB or the shipped winners hold one (a winner of the same kernel on the nearest tuned
+    workload counts), else the target's default config. Configs are checked against the
+    target's and the backend's rules before anything is compiled.
 
-    `backend` picks the kernel: "triton" (default; CUDA and ROCm GPUs, the interpreter, CPU),
-    "cuda" (the CK-style CUDA C++ kernel via nvcc + the CUDA driver API, NVIDIA GPUs) or "hip"
-    (the CK-style HIP kernel via clang-19 + hip-python, AMD GPUs).
+    `backend` names a kernel family of the registry (`tilegen.backends.names()`): "triton"
+    (default; CUDA and ROCm GPUs, the interpreter, CPU), "cuda" (CK-style CUDA C++ through nvcc
+    and the CUDA driver API) or "hip" (CK-style HIP C++ through clang-19 and hip-python).
     """
     spec = spec or Spec()
     if not isinstance(spec, Spec):
         raise TypeError(f"spec must be a tilegen.Spec, got {type(spec).__name__}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not allowed; allowed values: {list(BACKENDS)}")
-    if backend == "cuda":
-        from tilegen.runtime.cuda import CudaBlockSparseAttention
-
-        return CudaBlockSparseAttention(spec, config)
-    if backend == "hip":
-        return _load_hip(spec, config)
-    if isinstance(target, str):
-        from tilegen.targets import get_target
-
-        target = get_target(target)
-    elif target is None:
-        target = detect_target()
+    impl = backends.get(backend)
+    tgt = _target_for(impl, target)
     if config is not None:
         if not isinstance(config, KernelConfig):
             raise TypeError(f"config must be a tilegen.KernelConfig, got {type(config).__name__}")
         source = "explicit"
-    else:
-        config, source = resolve_config(spec, target)
-    if target is not None:
-        cfgmod.check(spec, target, config)
+    elif backend == "triton":
+        config, source = resolve_config(spec, tgt, backend)
+    elif tgt is not None:
+        config, source = impl.default_config(spec, tgt), "default"
+    else:  # resolved against the device's target at the first call
+        return impl.make_op(spec, None, None, "default")
+    if tgt is not None:
+        impl.check(spec, tgt, config)
     else:
         problems = [p for p in (cfgmod.tiles_divide_cubes(spec, None, config),  # type: ignore[arg-type]
                                 cfgmod.tiles_fit_mma(spec, None, config)) if p]  # type: ignore[arg-type]
         if problems:
             raise ValueError(f"config {config.name} is invalid: " + "; ".join(problems))
-    return BlockSparseAttention(spec, config, target, source)
-
-
-def _load_hip(spec: Spec, config: KernelConfig | None):
-    from tilegen.compile.hip import build_hip, hip_violations
-    from tilegen.paths import cache_dir
-    from tilegen.runtime.hip import HipBlockSparseAttention
-    from tilegen.targets import get_target
-
-    target = get_target("gfx942")
-    cfg = config or cfgmod.default_config(target, spec)
-    problems = cfgmod.violations(spec, target, cfg) + hip_violations(spec, cfg)
-    if problems:
-        raise ValueError(f"config {cfg.name} is invalid for the HIP backend: "
-                         + "; ".join(problems))
-    artifact = build_hip(spec, cfg, cache_dir() / "hip-build")
-    return HipBlockSparseAttention(spec, cfg, artifact)
+    return impl.make_op(spec, config, tgt, source)
 
 
 # -- torch.library custom op --------------------------------------------------------------------
-_ops: dict[Spec, BlockSparseAttention] = {}
+#: one loaded op per (dtype, head dim, layout), looked up without building a Spec per call
+_ops: dict[tuple[torch.dtype, int, str], Any] = {}
 
 
-def _op_for(q: torch.Tensor, layout: str) -> BlockSparseAttention:
+def _op_for(q: torch.Tensor, layout: str) -> Any:
     """The op for q's dtype and head dim; errors name the argument, as validate_inputs does."""
     _tensor("q", q)
+    key = (q.dtype, q.shape[-1] if q.dim() else 0, layout)
+    op = _ops.get(key)
+    if op is not None:
+        return op
     if q.dtype not in SPEC_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; block_sparse_attention takes "
                         f"{[str(d) for d in SPEC_DTYPES]}")
@@ -229,9 +126,7 @@ def _op_for(q: torch.Tensor, layout: str) -> BlockSparseAttention:
         raise ValueError(f"q must be 4-D {layout.upper()} with head dim 64 or 128, "
                          f"got shape {tuple(q.shape)}")
     spec = Spec(head_dim=q.shape[-1], dtype=SPEC_DTYPES[q.dtype], layout=layout)
-    op = _ops.get(spec)
-    if op is None:
-        op = _ops[spec] = load(spec)
+    op = _ops[key] = load(spec)
     return op
 
 
@@ -245,13 +140,20 @@ def _block_sparse_attention(
     counts: torch.Tensor | None,
     layout: str,
     sm_scale: float | None,
+    return_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    o, lse = _op_for(q, layout)(q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale)
-    return o, lse
+    out = _op_for(q, layout)(q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale,
+                             return_lse=return_lse)
+    if return_lse:
+        return out
+    return out, q.new_empty((0,), dtype=torch.float32)  # lse not computed
 
 
 @_block_sparse_attention.register_fake
-def _block_sparse_attention_fake(q, k, v, topk_idx, vbs, counts, layout, sm_scale):
+def _block_sparse_attention_fake(q, k, v, topk_idx, vbs, counts, layout, sm_scale,
+                                 return_lse=True):
+    if not return_lse:
+        return torch.empty_like(q), q.new_empty((0,), dtype=torch.float32)
     if layout == "bshd":
         B, S, H, _ = q.shape
     else:
@@ -274,8 +176,16 @@ def block_sparse_attention(
     """Block-sparse attention with the default spec for q's dtype and head dim.
 
     A `torch.library` custom op (``torch.ops.tilegen.block_sparse_attention``) with a fake
-    implementation, so ``torch.compile(fullgraph=True)`` traces models that call it.
+    implementation, so ``torch.compile(fullgraph=True)`` traces models that call it. lse is
+    computed only when ``return_lse=True``. On the CPU PyTorch path (no interpreter) a call
+    that needs gradients runs the differentiable fp32 path directly; on GPUs such a call raises
+    until the backward kernels exist.
     """
+    if (torch.is_grad_enabled() and isinstance(q, torch.Tensor)
+            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))):
+        out = _op_for(q, layout)(q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale,
+                                 return_lse=return_lse)
+        return out
     o, lse = torch.ops.tilegen.block_sparse_attention(q, k, v, topk_idx, vbs, counts, layout,
-                                                      sm_scale)
+                                                      sm_scale, return_lse)
     return (o, lse) if return_lse else o

@@ -5,14 +5,37 @@ Every hardware fact lives in `targets/<name>/target.toml`; this module only read
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tilegen.paths import TARGETS_DIR, require
 
 TARGET_NAMES = ("sm_90", "sm_100a", "gfx942")
+
+
+@dataclass(frozen=True)
+class Mma:
+    """One matrix instruction of a target (targets/<t>/target.toml [[mma]])."""
+
+    name: str
+    kind: str  # "mma_sync", "wgmma", "tcgen05", "mfma": which templates may use it
+    dtypes: tuple[str, ...]
+    shape: tuple[int, int, int]  # (m, n, k); n is the largest for instructions with variable N
+
+    @property
+    def m(self) -> int:
+        return self.shape[0]
+
+    @property
+    def n(self) -> int:
+        return self.shape[1]
+
+    @property
+    def k(self) -> int:
+        return self.shape[2]
 
 
 @dataclass(frozen=True)
@@ -28,13 +51,53 @@ class Target:
     registers_per_sm: int
     max_threads_per_block: int
     num_sms: int
-    mma_shapes: tuple[tuple[int, int, int], ...]
-    mma_names: tuple[str, ...]
+    shared_per_sm: int
+    reserved_shared_per_block: int
+    default_shared_per_block: int
+    max_threads_per_sm: int
+    max_blocks_per_sm: int
+    register_alloc_unit: int
+    max_grid: tuple[int, int, int]
+    mma: tuple[Mma, ...]
     backends: tuple[str, ...]
     triton_backend: str
     triton_arch: int | str
     default: dict[str, int]
     tunable: dict[str, tuple[int, ...]]
+    #: vendor-specific facts (AMD: simds_per_cu, registers_per_simd_lane, lds_banks, ...)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def mma_for(self, kind: str, dtype: str) -> tuple[Mma, ...]:
+        """The target's matrix instructions of `kind` that take `dtype`, smallest first."""
+        return tuple(m for m in self.mma if m.kind == kind and dtype in m.dtypes)
+
+    def fact(self, name: str) -> Any:
+        """A vendor-specific fact from target.toml; KeyError naming the file when absent."""
+        if name not in self.extra:
+            raise KeyError(f"targets/{self.name}/target.toml has no {name!r}")
+        return self.extra[name]
+
+    def occupancy(self, registers: int | None, threads: int | None, shared_bytes: int | None,
+                  agprs: int | None = None) -> int | None:
+        """Resident blocks per SM / CU allowed by registers, shared memory / LDS and threads,
+        from this target's allocation rules (the one occupancy formula tilegen uses)."""
+        if not threads or registers is None:
+            return None
+        waves = -(-threads // self.warp_size)
+        shared = shared_bytes or 0
+        by_smem = (self.shared_per_sm // (shared + self.reserved_shared_per_block)
+                   if shared + self.reserved_shared_per_block else self.max_blocks_per_sm)
+        if self.vendor == "amd":
+            unit = self.register_alloc_unit
+            vgprs = -(-max(registers + (agprs or 0), 1) // unit) * unit
+            waves_per_simd = self.fact("registers_per_simd_lane") // vgprs
+            by_regs = waves_per_simd * self.fact("simds_per_cu") // waves
+        else:
+            unit = self.register_alloc_unit
+            regs_per_warp = -(-max(registers, 1) * self.warp_size // unit) * unit
+            by_regs = self.registers_per_sm // (regs_per_warp * waves)
+        by_threads = self.max_threads_per_sm // threads
+        return max(0, min(by_regs, by_smem, by_threads, self.max_blocks_per_sm))
 
     def tunable_for(self, backend: str) -> dict[str, tuple[int, ...]]:
         """The tunable ranges of `backend` on this target (one table for all backends today)."""
@@ -53,6 +116,7 @@ def get_target(name: str) -> Target:
     path = require(TARGETS_DIR / name / "target.toml", f"target file for {name}")
     raw: dict[str, Any] = tomllib.loads(path.read_text())
     triton = raw.pop("triton")
+    known = {f.name for f in dataclasses.fields(Target)} | {"mma", "default", "tunable"}
     return Target(
         name=raw["name"],
         vendor=raw["vendor"],
@@ -65,13 +129,21 @@ def get_target(name: str) -> Target:
         registers_per_sm=raw["registers_per_sm"],
         max_threads_per_block=raw["max_threads_per_block"],
         num_sms=raw["num_sms"],
-        mma_shapes=tuple(tuple(s) for s in raw["mma_shapes"]),
-        mma_names=tuple(raw["mma_names"]),
+        shared_per_sm=raw["shared_per_sm"],
+        reserved_shared_per_block=raw["reserved_shared_per_block"],
+        default_shared_per_block=raw["default_shared_per_block"],
+        max_threads_per_sm=raw["max_threads_per_sm"],
+        max_blocks_per_sm=raw["max_blocks_per_sm"],
+        register_alloc_unit=raw["register_alloc_unit"],
+        max_grid=tuple(raw["max_grid"]),
+        mma=tuple(Mma(m["name"], m["kind"], tuple(m["dtypes"]), tuple(m["shape"]))
+                  for m in raw["mma"]),
         backends=tuple(raw["backends"]),
         triton_backend=triton["backend"],
         triton_arch=triton["arch"],
         default=dict(raw["default"]),
         tunable={k: tuple(v) for k, v in raw["tunable"].items()},
+        extra={k: v for k, v in raw.items() if k not in known},
     )
 
 

@@ -281,7 +281,7 @@ class _WorkerState:
         import triton
 
         from tilegen import bench, captures
-        from tilegen.jit import interpreting
+        from tilegen.backends.triton.jit import interpreting
         from tilegen.spec import Spec
         from tilegen.targets import detect_target
 

@@ -54,8 +54,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
+from tilegen.backends.triton.render import render_triton
 from tilegen.config import KernelConfig
-from tilegen.render import render_triton
 from tilegen.spec import Spec
 from tilegen.targets import Target, get_target
 from tilegen.tune.objective import (
@@ -671,7 +671,7 @@ class _Session:
             run_cfg = cfg.replace(store_lse=True)
             if self.info.interpreter and self.spec.dtype == "bf16":
                 run_cfg = run_cfg.replace(interp_bf16=True)  # the source that actually ran
-            sha = render_triton(self.spec, run_cfg).sha256
+            sha = render_triton(self.spec, run_cfg, self.target).sha256
             self.cand_ids[cfg.name] = self.db.add_candidate(self.spec.hash, cfg.name,
                                                             cfg.to_dict(), sha)
         return self.cand_ids[cfg.name]

@@ -1,4 +1,5 @@
-"""The Triton backend: the generated Triton kernel, JIT-compiled in process or AOT with no GPU."""
+"""The Triton backend: the generated Triton kernel, JIT-compiled in process (CUDA, ROCm, the CPU
+interpreter) or compiled ahead of time with no GPU (`aot`)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,13 @@ class TritonBackend(Backend):
     name = "triton"
     runs_on_cpu = True
 
-    def render(self, spec: Spec, cfg: KernelConfig, target: Target | None) -> Source:
-        from tilegen.render import render_triton
+    def config_violations(self, spec: Spec, target: Target, cfg: KernelConfig) -> list[str]:
+        return []  # the generic predicates (tilegen.config) are the Triton kernel's rules
 
-        return render_triton(spec, cfg)
+    def render(self, spec: Spec, cfg: KernelConfig, target: Target | None) -> Source:
+        from tilegen.backends.triton.render import render_triton
+
+        return render_triton(spec, cfg, target)
 
     def toolchain(self, target: Target | None = None) -> str:
         import triton
@@ -31,13 +35,13 @@ class TritonBackend(Backend):
 
     def compile(self, spec: Spec, cfg: KernelConfig, target: Target, source: Source,
                 out_dir: Path) -> Artifact:
-        from tilegen.compile.triton_aot import compile_triton
+        from tilegen.backends.triton.aot import compile_triton
 
         return compile_triton(spec, cfg, target, out_dir, source)
 
     def make_op(self, spec: Spec, cfg: KernelConfig, target: Target | None,
                 config_source: str = "explicit") -> Any:
-        from tilegen.ops import BlockSparseAttention
+        from tilegen.backends.triton.op import BlockSparseAttention
 
         return BlockSparseAttention(spec, cfg, target, config_source)
 

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 
+from tilegen.backends.hip.plan import HIP_KERNEL_NAME, HipPlan, plan_for
 from tilegen.compile import Artifact
-from tilegen.compile.hip import HIP_KERNEL_NAME, HipPlan, plan_for
 from tilegen.config import KernelConfig
 from tilegen.inputs import Shapes, check_sm_scale, validate_inputs
 from tilegen.reference import LOG2E
 from tilegen.spec import Spec
+from tilegen.targets import Target
 
 #: The kernel's parameters in order: (name, struct format). Pointers are 8 bytes, the scalars
 #: 4; each sits at the next multiple of its size (the AMDGPU kernarg ABI, same as C).
@@ -143,10 +144,13 @@ class HipKernel:
 class HipBlockSparseAttention:
     """``o, lse = op(q, k, v, topk_idx, vbs, counts=None)`` with the HIP kernel on a ROCm GPU."""
 
-    def __init__(self, spec: Spec, config: KernelConfig, artifact: Artifact) -> None:
+    def __init__(self, spec: Spec, config: KernelConfig, artifact: Artifact, target: Target,
+                 config_source: str = "explicit") -> None:
         self.spec = spec
         self.config = config
-        self.plan = plan_for(spec, config)
+        self.target = target
+        self.config_source = config_source
+        self.plan = plan_for(spec, config, target)
         self.kernel = HipKernel.from_artifact(artifact)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

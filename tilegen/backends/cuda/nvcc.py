@@ -6,7 +6,7 @@ block sizes). `compile_cuda(source, target)` runs ``nvcc -cubin`` for the target
 (sm_90a, sm_100a), reads ptxas's resource report into an `Artifact`, and caches the cubin under a
 hash of (source, nvcc version, flags, arch), so a second build of the same source is instant.
 
-The same decisions feed the template, the host launcher (`tilegen.runtime.cuda`) and the tests:
+The same decisions feed the template, the launcher (`tilegen.backends.cuda.runtime`) and tests:
 `cuda_traits` is the one place the tile shapes and shared-memory budget are computed.
 """
 
@@ -27,7 +27,7 @@ from tilegen.compile import Artifact, CompileError, ToolchainMissing
 from tilegen.config import KernelConfig
 from tilegen.render import Source, render, spec_basename
 from tilegen.spec import Spec
-from tilegen.targets import Target, get_target
+from tilegen.targets import Target
 
 CUDA_TEMPLATE = "cuda/lut_kernel.cu.j2"
 INSTALL_HINT = (
@@ -41,30 +41,23 @@ NVCC_FALLBACK_HOMES: tuple[str, ...] = ("/usr/local/cuda",)
 #: into approximations (lse must match the fp32 reference); the one hot transcendental, exp2,
 #: already uses ex2.approx explicitly in the template.
 NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas", "-v")
-#: target name -> the exact ISA nvcc builds (the "a" variants unlock arch-specific features and
-#: bind the cubin to that one chip family).
-ARCHS = {"sm_90": "sm_90a", "sm_100a": "sm_100a"}
-#: Hardware rules of the CUDA tile pieces that the generic config predicates do not cover.
-MMA_M = 16  # rows of one mma.sync m16n8k16
 ELEM_BYTES = 2  # bf16 / fp16
-#: per-SM budgets shared by sm_90 and sm_100 (CUDA C Programming Guide, compute capability 9.0
-#: and 10.0): 64K 32-bit registers, 228 KiB of shared memory with 1 KiB reserved per CTA
-SM_REGISTERS = 65536
-SM_SHARED_BYTES = 228 * 1024
-CTA_RESERVED_SHARED = 1024
-#: registers beyond the O and S accumulators: addresses, Q/K/V fragments, softmax state
+#: registers beyond the O and S accumulators: addresses, Q/K/V fragments, softmax state (a fact
+#: of this kernel's design, measured from ptxas reports, not of any chip)
 REGISTER_OVERHEAD = 80
-MAX_REGISTERS = 255
-
-
-# -- decisions ---------------------------------------------------------------------------------
-# Per-block shared memory opt-in limit of sm_90 and sm_100a (CUDA C Programming Guide, compute
-# capabilities 9.0 and 10.0: 227 KiB), and the kernel's static shared memory on top of it.
-MAX_SHARED_BYTES = 232448
+#: the kernel's static shared memory (barrier words) on top of its dynamic tiles
 STATIC_SMEM_BYTES = 128
 
 
-def cuda_violations(spec: Spec, cfg: KernelConfig) -> list[str]:
+def _mma_m(spec: Spec, target: Target) -> int:
+    """Rows of the target's mma.sync instruction for the spec's dtype (target.toml [[mma]])."""
+    found = target.mma_for("mma_sync", spec.dtype)
+    if not found:
+        raise ValueError(f"target {target.name} lists no mma_sync instruction for {spec.dtype}")
+    return found[0].m
+
+
+def cuda_violations(spec: Spec, cfg: KernelConfig, target: Target) -> list[str]:
     """Why the CUDA kernel cannot be built for (spec, cfg); empty when it can.
 
     Rules of this kernel's tiling: each warp owns whole m16 row tiles (block_m is a multiple of
@@ -74,8 +67,11 @@ def cuda_violations(spec: Spec, cfg: KernelConfig) -> list[str]:
     interpreter workaround with no CUDA meaning; the accumulators fit the register file.
     """
     problems = []
-    if cfg.num_warps < 1 or cfg.block_m % (MMA_M * cfg.num_warps):
-        problems.append(f"block_m={cfg.block_m} is not a multiple of 16 x num_warps="
+    if not target.mma_for("mma_sync", spec.dtype):
+        return [f"target {target.name} has no mma.sync instruction for {spec.dtype}"]
+    mma_m = _mma_m(spec, target)
+    if cfg.num_warps < 1 or cfg.block_m % (mma_m * cfg.num_warps):
+        problems.append(f"block_m={cfg.block_m} is not a multiple of {mma_m} x num_warps="
                         f"{cfg.num_warps} (each warp owns whole m16 row tiles)")
     if cfg.block_n % 16 or cfg.block_n < 16:
         problems.append(f"block_n={cfg.block_n} is not a multiple of 16")
@@ -88,14 +84,15 @@ def cuda_violations(spec: Spec, cfg: KernelConfig) -> list[str]:
         problems.append(f"num_stages={cfg.num_stages} < 1")
     if cfg.interp_bf16:
         problems.append("interp_bf16 is a Triton-interpreter option; the CUDA kernel has none")
-    if shared_memory_bytes(spec, cfg) + STATIC_SMEM_BYTES > MAX_SHARED_BYTES:
+    if shared_memory_bytes(spec, cfg) + STATIC_SMEM_BYTES > target.max_shared_bytes:
         problems.append(f"needs {shared_memory_bytes(spec, cfg) + STATIC_SMEM_BYTES} B of shared "
-                        f"memory, more than the {MAX_SHARED_BYTES} B a block may opt into on "
-                        "sm_90 / sm_100a")
-    if not problems and registers_needed(spec, cfg) > MAX_REGISTERS:
+                        f"memory, more than the {target.max_shared_bytes} B a block may opt into "
+                        f"on {target.name}")
+    if not problems and registers_needed(spec, cfg) > target.max_registers_per_thread:
         problems.append(f"each thread would hold ~{registers_needed(spec, cfg)} registers "
                         f"(O and S accumulators of {cfg.block_m // cfg.num_warps} rows per warp), "
-                        f"more than the {MAX_REGISTERS} a thread can have: it would spill")
+                        f"more than the {target.max_registers_per_thread} a thread can have: it "
+                        "would spill")
     return problems
 
 
@@ -112,21 +109,22 @@ def registers_needed(spec: Spec, cfg: KernelConfig) -> int:
     return warp_m * (spec.head_dim + cfg.block_n) // 32 + REGISTER_OVERHEAD
 
 
-def min_blocks_per_sm(spec: Spec, cfg: KernelConfig) -> int:
+def min_blocks_per_sm(spec: Spec, cfg: KernelConfig, target: Target) -> int:
     """The ``__launch_bounds__`` minimum of resident CTAs per SM: as many as shared memory
     allows, but no more than leaves each thread the registers its accumulators need (O and S
     fragments plus `REGISTER_OVERHEAD`), so ptxas caps registers where that buys occupancy and
     not where it would force spills."""
-    threads = 32 * cfg.num_warps
-    by_regs = SM_REGISTERS // (threads * registers_needed(spec, cfg))
-    by_smem = SM_SHARED_BYTES // (shared_memory_bytes(spec, cfg) + CTA_RESERVED_SHARED)
+    threads = target.warp_size * cfg.num_warps
+    by_regs = target.registers_per_sm // (threads * registers_needed(spec, cfg))
+    by_smem = target.shared_per_sm // (shared_memory_bytes(spec, cfg)
+                                       + target.reserved_shared_per_block)
     return max(1, min(by_regs, by_smem))
 
 
-def cuda_traits(spec: Spec, cfg: KernelConfig) -> dict[str, Any]:
+def cuda_traits(spec: Spec, cfg: KernelConfig, target: Target) -> dict[str, Any]:
     """Every number and choice the template instantiates, computed once (raises ValueError for
     a config the CUDA kernel cannot run). The template, the launcher and the tests read these."""
-    problems = cuda_violations(spec, cfg)
+    problems = cuda_violations(spec, cfg, target)
     if problems:
         raise ValueError(f"config {cfg.name} cannot be built as CUDA for this spec: "
                          + "; ".join(problems))
@@ -143,13 +141,15 @@ def cuda_traits(spec: Spec, cfg: KernelConfig) -> dict[str, Any]:
         "block_m": cfg.block_m,
         "block_n": cfg.block_n,
         "num_warps": cfg.num_warps,
-        "threads": 32 * cfg.num_warps,
+        "threads": target.warp_size * cfg.num_warps,
+        "mma_name": target.mma_for("mma_sync", spec.dtype)[0].name,
+        "arch": target.arch,
         "stages": cfg.num_stages,
         "warp_m": cfg.block_m // cfg.num_warps,
-        "m_tiles": cfg.block_m // cfg.num_warps // MMA_M,
+        "m_tiles": cfg.block_m // cfg.num_warps // _mma_m(spec, target),
         "n_sub": spec.block_kv // cfg.block_n,
         "smem_bytes": shared_memory_bytes(spec, cfg),
-        "min_blocks": min_blocks_per_sm(spec, cfg),
+        "min_blocks": min_blocks_per_sm(spec, cfg, target),
     }
 
 
@@ -158,13 +158,13 @@ def kernel_name(spec: Spec, cfg: KernelConfig) -> str:
     return f"tilegen_cuda_{spec_basename(spec)}_{cfg.name}"
 
 
-def render_cuda(spec: Spec, cfg: KernelConfig) -> Source:
+def render_cuda(spec: Spec, cfg: KernelConfig, target: Target) -> Source:
     """The CUDA source for (spec, cfg). Unlike the Triton source, block sizes are template
     arguments baked into the text, so every launch configuration is its own file."""
-    traits = cuda_traits(spec, cfg)
+    traits = cuda_traits(spec, cfg, target)
     name = kernel_name(spec, cfg)
     return render(CUDA_TEMPLATE, "cuda", spec, cfg, f"{name[len('tilegen_cuda_'):]}.cu", name,
-                  t=traits)
+                  target=target, t=traits)
 
 
 # -- toolchain ---------------------------------------------------------------------------------
@@ -208,11 +208,11 @@ def nvcc_version(nvcc: Path | None = None) -> str:
     return _version_of(str(nvcc or find_nvcc()))
 
 
-def arch_of(target_name: str) -> str:
-    if target_name not in ARCHS:
-        raise ValueError(f"target {target_name!r} has no CUDA backend; allowed values: "
-                         f"{sorted(ARCHS)}")
-    return ARCHS[target_name]
+def arch_of(target: Target) -> str:
+    """The exact ISA nvcc builds for `target` (target.toml `arch`: sm_90a, sm_100a)."""
+    if target.vendor != "nvidia":
+        raise ValueError(f"target {target.name!r} has no CUDA backend")
+    return target.arch
 
 
 def nvcc_command(nvcc: Path | str, src: Path, out: Path, arch: str) -> list[str]:
@@ -260,18 +260,7 @@ def _define(text: str, name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def occupancy(target: Target, registers: int, threads: int, shared_bytes: int) -> int:
-    """CTAs per SM allowed by registers (allocated per warp in units of 256), shared memory
-    (1 KiB reserved per CTA) and threads (2048 per SM), as the CUDA occupancy calculator."""
-    warps = -(-threads // 32)
-    regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
-    by_regs = target.registers_per_sm // (regs_per_warp * warps)
-    sm_shared = target.max_shared_bytes + 1024  # 228 KiB per SM on sm_90 / sm_100
-    by_smem = sm_shared // (shared_bytes + 1024) if shared_bytes else 32
-    return max(0, min(by_regs, by_smem, 2048 // threads, 32))
-
-
-def compile_cuda(source: Source, target_name: str, out_dir: str | Path | None = None) -> Artifact:
+def compile_cuda(source: Source, target: Target, out_dir: str | Path | None = None) -> Artifact:
     """Compile `source` for `target_name` ("sm_90" -> sm_90a, "sm_100a") into a cubin.
 
     The cubin is cached under sha256(source, nvcc version, flags, arch); a hit skips nvcc. With
@@ -281,8 +270,7 @@ def compile_cuda(source: Source, target_name: str, out_dir: str | Path | None = 
     """
     if source.backend != "cuda":
         raise ValueError(f"{source.name} is a {source.backend} source, not CUDA")
-    arch = arch_of(target_name)
-    target = get_target(target_name)
+    arch = arch_of(target)
     nvcc = find_nvcc()
     version = nvcc_version(nvcc)
     key = cache.key_of("cuda", source.sha256, version, " ".join(NVCC_FLAGS), arch)
@@ -304,11 +292,11 @@ def compile_cuda(source: Source, target_name: str, out_dir: str | Path | None = 
     threads = _define(source.text, "TILEGEN_THREADS")
     shared = meta["smem"] + dynamic
     return Artifact(
-        path=cubin, kind="cubin", backend="cuda", target=target_name, arch=arch,
+        path=cubin, kind="cubin", backend="cuda", target=target.name, arch=arch,
         kernel_name=meta["kernel_name"], source=src_path, source_sha256=source.sha256,
         config=_config_name(source.text) or stem, registers=meta["registers"], shared_bytes=shared,
         spill_bytes=meta["spill_stores"] + meta["spill_loads"], stack_bytes=meta["stack"],
-        occupancy=occupancy(target, meta["registers"], threads, shared) if threads else None,
+        occupancy=target.occupancy(meta["registers"], threads, shared),
         threads=threads, compiler={"nvcc": version}, command=meta["command"],
     )
 

@@ -16,24 +16,26 @@ import sys
 from pathlib import Path
 
 from tilegen import cache
+from tilegen.backends.triton.jit import load_triton, triton_imported_interpreted
+from tilegen.backends.triton.render import TRITON_KERNEL_NAME, render_triton
 from tilegen.compile import Artifact, CompileError
 from tilegen.config import KernelConfig
-from tilegen.jit import load_triton, triton_imported_interpreted
-from tilegen.render import TRITON_KERNEL_NAME, Source, render_triton
+from tilegen.render import Source
 from tilegen.spec import Spec
 from tilegen.targets import Target
 
 # Dtypes of the kernel's pointer arguments in signature order (see lut_kernel.py.j2).
-_PTR_ARGS = ("Q", "K", "V", "LUT", "COUNTS", "VBS", "O", "LSE")
+_PTR_ARGS = ("Q", "K", "V", "LUT", "COUNTS", "VBS", "O", "LSE", "ERR")
 
 
 def signature(spec: Spec) -> dict[str, str]:
     """Triton signature of the generated kernel for this spec (runtime arguments only)."""
     elem = {"bf16": "*bf16", "fp16": "*fp16"}[spec.dtype]
     ptr = {"Q": elem, "K": elem, "V": elem, "LUT": "*i32", "COUNTS": "*i32", "VBS": "*i32",
-           "O": elem, "LSE": "*fp32"}
+           "O": elem, "LSE": "*fp32", "ERR": "*i32"}
     sig = {name: ptr[name] for name in _PTR_ARGS}
-    sig.update(seq_len="i32", num_heads="i32", num_q_blocks="i32", topk="i32", qk_scale="fp32")
+    sig.update(seq_len="i32", num_heads="i32", num_q_blocks="i32", num_kv_blocks="i32",
+               topk="i32", qk_scale="fp32")
     sig.update(HAS_COUNTS="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr")
     return sig
 
@@ -92,7 +94,7 @@ def compile_triton(spec: Spec, cfg: KernelConfig, target: Target, out_dir: Path,
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    source = source or render_triton(spec, cfg)
+    source = source or render_triton(spec, cfg, target)
     _require_compiled_mode()
     # The AOT path must never run under the interpreter (it would hand back a Python function).
     saved = os.environ.pop("TRITON_INTERPRET", None)

@@ -1,6 +1,6 @@
 """Run the CUDA C++ backend on torch tensors: nvcc JIT (cached) + the CUDA driver API.
 
-The kernel is rendered for (spec, config), compiled by `tilegen.compile.nvcc` for the current
+The kernel is rendered for (spec, config), compiled by `tilegen.backends.cuda.nvcc` for the current
 device's ISA (sm_90a on Hopper, sm_100a on Blackwell), loaded with ``cuModuleLoadData`` through
 cuda-python (``cuda.bindings.driver``) and launched on torch's current stream with the
 tensors' device pointers. Nothing here needs a GPU or cuda-python at import time: the host-side
@@ -18,11 +18,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from tilegen.backends.cuda.nvcc import compile_cuda, cuda_traits, render_cuda
 from tilegen.compile import Artifact
-from tilegen.compile.nvcc import compile_cuda, cuda_traits, render_cuda
 from tilegen.config import KernelConfig
 from tilegen.reference import LOG2E
 from tilegen.spec import Spec
+from tilegen.targets import Target
 
 #: The kernel's parameters in order: (name, kind) with kind "ptr", "i32" or "f32".
 KERNEL_SIGNATURE: tuple[tuple[str, str], ...] = (
@@ -31,12 +32,6 @@ KERNEL_SIGNATURE: tuple[tuple[str, str], ...] = (
     ("num_q_blocks", "i32"), ("topk", "i32"), ("qk_scale", "f32"),
 )
 _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "f32": ctypes.c_float}
-#: compute capability -> tilegen target with a CUDA backend
-CAPABILITY_TARGETS = {(9, 0): "sm_90", (10, 0): "sm_100a"}
-MAX_GRID_Y = 65535
-MAX_GRID_X = 2**31 - 1
-#: shared memory a CTA may use without opting in (cudaFuncAttributeMaxDynamicSharedMemorySize)
-DEFAULT_SHARED_LIMIT = 48 * 1024
 
 
 class CudaRuntimeMissing(RuntimeError):
@@ -51,25 +46,30 @@ class LaunchParams:
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     shared_bytes: int
+    #: shared memory a block may use without opting in (target.toml default_shared_per_block)
+    default_shared_limit: int
 
     def needs_opt_in(self, static_bytes: int = 0) -> bool:
-        """Whether the dynamic limit must be raised: the default cap is 48 KiB minus the static
-        shared memory (the launcher raises it unconditionally; this says when it matters)."""
-        return self.shared_bytes + static_bytes > DEFAULT_SHARED_LIMIT
+        """Whether the dynamic limit must be raised past the target's default cap minus the
+        static shared memory (the launcher raises it unconditionally; this says when it
+        matters)."""
+        return self.shared_bytes + static_bytes > self.default_shared_limit
 
 
-def launch_params(spec: Spec, cfg: KernelConfig, batch: int, heads: int,
+def launch_params(spec: Spec, cfg: KernelConfig, target: Target, batch: int, heads: int,
                   num_q_blocks: int) -> LaunchParams:
     """Grid (query cubes * block_q / block_m, batch * heads): one CTA per BLOCK_M slice of a
     query cube and (batch, head), as the Triton kernel's programs; block = num_warps warps."""
-    t = cuda_traits(spec, cfg)
+    t = cuda_traits(spec, cfg, target)
     grid_x = num_q_blocks * (spec.block_q // cfg.block_m)
     grid_y = batch * heads
-    if not 0 < grid_x <= MAX_GRID_X or not 0 < grid_y <= MAX_GRID_Y:
-        raise ValueError(f"grid ({grid_x}, {grid_y}) is outside CUDA's limits "
-                         f"(x <= {MAX_GRID_X}, y = batch*heads <= {MAX_GRID_Y})")
+    max_x, max_y, _ = target.max_grid
+    if not 0 < grid_x <= max_x or not 0 < grid_y <= max_y:
+        raise ValueError(f"grid ({grid_x}, {grid_y}) is outside {target.name}'s limits "
+                         f"(x <= {max_x}, y = batch*heads <= {max_y})")
     return LaunchParams(grid=(grid_x, grid_y, 1), block=(t["threads"], 1, 1),
-                        shared_bytes=t["smem_bytes"])
+                        shared_bytes=t["smem_bytes"],
+                        default_shared_limit=target.default_shared_per_block)
 
 
 def kernel_args(ptrs: dict[str, int], seq_len: int, num_heads: int, num_q_blocks: int,
@@ -96,14 +96,18 @@ def pack_args(args: list[tuple[str, str, int | float]]) -> tuple[Any, list[Any]]
     return array, values
 
 
-def target_for_capability(major: int, minor: int) -> str:
-    """The tilegen target whose ISA runs on a device of this compute capability."""
-    try:
-        return CAPABILITY_TARGETS[(major, minor)]
-    except KeyError:
-        raise CudaRuntimeMissing(
-            f"no CUDA backend for compute capability {major}.{minor}; the CUDA kernels are built "
-            f"for {sorted(CAPABILITY_TARGETS.values())} (sm_90a / sm_100a)") from None
+def target_for_capability(major: int, minor: int) -> Target:
+    """The tilegen target with a CUDA backend whose ISA runs on this compute capability."""
+    from tilegen.targets import TARGET_NAMES, get_target
+
+    cc = major * 10 + minor
+    with_cuda = [get_target(n) for n in TARGET_NAMES if "cuda" in get_target(n).backends]
+    for target in with_cuda:
+        if target.compute_capability == cc:
+            return target
+    raise CudaRuntimeMissing(
+        f"no CUDA backend for compute capability {major}.{minor}; the CUDA kernels are built "
+        f"for {[t.name for t in with_cuda]}")
 
 
 # -- driver API ---------------------------------------------------------------------------------
@@ -187,25 +191,26 @@ class CudaBlockSparseAttention:
     found in the cache) and loaded on the first call on each device.
     """
 
-    def __init__(self, spec: Spec | None = None, config: KernelConfig | None = None) -> None:
+    def __init__(self, spec: Spec | None = None, config: KernelConfig | None = None,
+                 config_source: str = "explicit") -> None:
         self.spec = spec or Spec()
         self._config = config
+        self.config_source = config_source
         self._kernels: dict[tuple[int, bool], tuple[CudaKernel, KernelConfig]] = {}
+        self._targets: dict[int, Target] = {}
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         cfg = self._config.name if self._config else "target default"
         return f"CudaBlockSparseAttention(spec={self.spec.short_hash}, config={cfg})"
 
-    def config_for(self, target_name: str) -> KernelConfig:
+    def config_for(self, target: Target) -> KernelConfig:
         from tilegen.config import check as check_config
         from tilegen.config import default_config
-        from tilegen.targets import get_target
 
-        target = get_target(target_name)
         cfg = self._config or default_config(target, self.spec)
         check_config(self.spec, target, cfg)
-        cuda_traits(self.spec, cfg)  # CUDA's own tiling rules
+        cuda_traits(self.spec, cfg, target)  # CUDA's own tiling rules
         return cfg
 
     def kernel(self, device: Any, store_lse: bool = True) -> tuple[CudaKernel, KernelConfig]:
@@ -221,11 +226,13 @@ class CudaBlockSparseAttention:
         with self._lock:
             found = self._kernels.get(key)
             if found is None:
-                target_name = target_for_capability(*torch.cuda.get_device_capability(index))
-                cfg = self.config_for(target_name).replace(store_lse=store_lse)
-                artifact = compile_cuda(render_cuda(self.spec, cfg), target_name)
+                target = target_for_capability(*torch.cuda.get_device_capability(index))
+                cfg = self.config_for(target).replace(store_lse=store_lse)
+                artifact = compile_cuda(render_cuda(self.spec, cfg, target), target)
                 torch.cuda.init()
-                kern = CudaKernel(artifact, index, cuda_traits(self.spec, cfg)["smem_bytes"])
+                kern = CudaKernel(artifact, index,
+                                  cuda_traits(self.spec, cfg, target)["smem_bytes"])
+                self._targets[index] = target
                 found = self._kernels[key] = (kern, cfg)
         return found
 
@@ -265,7 +272,8 @@ class CudaBlockSparseAttention:
         else:
             o, lse = out
         scale = sm_scale if sm_scale is not None else self.spec.sm_scale
-        params = launch_params(self.spec, cfg, batch, heads, num_q_blocks)
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        params = launch_params(self.spec, cfg, self._targets[index], batch, heads, num_q_blocks)
         ptrs = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(),
                 "lut": topk_idx.data_ptr(), "counts": counts.data_ptr() if counts is not None
                 else 0, "vbs": vbs.data_ptr(), "o": o.data_ptr(),

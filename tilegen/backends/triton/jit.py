@@ -13,7 +13,8 @@ import threading
 from types import ModuleType
 
 from tilegen import __version__, cache
-from tilegen.render import TRITON_KERNEL_NAME, Source
+from tilegen.backends.triton.render import TRITON_KERNEL_NAME
+from tilegen.render import Source
 
 _lock = threading.Lock()
 _modules: dict[tuple[str, bool], ModuleType] = {}

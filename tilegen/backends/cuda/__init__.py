@@ -1,0 +1,55 @@
+"""The CK-style CUDA C++ backend: rendered from templates/cuda, compiled by nvcc for the target's
+ISA, launched through the CUDA driver API (`runtime`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tilegen.backends.base import Backend
+from tilegen.config import KernelConfig
+from tilegen.spec import Spec
+from tilegen.targets import Target
+
+if TYPE_CHECKING:
+    from tilegen.compile import Artifact
+    from tilegen.render import Source
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def config_violations(self, spec: Spec, target: Target, cfg: KernelConfig) -> list[str]:
+        from tilegen.backends.cuda.nvcc import cuda_violations
+
+        return cuda_violations(spec, cfg, target)
+
+    def render(self, spec: Spec, cfg: KernelConfig, target: Target) -> Source:
+        from tilegen.backends.cuda.nvcc import render_cuda
+
+        return render_cuda(spec, cfg, target)
+
+    def toolchain(self, target: Target | None = None) -> str:
+        from tilegen.backends.cuda.nvcc import nvcc_version
+
+        return f"nvcc={nvcc_version()}"
+
+    def require_toolchain(self, target: Target) -> None:
+        from tilegen.backends.cuda.nvcc import find_nvcc
+
+        find_nvcc()
+
+    def compile(self, spec: Spec, cfg: KernelConfig, target: Target, source: Source,
+                out_dir: Path) -> Artifact:
+        from tilegen.backends.cuda.nvcc import compile_cuda
+
+        return compile_cuda(source, target, out_dir)
+
+    def make_op(self, spec: Spec, cfg: KernelConfig | None, target: Target | None,
+                config_source: str = "explicit") -> Any:
+        from tilegen.backends.cuda.runtime import CudaBlockSparseAttention
+
+        return CudaBlockSparseAttention(spec, cfg, config_source)
+
+
+BACKEND = CudaBackend()

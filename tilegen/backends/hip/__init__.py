@@ -1,0 +1,64 @@
+"""The CK-style HIP C++ backend: rendered from templates/hip, compiled by clang-19 for the
+target's ISA with no ROCm install, launched through hip-python (`runtime`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tilegen.backends.base import Backend
+from tilegen.config import KernelConfig
+from tilegen.spec import Spec
+from tilegen.targets import Target
+
+if TYPE_CHECKING:
+    from tilegen.compile import Artifact
+    from tilegen.render import Source
+
+log = logging.getLogger("tilegen")
+
+
+class HipBackend(Backend):
+    name = "hip"
+
+    def config_violations(self, spec: Spec, target: Target, cfg: KernelConfig) -> list[str]:
+        from tilegen.backends.hip.plan import hip_violations
+
+        return hip_violations(spec, cfg, target)
+
+    def render(self, spec: Spec, cfg: KernelConfig, target: Target) -> Source:
+        from tilegen.backends.hip.plan import render_hip
+
+        return render_hip(spec, cfg, target)
+
+    def toolchain(self, target: Target | None = None) -> str:
+        from tilegen.backends.hip.compile import clang_version, find_clang
+
+        return f"clang={clang_version(find_clang())}"
+
+    def require_toolchain(self, target: Target) -> None:
+        from tilegen.backends.hip.compile import find_clang
+
+        find_clang()
+
+    def compile(self, spec: Spec, cfg: KernelConfig, target: Target, source: Source,
+                out_dir: Path) -> Artifact:
+        from tilegen.backends.hip.compile import compile_hip
+
+        return compile_hip(source, out_dir, target)
+
+    def make_op(self, spec: Spec, cfg: KernelConfig, target: Target | None,
+                config_source: str = "explicit") -> Any:
+        from tilegen.backends.hip.runtime import HipBlockSparseAttention
+        from tilegen.paths import cache_dir
+
+        if target is None:
+            raise ValueError("the HIP backend needs a target with a hip backend "
+                             "(target='gfx942' or a ROCm device)")
+        artifact = self.compile(spec, cfg, target, self.render(spec, cfg, target),
+                                cache_dir() / "hip-build")
+        return HipBlockSparseAttention(spec, cfg, artifact, target, config_source)
+
+
+BACKEND = HipBackend()

@@ -1,1 +1,0 @@
-"""Launchers that run compiled C++ kernels on torch tensors (CUDA driver API, HIP)."""

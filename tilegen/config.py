@@ -30,6 +30,9 @@ class KernelConfig:
       ``block_kv // block_n`` sub-tiles; sub-tiles wholly past ``vbs`` are skipped).
     - ``num_warps``, ``num_stages``: Triton launch / software-pipelining depth.
     - ``store_lse``: render the epilogue that writes ``lse`` (off when the caller drops it).
+    - ``options``: render-time options of one kernel family beyond the common ones, as sorted
+      (name, value) pairs (e.g. the Gluon family's ring depths and pipeline switches; see
+      `tilegen.backends.gluon.OPTIONS`). Empty for the Triton and C++ families.
     - ``interp_bf16``: bf16 under Triton 3.6's CPU interpreter, whose bf16 ``tl.dot``
       multiplies raw bits and whose fp32 -> bf16 cast truncates. The tiles are upcast to fp32
       before each dot, P is rounded to bf16 (nearest even) with integer ops, and the op writes
@@ -43,10 +46,24 @@ class KernelConfig:
     num_stages: int = 3
     store_lse: bool = True
     interp_bf16: bool = False
+    options: tuple[tuple[str, bool | int | str], ...] = ()
 
     def __post_init__(self) -> None:
+        opts = self.options.items() if isinstance(self.options, dict) else self.options
+        try:
+            pairs = tuple(sorted((str(k), v) for k, v in opts))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"KernelConfig.options must be (name, value) pairs or a dict, "
+                             f"got {self.options!r}") from exc
+        for k, v in pairs:
+            if type(v) not in (bool, int, str) or not k.isidentifier():
+                raise ValueError(f"KernelConfig.options[{k!r}]={v!r}: names are identifiers and "
+                                 "values bool, int or str")
+        object.__setattr__(self, "options", pairs)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name == "options":
+                continue
             if f.type in ("int", int):
                 if type(value) is not int or value < 1:
                     raise ValueError(f"KernelConfig.{f.name} must be a positive int, "
@@ -67,10 +84,15 @@ class KernelConfig:
     @property
     def render_name(self) -> str:
         """The render-time options alone: configs that share it share one source file."""
-        parts = ["lse" if self.store_lse else "nolse"]
+        parts = [f"{k}{int(v) if isinstance(v, bool) else v}" for k, v in self.options]
+        parts.append("lse" if self.store_lse else "nolse")
         if self.interp_bf16:
             parts.append("interpbf16")
         return "_".join(parts)
+
+    def option(self, name: str, default: Any = None) -> Any:
+        """The value of render-time option `name` (``default`` when unset)."""
+        return dict(self.options).get(name, default)
 
     def render_options(self) -> KernelConfig:
         """This config with launch parameters reset, so equal render options compare equal."""
@@ -83,7 +105,11 @@ class KernelConfig:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["options"] = dict(self.options)
+        if not d["options"]:
+            del d["options"]  # the common families' dicts stay as they were
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)

@@ -13,7 +13,18 @@ from typing import Any
 
 from tilegen.paths import TARGETS_DIR, require
 
-TARGET_NAMES = ("sm_90", "sm_100a", "gfx942")
+
+def _target_names() -> tuple[str, ...]:
+    """Every folder of targets/ with a target.toml, ordered by its `order` field: adding a
+    target is adding a folder."""
+    found = []
+    for path in sorted(TARGETS_DIR.glob("*/target.toml")):
+        order = tomllib.loads(path.read_text()).get("order", 1000)
+        found.append((order, path.parent.name))
+    return tuple(name for _, name in sorted(found))
+
+
+TARGET_NAMES = _target_names()
 
 
 @dataclass(frozen=True)
@@ -116,7 +127,7 @@ def get_target(name: str) -> Target:
     path = require(TARGETS_DIR / name / "target.toml", f"target file for {name}")
     raw: dict[str, Any] = tomllib.loads(path.read_text())
     triton = raw.pop("triton")
-    known = {f.name for f in dataclasses.fields(Target)} | {"mma", "default", "tunable"}
+    known = {f.name for f in dataclasses.fields(Target)} | {"mma", "default", "tunable", "order"}
     return Target(
         name=raw["name"],
         vendor=raw["vendor"],

@@ -17,6 +17,7 @@ BACKEND_MODULES: dict[str, str] = {
     "triton": "tilegen.backends.triton",
     "cuda": "tilegen.backends.cuda",
     "hip": "tilegen.backends.hip",
+    "gluon": "tilegen.backends.gluon",
 }
 
 _loaded: dict[str, Backend] = {}

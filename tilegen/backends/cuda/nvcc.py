@@ -261,7 +261,7 @@ def _define(text: str, name: str) -> int | None:
 
 
 def compile_cuda(source: Source, target: Target, out_dir: str | Path | None = None) -> Artifact:
-    """Compile `source` for `target_name` ("sm_90" -> sm_90a, "sm_100a") into a cubin.
+    """Compile `source` for `target` (its ISA, target.toml `arch`) into a cubin.
 
     The cubin is cached under sha256(source, nvcc version, flags, arch); a hit skips nvcc. With
     `out_dir` the source and the cubin are also written there (the build's output folder);

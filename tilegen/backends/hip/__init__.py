@@ -54,8 +54,8 @@ class HipBackend(Backend):
         from tilegen.paths import cache_dir
 
         if target is None:
-            raise ValueError("the HIP backend needs a target with a hip backend "
-                             "(target='gfx942' or a ROCm device)")
+            raise ValueError("the HIP backend needs a target that lists it (pass target=... "
+                             "or run on a ROCm device)")
         artifact = self.compile(spec, cfg, target, self.render(spec, cfg, target),
                                 cache_dir() / "hip-build")
         return HipBlockSparseAttention(spec, cfg, artifact, target, config_source)

@@ -1,0 +1,181 @@
+"""The Gluon backend (warp-specialized Hopper kernel): rendering, AOT compile with no GPU, its
+rules, and its GPU pre-pass, which runs here under Triton's interpreter.
+
+The kernel itself needs an sm_90 GPU (TMA, wgmma, mbarriers): its correctness and speed on the
+H200 are in bench/RESULTS.md. Here the pre-pass's tile plan is replayed in PyTorch exactly as
+the producer and consumer walk it (one-cube tiles, packed 32/16/8 boxes at their row offsets,
+fill masks) and must give attention over each row's cubes; bad values must set the error word
+and mark the row."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tilegen import Spec, backends
+from tilegen.backends.gluon.prepass import prepass_buffers, run_prepass
+from tilegen.config import KernelConfig
+from tilegen.targets import get_target
+
+SM90 = get_target("sm_90")
+GLUON = backends.get("gluon")
+
+
+def _tiles_attention(q, k, v, vbs, bufs, scale):
+    """Attention computed from the pre-pass's tiles, walked as the kernel walks them."""
+    B, S, H, D = q.shape
+    nq = S // 64
+    o = torch.zeros(B, S, H, D)
+    sidx, tinfo, meta = bufs["sidx"], bufs["tinfo"], bufs["meta"]
+    for b in range(B):
+        for h in range(H):
+            for qc in range(nq):
+                row = (b * H + h) * nq + qc
+                n_tiles, n_big = int(meta[row, 0]), int(meta[row, 1])
+                rows = slice(qc * 64, (qc + 1) * 64)
+                if n_tiles < 0:
+                    o[b, rows, h] = float("nan")
+                    continue
+                ks, vs, masks = [], [], []
+                for t in range(n_tiles):
+                    kt, vt = torch.full((64, D), float("nan")), torch.zeros(64, D)
+                    if t < n_big:
+                        c = int(sidx[row, t])
+                        kt[:], vt[:] = k[b, c * 64:(c + 1) * 64, h], v[b, c * 64:(c + 1) * 64, h]
+                        fill = int(tinfo[row, t]) >> 16
+                        assert fill == int(vbs[c])
+                    else:
+                        info = int(tinfo[row, t])
+                        first, fill = info & 0xFFFF, info >> 16
+                        last = int(tinfo[row, t + 1]) & 0xFFFF
+                        off = 0
+                        for i in range(first, last):
+                            c = int(sidx[row, i])
+                            size = int(vbs[c])
+                            assert size in (32, 16, 8) and off % size == 0 and off + size <= 64
+                            kt[off:off + size] = k[b, c * 64:c * 64 + size, h]
+                            vt[off:off + size] = v[b, c * 64:c * 64 + size, h]
+                            off += size
+                        assert off == fill
+                    ks.append(kt)
+                    vs.append(vt)
+                    masks.append(torch.arange(64) < fill)
+                if not ks:
+                    continue
+                s = q[b, rows, h].float() @ torch.cat(ks).T * scale
+                s[:, ~torch.cat(masks)] = float("-inf")
+                o[b, rows, h] = torch.softmax(s, -1) @ torch.cat(vs)
+    return o
+
+
+def _row_attention(q, k, v, idx, vbs, counts, scale):
+    B, S, H, D = q.shape
+    o = torch.zeros(B, S, H, D)
+    for b in range(B):
+        for h in range(H):
+            for qc in range(S // 64):
+                n = idx.shape[3] if counts is None else int(counts[b, h, qc])
+                if n == 0:
+                    continue
+                cubes = idx[b, h, qc, :n].tolist()
+                K = torch.cat([k[b, c * 64:c * 64 + int(vbs[c]), h] for c in cubes])
+                V = torch.cat([v[b, c * 64:c * 64 + int(vbs[c]), h] for c in cubes])
+                s = q[b, qc * 64:(qc + 1) * 64, h] @ K.T * scale
+                o[b, qc * 64:(qc + 1) * 64, h] = torch.softmax(s, -1) @ V
+    return o
+
+
+def _lut(gen, B, H, nq, topk):
+    return torch.stack([torch.stack([torch.stack([torch.randperm(nq, generator=gen)[:topk]
+                                                  for _ in range(nq)]) for _ in range(H)])
+                        for _ in range(B)]).int()
+
+
+@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("sizes", [(64, 32, 16, 8), (64, 33, 20, 8, 1, 16, 32, 63)])
+def test_prepass_tiles_give_the_rows_attention(interpreter, pack, sizes):
+    gen = torch.Generator().manual_seed(len(sizes) + pack)
+    B, H, nq, D, topk = 1, 2, 12, 16, 7
+    q, k, v = (torch.randn(B, nq * 64, H, D, generator=gen) for _ in range(3))
+    order = torch.randperm(nq, generator=gen).tolist()
+    vbs = torch.tensor([sizes[i % len(sizes)] for i in order], dtype=torch.int32)
+    idx = _lut(gen, B, H, nq, topk)
+    counts = torch.randint(0, topk + 1, (B, H, nq), dtype=torch.int32, generator=gen)
+    for cnt in (None, counts):
+        bufs = prepass_buffers("cpu", B * H * nq, topk)
+        err = torch.zeros(1, dtype=torch.int32)
+        run_prepass(idx, vbs, cnt, bufs, B * H * nq, nq, topk, err, pack=pack)
+        assert int(err) == 0
+        got = _tiles_attention(q, k, v, vbs, bufs, D ** -0.5)
+        want = _row_attention(q, k, v, idx, vbs, cnt, D ** -0.5)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        if pack and sizes == (64, 32, 16, 8) and cnt is None:  # packing saves tiles
+            assert bufs["meta"][:, 0].float().mean() < topk
+
+
+def test_prepass_flags_bad_values_and_poisons_their_rows(interpreter):
+    gen = torch.Generator().manual_seed(0)
+    B, H, nq, topk = 1, 2, 12, 7
+    idx = _lut(gen, B, H, nq, topk)
+    vbs = torch.full((nq,), 64, dtype=torch.int32)
+    bad_idx = idx.clone()
+    bad_idx[0, 1, 3, 2] = nq + 5
+    bad_vbs = vbs.clone()
+    bad_vbs[idx[0, 0, 5, 0]] = 0
+    bad_counts = torch.full((B, H, nq), topk, dtype=torch.int32)
+    bad_counts[0, 0, 7] = topk + 1
+    for lut, sizes, counts, bit in ((bad_idx, vbs, None, 1), (idx, bad_vbs, None, 2),
+                                    (idx, vbs, bad_counts, 4)):
+        bufs = prepass_buffers("cpu", B * H * nq, topk)
+        err = torch.zeros(1, dtype=torch.int32)
+        run_prepass(lut, sizes, counts, bufs, B * H * nq, nq, topk, err, pack=True)
+        assert int(err) & bit
+        assert (bufs["meta"][:, 0] < 0).any()
+
+
+def test_rules_and_render():
+    cfg = GLUON.default_config(Spec(), SM90)
+    assert GLUON.violations(Spec(), SM90, cfg) == []
+    src = GLUON.render(Spec(), cfg, SM90)
+    assert "warp_specialize" in src.text and "target sm_90 (sm_90a)" in src.text.splitlines()[0]
+    assert GLUON.violations(Spec(layout="bhsd"), SM90, cfg)
+    assert GLUON.violations(Spec(), SM90, cfg.replace(block_n=32))
+    assert GLUON.violations(Spec(), get_target("sm_100a"), cfg)  # not listed there
+    bad = KernelConfig(options={**dict(cfg.options), "num_consumers": 3, "k_stages": 3,
+                                "v_stages": 3})
+    assert any("shared memory" in p for p in GLUON.violations(Spec(), SM90, bad))
+    with pytest.raises(ValueError, match="unknown Gluon"):
+        GLUON.render(Spec(), KernelConfig(options={"bogus": 1}), SM90)
+
+
+def test_aot_compile_uses_wgmma_without_spills(tmp_path):
+    """Compiled for sm_90a in a process without the interpreter (as `tilegen build` does)."""
+    code = (
+        "from pathlib import Path; import subprocess, os, triton\n"
+        "from tilegen import Spec, backends\n"
+        "from tilegen.targets import get_target\n"
+        "t = get_target('sm_90'); b = backends.get('gluon'); s = Spec()\n"
+        "cfg = b.default_config(s, t)\n"
+        f"art = b.compile(s, cfg, t, b.render(s, cfg, t), Path({str(tmp_path)!r}))\n"
+        "cu = Path(triton.__file__).parent / 'backends/nvidia/bin/cuobjdump'\n"
+        "sass = subprocess.run([str(cu), '--dump-sass', str(art.path)], capture_output=True,"
+        " text=True, check=True).stdout\n"
+        "print(art.spill_bytes, art.registers, sass.count('HGMMA'))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True).stdout.split()
+    spills, regs, hgmma = (int(x) for x in out)
+    assert spills == 0 and 0 < regs <= 255 and hgmma > 0
+
+
+def test_op_refuses_cpu_tensors():
+    op = GLUON.make_op(Spec(grid=(4, 4, 4), num_heads=1, topk=1),
+                       GLUON.default_config(Spec(), SM90), SM90)
+    q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
+    idx = torch.zeros(1, 1, 1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="CUDA"):
+        op(q, q, q, idx, torch.full((1,), 64, dtype=torch.int32))

@@ -1,0 +1,76 @@
+"""The Gluon backend: a warp-specialized Hopper kernel (TMA producer warp, wgmma consumer
+warpgroups, mbarrier rings) written in Triton's Gluon dialect, rendered from
+templates/gluon/lut_ws_kernel.py.j2. Its decisions are `KernelConfig.options` (see
+`render.DEFAULTS`); a GPU pre-pass validates the LUT and packs partial cubes (`prepass`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tilegen.backends.base import Backend
+from tilegen.config import KernelConfig
+from tilegen.spec import Spec
+from tilegen.targets import Target
+
+if TYPE_CHECKING:
+    from tilegen.compile import Artifact
+    from tilegen.render import Source
+
+
+class GluonBackend(Backend):
+    name = "gluon"
+
+    def spec_violations(self, spec: Spec, target: Target) -> list[str]:
+        problems = super().spec_violations(spec, target)
+        if not problems and not target.mma_for("wgmma", spec.dtype):
+            problems.append(f"the Gluon kernel needs wgmma, which target {target.name} lacks")
+        return problems
+
+    def config_violations(self, spec: Spec, target: Target, cfg: KernelConfig) -> list[str]:
+        from tilegen.backends.gluon.render import check, resolve
+
+        problems = []
+        if (cfg.block_m, cfg.block_n, cfg.num_warps) != (64, 64, 4):
+            problems.append("the Gluon kernel runs 64x64 tiles with one 4-warp consumer "
+                            "warpgroup per query cube (block_m=64, block_n=64, num_warps=4)")
+        if cfg.interp_bf16:
+            problems.append("interp_bf16 is a Triton-interpreter option; Gluon has none")
+        try:
+            opts = resolve({**dict(cfg.options), "store_lse": cfg.store_lse})
+        except ValueError as exc:
+            return problems + [str(exc)]
+        why = check(spec, opts, target)
+        return problems + ([why] if why else [])
+
+    def default_config(self, spec: Spec, target: Target) -> KernelConfig:
+        from tilegen.backends.gluon.render import DEFAULTS, TUNABLE_OPTIONS
+
+        return KernelConfig(block_m=64, block_n=64, num_warps=4,
+                            num_stages=1,  # the rings are options (k_stages, v_stages)
+                            options={k: DEFAULTS[k] for k in TUNABLE_OPTIONS})
+
+    def render(self, spec: Spec, cfg: KernelConfig, target: Target) -> Source:
+        from tilegen.backends.gluon.render import render_gluon
+
+        return render_gluon(spec, cfg, target)
+
+    def toolchain(self, target: Target | None = None) -> str:
+        import triton
+
+        return f"triton={triton.__version__}"
+
+    def compile(self, spec: Spec, cfg: KernelConfig, target: Target, source: Source,
+                out_dir: Path) -> Artifact:
+        from tilegen.backends.gluon.aot import compile_gluon
+
+        return compile_gluon(spec, cfg, target, source, out_dir)
+
+    def make_op(self, spec: Spec, cfg: KernelConfig, target: Target | None,
+                config_source: str = "explicit") -> Any:
+        from tilegen.backends.gluon.op import GluonBlockSparseAttention
+
+        return GluonBlockSparseAttention(spec, cfg, target, config_source)
+
+
+BACKEND = GluonBackend()

@@ -1,0 +1,50 @@
+"""Ahead-of-time compilation of the Gluon kernel with no GPU (Triton's bundled ptxas)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tilegen import cache
+from tilegen.backends.gluon.launch import compile_offline
+from tilegen.backends.gluon.render import options_of
+from tilegen.backends.triton.aot import _ptxas_version, _require_compiled_mode, cubin_resources
+from tilegen.compile import Artifact, CompileError
+from tilegen.config import KernelConfig
+from tilegen.render import Source
+from tilegen.spec import Spec
+from tilegen.targets import Target
+
+
+def compile_gluon(spec: Spec, cfg: KernelConfig, target: Target, source: Source,
+                  out_dir: Path) -> Artifact:
+    """Compile the Gluon source for `target` into `out_dir`; return its Artifact (registers,
+    shared memory, spills, and the HGMMA count in the SASS)."""
+    import triton
+
+    _require_compiled_mode()
+    opts = options_of(cfg)
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        compiled = compile_offline(source, opts, spec.head_dim, spec.dtype,
+                                   target.triton_arch)
+    except Exception as exc:  # triton raises several exception types for bad kernels
+        raise CompileError(f"Gluon compile failed for {target.name} {cfg.name}: "
+                           f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"gluon_{source.name.removesuffix('.py')}"
+    path = cache.atomic_write(out_dir / f"{stem}.cubin", compiled.asm["cubin"])
+    cache.atomic_write(out_dir / f"{stem}.ptx", compiled.asm["ptx"])
+    res = cubin_resources(path)
+    meta = compiled.metadata
+    return Artifact(
+        path=path, kind="cubin", backend="gluon", target=target.name, arch=target.arch,
+        kernel_name=meta.name, source_sha256=source.sha256, config=cfg.name,
+        registers=res.get("registers"), shared_bytes=meta.shared,
+        spill_bytes=res.get("local_bytes"), stack_bytes=res.get("stack_bytes"),
+        threads=meta.num_warps * target.warp_size,
+        compiler={"triton": triton.__version__, "ptxas": _ptxas_version()},
+    )

@@ -1,0 +1,158 @@
+"""Launch the warp-specialized Gluon kernel: the GPU pre-pass, then the kernel; no host sync.
+
+Padded query rows (past vbs[q_cube]) are computed the way the reference kernel computes them
+(softmax over the real keys with whatever q holds there), which is what the scoring rule
+compares (`zero_pad_rows=True` writes zeros instead).
+
+Bad values (index outside [0, NKV), vbs outside 1..64, counts outside 0..TOPK) are found by the
+pre-pass on the GPU: the row comes out NaN and the error word gets a bit (1 index, 2 vbs,
+4 counts); the op reads it without a sync (`tilegen.inputs.DeviceErrorFlag`).
+
+`compile_offline` compiles the kernel for the target with no GPU (Triton's bundled ptxas).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+from typing import Any
+
+from tilegen import cache
+from tilegen.backends.gluon import render as _render
+from tilegen.backends.gluon.prepass import prepass_buffers, run_prepass
+from tilegen.reference import LOG2E
+from tilegen.render import Source
+
+_lock = threading.Lock()
+_modules: dict[str, Any] = {}
+
+
+def load_kernel(source: Source):
+    """Import the rendered kernel from the kernel cache (Gluon's jit reads the source file)."""
+    with _lock:
+        mod = _modules.get(source.sha256)
+        if mod is None:
+            path = cache.store("gluon", source.sha256, source.name, source.text,
+                               meta={"template": source.template, "sha256": source.sha256})
+            name = f"tilegen_gluon_{source.sha256[:16]}"
+            spec = importlib.util.spec_from_file_location(name, path)
+            assert spec is not None and spec.loader is not None
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+            _modules[source.sha256] = mod
+    return getattr(mod, _render.KERNEL_NAME)
+
+
+def _layout(rows: int, head_dim: int, gl_dtype):
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
+
+
+#: box heights of the K/V descriptors: whole cubes, then the packed partial sizes
+PACKED_BOXES = (32, 16, 8)
+
+
+class GluonLaunch:
+    """One rendered variant, launchable on CUDA tensors of a target with wgmma."""
+
+    def __init__(self, source: Source, opts: dict[str, Any], head_dim: int) -> None:
+        self.source = source
+        self.cfg = opts
+        self.kernel = load_kernel(source)
+        self.maxnreg = _render.maxnreg_for(opts)
+        self.num_warps = 4
+        self.head_dim = head_dim
+        self._bufs: dict = {}
+        self._descs: dict = {}
+
+    def _buffers(self, device, rows: int, topk: int):
+        key = (str(device), rows, topk)
+        b = self._bufs.get(key)
+        if b is None:
+            b = self._bufs[key] = prepass_buffers(device, rows, topk)
+        return b
+
+    def _desc(self, t, rows: int):
+        """A TMA descriptor over the (B*S, H*D) view with a (rows, D) box, cached per tensor
+        storage and shape (building one costs host time on every call otherwise)."""
+        key = (t.data_ptr(), tuple(t.shape), t.dtype, rows)
+        d = self._descs.get(key)
+        if d is None:
+            from triton.experimental.gluon import language as gl
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+            B, S, H, D = t.shape
+            gdt = gl.bfloat16 if str(t.dtype) == "torch.bfloat16" else gl.float16
+            d = TensorDescriptor(t.view(B * S, H * D), [B * S, H * D], [H * D, 1], [rows, D],
+                                 _layout(rows, D, gdt))
+            if len(self._descs) > 64:
+                self._descs.clear()
+            self._descs[key] = d
+        return d
+
+    def __call__(self, q, k, v, topk_idx, vbs, counts, o, lse, err, sm_scale: float,
+                 zero_pad_rows: bool = False) -> None:
+        """Pre-pass and kernel on validated inputs (`tilegen.inputs.validate_inputs`)."""
+        B, S, H, D = q.shape
+        nq, nkv, topk = S // 64, vbs.shape[0], topk_idx.shape[3]
+        rows = B * H * nq
+        bufs = self._buffers(q.device, rows, topk)
+        run_prepass(topk_idx, vbs, counts, bufs, rows, nkv, topk, err,
+                    pack=self.cfg["pack_partials"])
+        kd = [self._desc(k, 64)]
+        vd = [self._desc(v, 64)]
+        if self.cfg["pack_partials"]:
+            kd += [self._desc(k, r) for r in PACKED_BOXES]
+            vd += [self._desc(v, r) for r in PACKED_BOXES]
+        nc = self.cfg["num_consumers"]
+        grid = (-(-nq // nc), B * H)
+        self.kernel[grid](
+            self._desc(q, 64), *kd, *vd, self._desc(o, 64),
+            bufs["sidx"], bufs["tinfo"], bufs["meta"], vbs,
+            lse if lse is not None else bufs["meta"],
+            S, H, nq, topk, float(sm_scale) * LOG2E,
+            ZERO_PAD_ROWS=bool(zero_pad_rows) and nkv == nq,
+            num_warps=self.num_warps, maxnreg=self.maxnreg,
+        )
+
+
+# ----------------------------------------------------------------------------- offline compile
+
+
+def signature(opts: dict, head_dim: int, dtype: str) -> tuple[dict, dict]:
+    """Kernel signature strings for triton.compile (no tensors needed)."""
+    from triton.experimental.gluon import language as gl
+
+    gdt = gl.bfloat16 if dtype == "bf16" else gl.float16
+
+    def td(rows):
+        return f"tensordesc<{dtype}[{rows}, {head_dim}],{_layout(rows, head_dim, gdt)!r}>"
+
+    sig: dict[str, str] = {"q_desc": td(64), "k_full": td(64)}
+    if opts["pack_partials"]:
+        sig.update({"k_half": td(32), "k_quarter": td(16), "k_eighth": td(8)})
+    sig["v_full"] = td(64)
+    if opts["pack_partials"]:
+        sig.update({"v_half": td(32), "v_quarter": td(16), "v_eighth": td(8)})
+    sig.update({"o_desc": td(64), "sidx_ptr": "*i32", "tinfo_ptr": "*i32", "meta_ptr": "*i32",
+                "vbs_ptr": "*i32", "lse_ptr": "*fp32", "seq_len": "i32", "num_heads": "i32",
+                "num_q_blocks": "i32", "topk": "i32", "qk_scale": "fp32",
+                "ZERO_PAD_ROWS": "constexpr"})
+    return sig, {"ZERO_PAD_ROWS": False}
+
+
+def compile_offline(source: Source, opts: dict, head_dim: int, dtype: str, arch: int):
+    """Compile for the target here (no GPU needed): Triton's CompiledKernel (asm: ttgir, llir,
+    ptx, cubin)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = load_kernel(source)
+    sig, consts = signature(opts, head_dim, dtype)
+    src = GluonASTSource(fn, sig, consts)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": 4, "maxnreg": _render.maxnreg_for(opts)})

@@ -1,0 +1,89 @@
+"""The Gluon backend's op: host-only validation, then the GPU pre-pass and the kernel.
+
+Same call as every tilegen op: ``o, lse = op(q, k, v, topk_idx, vbs, counts=None)``. Index, vbs
+and count values are checked on the GPU by the pre-pass (no host sync); a bad value turns its
+row into NaN and sets the error word that a later call, or `op.check()`, raises.
+``check_values=True`` checks eagerly instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tilegen.backends.triton.op import require_no_grad
+from tilegen.config import KernelConfig
+from tilegen.inputs import DeviceErrorFlag, Shapes, check_sm_scale, validate_inputs
+from tilegen.spec import Spec
+from tilegen.targets import Target
+
+
+class GluonBlockSparseAttention:
+    backend = "gluon"
+
+    def __init__(self, spec: Spec, config: KernelConfig, target: Target | None,
+                 config_source: str = "explicit") -> None:
+        if target is None:
+            raise ValueError("the gluon backend needs a target with wgmma (an sm_90 GPU, or "
+                             "target='sm_90' to build without one)")
+        self.spec = spec
+        self.config = config
+        self.target = target
+        self.config_source = config_source
+        self.errors = DeviceErrorFlag()
+        self._launches: dict[bool, object] = {}
+
+    def __repr__(self) -> str:
+        return (f"GluonBlockSparseAttention(spec={self.spec.short_hash}, "
+                f"config={self.config.name}, target={self.target.name}, "
+                f"from={self.config_source})")
+
+    def _launch_for(self, store_lse: bool):
+        run = self._launches.get(store_lse)
+        if run is None:
+            from tilegen.backends.gluon import BACKEND
+            from tilegen.backends.gluon.launch import GluonLaunch
+            from tilegen.backends.gluon.render import options_of
+
+            cfg = self.config.replace(store_lse=store_lse)
+            run = GluonLaunch(BACKEND.render(self.spec, cfg, self.target), options_of(cfg),
+                              self.spec.head_dim)
+            self._launches[store_lse] = run
+        return run
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 topk_idx: torch.Tensor, vbs: torch.Tensor, counts: torch.Tensor | None = None,
+                 *, sm_scale: float | None = None, return_lse: bool = True,
+                 check_values: bool = False):
+        shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
+                                 check_values=check_values)
+        check_sm_scale(sm_scale)
+        if q.device.type != "cuda":
+            raise ValueError(f"q is on {q.device}; the gluon backend runs on CUDA devices with "
+                             "wgmma (sm_90)")
+        require_no_grad(q, k, v)
+        self.errors.raise_pending(q.device)
+        o, lse = self.launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
+                             store_lse=return_lse)
+        return (o, lse) if return_lse else o
+
+    def check(self) -> None:
+        """Wait for this op's launches and raise ValueError if any met a bad value."""
+        self.errors.check()
+
+    def launch(self, q, k, v, topk_idx, vbs, counts=None, *, shapes: Shapes | None = None,
+               sm_scale: float | None = None, store_lse: bool = True, out=None):
+        """Pre-pass and kernel with no input checks (validate once first)."""
+        if shapes is None:
+            shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
+                                     check_values=False)
+        if out is None:
+            o = torch.empty_like(q)
+            lse = (torch.empty((shapes.batch, shapes.heads, shapes.seq_len),
+                               dtype=torch.float32, device=q.device) if store_lse else None)
+        else:
+            o, lse = out
+        scale = sm_scale if sm_scale is not None else self.spec.sm_scale
+        self._launch_for(store_lse)(q, k, v, topk_idx, vbs, counts, o, lse,
+                                    self.errors.buffer(q.device), scale)
+        self.errors.after_launch(q.device)
+        return o, lse

@@ -1,0 +1,164 @@
+"""Render the warp-specialized Gluon kernel (templates/gluon/lut_ws_kernel.py.j2) for sm_90a.
+
+`render_gluon(spec, cfg, target)` returns the kernel text. Every decision is render context:
+
+    num_consumers   consumer warpgroups per CTA, each on its own query cube (1, 2 or 3)
+    k_stages        K ring depth per consumer
+    v_stages        V ring depth per consumer
+    pack_partials   pack partial KV cubes (vbs 32/16/8 of 64) into dense 64-key tiles
+    q_in_regs       Q as the A operand of Q.K^T from registers (else from shared memory)
+    qk_ahead        issue Q.K^T of tile j together with P.V of tile j-1, softmax overlaps P.V
+    fence_wait      put the P.V wait behind an (always true) branch so ptxas keeps it after
+                    the softmax instead of hoisting it to the top of the block
+    store_lse       write the base-2 log-sum-exp
+    consumer_regs   setmaxnreg of the consumer warpgroups (the launch's maxnreg must fit them)
+
+Only imports jinja2 (no torch, triton, optuna or sqlalchemy), so rendering works anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+TEMPLATE = "gluon/lut_ws_kernel.py.j2"
+KERNEL_NAME = "tilegen_gluon_lut_ws"
+TEMPLATES_DIR = Path(__file__).resolve().parents[3] / "templates"
+
+#: the knobs worth tuning, with their defaults (the measured best on the H200)
+DEFAULTS: dict[str, Any] = {
+    "num_consumers": 1,
+    "k_stages": 2,
+    "v_stages": 2,
+    "pack_partials": True,
+    "q_in_regs": True,
+    "qk_ahead": True,
+    "fence_wait": True,
+    "store_lse": False,
+    "consumer_regs": 232,
+    "producer_regs": 24,
+}
+#: values the tuner may try (each combination still has to fit shared memory and registers)
+SPACE: dict[str, tuple] = {
+    "num_consumers": (1, 2, 3),
+    "k_stages": (1, 2, 3),
+    "v_stages": (1, 2, 3),
+    "pack_partials": (True, False),
+    "q_in_regs": (True, False),
+    "qk_ahead": (True, False),
+    "fence_wait": (True, False),
+}
+GL_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+SMEM_LIMIT = 227 * 1024
+REGS_PER_SM = 65536
+
+
+@functools.cache
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+
+
+def _spec_value(spec: Any, name: str, default: Any) -> Any:
+    if spec is None:
+        return default
+    if isinstance(spec, Mapping):
+        return spec.get(name, default)
+    return getattr(spec, name, default)
+
+
+def resolve(cfg: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`cfg` over the defaults; unknown keys are an error (a typo must not pass silently)."""
+    cfg = dict(cfg or {})
+    unknown = sorted(set(cfg) - set(DEFAULTS) - {"maxnreg", "num_warps"})
+    if unknown:
+        raise ValueError(f"unknown Gluon config key(s) {unknown}; known: {sorted(DEFAULTS)}")
+    out = dict(DEFAULTS)
+    out.update({k: v for k, v in cfg.items() if k in DEFAULTS})
+    return out
+
+
+def smem_bytes(cfg: Mapping[str, Any], block: int = 64, head_dim: int = 128) -> int:
+    tile = block * head_dim * 2
+    per = tile * (1 + cfg["k_stages"] + cfg["v_stages"]) + 8 * (1 + 2 * cfg["k_stages"] + 2 * cfg["v_stages"])
+    return cfg["num_consumers"] * per
+
+
+def launch_warps(cfg: Mapping[str, Any]) -> int:
+    """Warps the CTA launches: consumers x 4 plus one producer warp each, in whole warpgroups."""
+    n = cfg["num_consumers"]
+    return 4 * (n + (n + 3) // 4)
+
+
+def maxnreg_for(cfg: Mapping[str, Any]) -> int:
+    """The kernel-wide register cap that leaves each consumer warpgroup `consumer_regs` after the
+    producer warpgroup(s) drop to `producer_regs` (setmaxnreg moves registers within the CTA)."""
+    n = cfg["num_consumers"]
+    producer_wgs = (n + 3) // 4
+    total = n * 128 * cfg["consumer_regs"] + producer_wgs * 128 * cfg["producer_regs"]
+    per_thread = -(-total // (launch_warps(cfg) * 32))
+    return -(-per_thread // 8) * 8
+
+
+def check(spec: Any, cfg: Mapping[str, Any]) -> str | None:
+    """Why this spec/config cannot be rendered or launched, or None."""
+    block_q = _spec_value(spec, "block_q", 64)
+    block_kv = _spec_value(spec, "block_kv", 64)
+    head_dim = _spec_value(spec, "head_dim", 128)
+    if block_q != 64 or block_kv != 64:
+        return "the Gluon kernel takes 64-token query and KV cubes only"
+    if head_dim not in (64, 128):
+        return f"head_dim {head_dim}: the Gluon kernel takes 64 or 128"
+    if _spec_value(spec, "dtype", "bf16") not in GL_DTYPES:
+        return "dtype must be bf16 or fp16"
+    if _spec_value(spec, "layout", "bshd") != "bshd":
+        return "the Gluon kernel reads BSHD only (TMA boxes over the (B*S, H*D) view)"
+    if _spec_value(spec, "encoding", "lut") != "lut":
+        return "the Gluon kernel implements the LUT encoding only"
+    if cfg["num_consumers"] not in (1, 2, 3):
+        return "num_consumers must be 1, 2 or 3"
+    if smem_bytes(cfg, 64, head_dim) > SMEM_LIMIT:
+        return f"shared memory {smem_bytes(cfg, 64, head_dim)} B over {SMEM_LIMIT}"
+    if maxnreg_for(cfg) * launch_warps(cfg) * 32 > REGS_PER_SM or maxnreg_for(cfg) > 255:
+        return "consumer_regs do not fit the register file"
+    return None
+
+
+def render_gluon(spec: Any = None, cfg_dict: Mapping[str, Any] | None = None,
+                 target: Any = "sm_90") -> str:
+    """The Gluon kernel text for `spec` (a tilegen.Spec, a mapping, or None for the default)
+    and the config's knobs (see DEFAULTS). `target` must be Hopper (sm_90 / sm_90a)."""
+    tname = getattr(target, "name", target)
+    if tname not in ("sm_90", "sm_90a"):
+        raise ValueError(f"the Gluon warp-specialized kernel targets sm_90a, not {tname!r}")
+    cfg = resolve(cfg_dict)
+    why = check(spec, cfg)
+    if why:
+        raise ValueError(why)
+    head_dim = _spec_value(spec, "head_dim", 128)
+    dtype = _spec_value(spec, "dtype", "bf16")
+    spec_desc = (dataclasses.asdict(spec) if dataclasses.is_dataclass(spec) else dict(spec or {}))
+    spec_hash = hashlib.sha256(repr(sorted((k, repr(v)) for k, v in spec_desc.items())).encode()).hexdigest()[:12]
+    header = f"# Generated by tilegen from {TEMPLATE} (spec {spec_hash}); do not edit"
+    return _environment().get_template(TEMPLATE).render(
+        header=header, kernel_name=KERNEL_NAME, block=64, head_dim=head_dim, dtype=dtype,
+        gl_dtype=GL_DTYPES[dtype], **cfg)
+
+
+def variant_name(cfg: Mapping[str, Any]) -> str:
+    c = resolve(cfg)
+    return (f"c{c['num_consumers']}_k{c['k_stages']}v{c['v_stages']}"
+            f"{'_pack' if c['pack_partials'] else ''}{'_qreg' if c['q_in_regs'] else ''}"
+            f"{'_ahead' if c['qk_ahead'] else ''}{'_fw' if c['fence_wait'] else ''}{'_lse' if c['store_lse'] else ''}_r{c['consumer_regs']}")

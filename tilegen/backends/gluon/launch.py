@@ -5,6 +5,10 @@
     o, lse = run(q, k, v, topk_idx, vbs, counts=None, sm_scale=None, store_lse=False)
     run.error_flag   # int32 device tensor, != 0 after a call that met a bad value (no sync taken)
 
+Padded query rows (past vbs[q_cube]) are computed the way the reference kernel computes them
+(softmax over the real keys with whatever q holds there), which is what the scoring rule compares
+(`zero_pad_rows=True` writes zeros instead).
+
 Bad values (index outside [0, NKV), vbs outside 1..64, counts outside 0..TOPK) are found by the
 pre-pass on the GPU: the row comes out NaN and `error_flag` gets a bit (1 index, 2 vbs, 4 counts).
 Reading the flag is the caller's choice (e.g. pinned memory after an event); this module never
@@ -112,7 +116,7 @@ class GluonLaunch:
         return q_d, kd, vd, o_d
 
     def __call__(self, q, k, v, topk_idx, vbs, counts=None, sm_scale=None, store_lse=None,
-                 out=None):
+                 out=None, zero_pad_rows=False):
         import torch
 
         if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
@@ -156,7 +160,7 @@ class GluonLaunch:
             q_d, *kd, *vd, o_d,
             bufs["sidx"], bufs["tinfo"], bufs["meta"], vbs32, lse if lse is not None else bufs["meta"],
             S, H, NQ, TOPK, float(sm_scale) * LOG2E,
-            ZERO_PAD_ROWS=True,
+            ZERO_PAD_ROWS=bool(zero_pad_rows) and NKV == NQ,
             num_warps=self.num_warps, maxnreg=self.maxnreg,
         )
         return o, lse
@@ -189,7 +193,7 @@ def signature(cfg: dict, head_dim: int = 128, dtype: str = "bf16") -> tuple[dict
                 "vbs_ptr": "*i32", "lse_ptr": "*fp32", "seq_len": "i32", "num_heads": "i32",
                 "num_q_blocks": "i32", "topk": "i32", "qk_scale": "fp32",
                 "ZERO_PAD_ROWS": "constexpr"})
-    return sig, {"ZERO_PAD_ROWS": True}
+    return sig, {"ZERO_PAD_ROWS": False}
 
 
 def compile_offline(cfg: dict | None = None, spec: Any = None, arch: int = 90):

@@ -12,6 +12,8 @@
                     the softmax instead of hoisting it to the top of the block
     store_lse       write the base-2 log-sum-exp
     consumer_regs   setmaxnreg of the consumer warpgroups (the launch's maxnreg must fit them)
+    debug           "" (real kernel), or a timing experiment with garbage results:
+                    "no_loads" (producer issues no TMA) / "no_mma" (consumer does no math)
 
 Only imports jinja2 (no torch, triton, optuna or sqlalchemy), so rendering works anywhere.
 """
@@ -43,6 +45,7 @@ DEFAULTS: dict[str, Any] = {
     "store_lse": False,
     "consumer_regs": 232,
     "producer_regs": 24,
+    "debug": "",
 }
 #: values the tuner may try (each combination still has to fit shared memory and registers)
 SPACE: dict[str, tuple] = {
@@ -161,4 +164,5 @@ def variant_name(cfg: Mapping[str, Any]) -> str:
     c = resolve(cfg)
     return (f"c{c['num_consumers']}_k{c['k_stages']}v{c['v_stages']}"
             f"{'_pack' if c['pack_partials'] else ''}{'_qreg' if c['q_in_regs'] else ''}"
-            f"{'_ahead' if c['qk_ahead'] else ''}{'_fw' if c['fence_wait'] else ''}{'_lse' if c['store_lse'] else ''}_r{c['consumer_regs']}")
+            f"{'_ahead' if c['qk_ahead'] else ''}{'_fw' if c['fence_wait'] else ''}{'_lse' if c['store_lse'] else ''}_r{c['consumer_regs']}"
+            f"{'_' + c['debug'] if c['debug'] else ''}")

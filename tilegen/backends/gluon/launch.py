@@ -83,6 +83,8 @@ class GluonLaunch:
         self.text = _render.render_gluon(spec, self.cfg, target)
         self.kernel = load_kernel(self.text)
         self.maxnreg = _render.maxnreg_for(self.cfg)
+        self.dtype = _render._spec_value(spec, "dtype", "bf16")
+        self.head_dim = _render._spec_value(spec, "head_dim", 128)
         self.num_warps = 4
         self.error_flag = None
         self._bufs: dict = {}
@@ -124,6 +126,14 @@ class GluonLaunch:
         if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
             raise ValueError("q, k, v must be contiguous BSHD")
         B, S, H, D = q.shape
+        want = "torch.bfloat16" if self.dtype == "bf16" else "torch.float16"
+        if str(q.dtype) != want or k.dtype != q.dtype or v.dtype != q.dtype:
+            raise TypeError(f"this Gluon variant was rendered for {self.dtype}; got q {q.dtype}, "
+                            f"k {k.dtype}, v {v.dtype}")
+        if D != self.head_dim:
+            raise ValueError(f"this Gluon variant was rendered for head_dim {self.head_dim}, got {D}")
+        if not q.is_cuda:
+            raise ValueError("the Gluon kernel runs on CUDA tensors (sm_90) only")
         if S % 64:
             raise ValueError("S must be a multiple of 64")
         NQ = S // 64

@@ -315,6 +315,8 @@ def _load_hip(spec: Spec, config: KernelConfig | None):
     from tilegen.runtime.hip import HipBlockSparseAttention
     from tilegen.targets import get_target
 
+    _note_once("backend='hip' (gfx942): runs on a CPU executor of the HIP source with "
+               "ISA-documented MFMA semantics; never run on an MI300")
     target = get_target("gfx942")
     cfg = config or cfgmod.default_config(target, spec)
     problems = cfgmod.violations(spec, target, cfg) + hip_violations(spec, cfg)

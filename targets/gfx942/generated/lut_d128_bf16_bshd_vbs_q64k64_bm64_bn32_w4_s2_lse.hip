@@ -21,10 +21,17 @@
 // Self-contained on purpose: no HIP headers and no device libraries. The kernel needs only
 // clang's AMDGPU builtins, so it compiles with `-nogpuinc -nogpulib` on any clang that has the
 // AMDGPU target (Debian's clang-19 included) and needs no ROCm install. These three macros are
-// what hip_runtime.h would provide.
+// what hip_runtime.h would provide. The CPU executor (tilegen/backends/hip/host) compiles this
+// same text as host C++ after a header that defines them (and the builtins) first.
+#ifndef TG_KERNEL
 #define TG_KERNEL extern "C" __attribute__((global))
+#endif
+#ifndef TG_DEVICE
 #define TG_DEVICE __attribute__((device)) __attribute__((always_inline)) inline
+#endif
+#ifndef TG_SHARED
 #define TG_SHARED __attribute__((shared))
+#endif
 
 namespace tg {
 
@@ -588,8 +595,7 @@ struct FmhaLutPipeline {
 // ---- plan checks ------------------------------------------------------------------------------
 // Fingerprints of the index maps above (every lane x register, every LDS unit, every copy
 // chunk), compared with the ones tilegen's HipPlan computes from its own copy of the maps. The
-// launcher and the NumPy emulation in the tests use the plan; if the two ever disagree, this
-// file does not compile.
+// launcher uses the plan (grid, block); if the two ever disagree, this file does not compile.
 namespace tg {
 constexpr unsigned fingerprint_step(unsigned h, int x) {
   return h * 1000003u + static_cast<unsigned>(x);

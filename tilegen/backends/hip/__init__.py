@@ -18,6 +18,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tilegen")
 
+#: what the HIP kernel has run on, said once per process at load
+WHAT_HAS_RUN = ("backend='hip': runs on a CPU executor of the HIP source with ISA-documented "
+                "MFMA semantics; never run on an MI300")
+_noted: set[str] = set()
+
 
 class HipBackend(Backend):
     name = "hip"
@@ -52,6 +57,10 @@ class HipBackend(Backend):
                 config_source: str = "explicit") -> Any:
         from tilegen.backends.hip.runtime import HipBlockSparseAttention
         from tilegen.paths import cache_dir
+
+        if WHAT_HAS_RUN not in _noted:
+            _noted.add(WHAT_HAS_RUN)
+            log.info(WHAT_HAS_RUN)
 
         if target is None:
             raise ValueError("the HIP backend needs a target that lists it (pass target=... "

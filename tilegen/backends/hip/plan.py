@@ -11,8 +11,8 @@ kernel needs none of it: no libm, no ockl/ocml, only ``__builtin_amdgcn_*`` and 
 `HipPlan` holds every number the template bakes in (wave layout, MFMA shape, LDS layout and
 size, copy chunks, grid) and the index maps (MFMA lane maps, LDS swizzle, copy chunks). The
 template reads the plan; the C++ re-derives the numbers from the primary parameters and
-`static_assert`s that they, and fingerprints of its own index maps, equal the plan's; the tests
-drive a NumPy emulation of the kernel's tile walk from the same plan.
+`static_assert`s that they, and fingerprints of its own index maps, equal the plan's. The tests
+run the rendered C++ itself on a CPU executor (`tilegen.backends.hip.host`).
 """
 
 from __future__ import annotations

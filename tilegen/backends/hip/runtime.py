@@ -4,7 +4,8 @@ Uses hip-python (``pip install hip-python``, imported lazily: tilegen imports wi
 No AMD GPU was available while this was written, so this path has never run on hardware; the
 parts that can be checked without one are pure functions the tests cover: `kernel_args` /
 `pack_kernargs` (the kernarg buffer, checked against the code object's metadata) and
-`launch_geometry` (grid and block, checked by an emulation of the kernel's tile walk).
+`launch_geometry` (grid and block, used by the CPU executor that runs the HIP source in the
+tests, `tilegen.backends.hip.host`).
 """
 
 from __future__ import annotations

@@ -187,6 +187,8 @@ class DeviceErrorFlag:
 
     def raise_pending(self, device: torch.device) -> None:
         """Raise for an earlier launch on `device` whose flag is known set (never waits)."""
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return  # no event queries inside a graph capture; `check()` after a replay
         event = self._event.get(device)
         if event is None or not event.query():
             return

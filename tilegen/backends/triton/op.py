@@ -64,6 +64,9 @@ class BlockSparseAttention:
         #: where the config came from: "explicit", "winner", "default" or "reference"
         self.config_source = source
         self.errors = DeviceErrorFlag()
+        # rendered and imported once per render-time variant: rendering on every call would
+        # cost the op milliseconds of host time
+        self._kernels: dict[KernelConfig, object] = {}
 
     def __repr__(self) -> str:
         where = self.target.name if self.target else "cpu"
@@ -129,7 +132,9 @@ class BlockSparseAttention:
                       "(fp32 dots on bf16-rounded operands, output rounded by torch), since "
                       "Triton 3.6's interpreter gets bf16 tl.dot wrong and truncates "
                       "fp32->bf16 casts")
-        kernel = load_triton(render_triton(self.spec, cfg, self.target))
+        kernel = self._kernels.get(cfg)
+        if kernel is None:
+            kernel = self._kernels[cfg] = load_triton(render_triton(self.spec, cfg, self.target))
         if out is None:
             o = torch.empty_like(q, dtype=torch.float32 if cfg.interp_bf16 else q.dtype)
             lse = torch.empty((shapes.batch, shapes.heads, shapes.seq_len), dtype=torch.float32,

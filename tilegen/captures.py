@@ -8,12 +8,29 @@ A capture is a dict with ``q, k, v`` ``(B, S, H, D)`` (cube-major padded, BSHD),
 On disk (``torch.load(path, weights_only=True)``) the real files spell the index ``topk_idx`` or
 ``idx`` and the ground truth ``o_triton`` / ``m_triton``; :func:`load` accepts both and
 :func:`save` writes that same format.
+
+Checksums: :func:`save` adds the key ``"checksums"`` (:data:`CHECKSUM_KEY`), a plain
+``{name: hex}`` dict of str with one entry per saved tensor, keyed by its on-disk name (``q``,
+``k``, ``v``, ``topk_idx`` or ``idx``, ``vbs``, ``o_triton``, ``m_triton``). Each value is the
+sha256 hex digest of the tensor's raw bytes in C order (as stored by ``torch.save`` on a
+little-endian host), i.e. ``hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy())``.
+:func:`load` verifies every entry and raises ``ValueError`` naming the file and the tensor whose
+bytes differ. Files without the key (the real captures, files written by other tools or by
+older tilegen) still load; the first one in a process is noted once on the ``tilegen`` logger.
+
+A file that cannot be read as a capture (empty, truncated, not a ``torch.save`` archive, or
+holding objects other than tensors and plain data) raises ``ValueError`` naming the path. Files
+are always read with ``weights_only=True``: a capture never needs to run pickled code.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import math
 import os
+import pickle
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +42,7 @@ from tilegen import layout, sparsity
 from tilegen.cache import atomic_write
 
 __all__ = [
+    "CHECKSUM_KEY",
     "COS_MIN",
     "MAX_ABS",
     "MEAN_ABS",
@@ -48,6 +66,12 @@ V_BOUND = 2.0
 
 # metadata carried through load/save untouched (plain Python values, weights_only-safe)
 _META_KEYS = ("call", "step", "block", "outlier_heads", "grid", "cube", "seed")
+
+#: key of the per-tensor sha256 record that :func:`save` writes and :func:`load` verifies
+CHECKSUM_KEY = "checksums"
+
+logger = logging.getLogger("tilegen")
+_NOTED_UNCHECKED = False  # the "no checksum" note is logged once per process
 
 
 # ============================================================================ scoring
@@ -193,6 +217,85 @@ def validate(cap: dict) -> dict:
     return cap
 
 
+_WHAT = "a capture is a torch.save dict of tensors q, k, v, topk_idx, vbs"
+# torch.save's legacy (pre-zip) format starts with the pickled magic number
+_LEGACY_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."
+
+
+def _first_sentence(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text.split(". ")[0].rstrip(".")
+
+
+def _read(path: str | os.PathLike) -> Any:
+    """``torch.load(path, weights_only=True)`` with every failure a ValueError naming the path.
+
+    Never suggests ``weights_only=False``: a capture holds tensors and plain data only.
+    """
+    size = os.stat(path).st_size  # FileNotFoundError as is
+    if size == 0:
+        raise ValueError(f"{path}: the file is empty, not a capture ({_WHAT})")
+    with open(path, "rb") as f:
+        head = f.read(len(_LEGACY_MAGIC))
+    archive = head.startswith(b"PK\x03\x04")  # torch.save's format is a zip archive
+    try:
+        return torch.load(os.fspath(path), map_location="cpu", weights_only=True)
+    except (OSError, MemoryError):
+        raise
+    except Exception as exc:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
+        if archive and not zipfile.is_zipfile(path):
+            cause = (f"the zip archive torch.save writes has no central directory (the end of "
+                     f"the file, {size} bytes long, is missing or overwritten)")
+            raise ValueError(f"{path}: the capture file is truncated or damaged: {cause}; "
+                             f"copy or write it again") from None
+        if archive or head == _LEGACY_MAGIC:
+            if isinstance(exc, pickle.UnpicklingError) and "Unsupported global" in str(exc):
+                raise ValueError(
+                    f"{path}: not a capture: the torch.save archive holds objects other than "
+                    f"tensors and plain data, which tilegen never loads ({_WHAT})") from None
+            raise ValueError(f"{path}: the capture file is truncated or damaged "
+                             f"({type(exc).__name__}: {_first_sentence(exc)}); copy or write "
+                             f"it again") from None
+        raise ValueError(f"{path}: not a capture: the file is not a torch.save archive "
+                         f"({_WHAT})") from None
+
+
+def _sha256(t: torch.Tensor) -> str:
+    data = t.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
+    return hashlib.sha256(data.numpy()).hexdigest()
+
+
+def _verify_checksums(raw: dict, path: str | os.PathLike) -> None:
+    """Check every tensor against the sha256 that `save` recorded; ValueError on a mismatch."""
+    global _NOTED_UNCHECKED
+    sums = raw.get(CHECKSUM_KEY)
+    tensors = sorted(k for k, t in raw.items() if isinstance(t, torch.Tensor))
+    if sums is None:
+        if not _NOTED_UNCHECKED:
+            _NOTED_UNCHECKED = True
+            logger.warning("note: capture %s has no %r record, so damaged data in it cannot be "
+                           "detected (captures.save writes one); further files without one are "
+                           "not reported", path, CHECKSUM_KEY)
+        return
+    if not isinstance(sums, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and len(v) == 64 for k, v in sums.items()):
+        raise ValueError(f"{path}: the {CHECKSUM_KEY!r} record is damaged (expected a dict of "
+                         f"tensor name -> sha256 hex digest); the file cannot be verified")
+    missing = sorted(set(sums) - set(tensors))
+    if missing:
+        raise ValueError(f"{path}: the {CHECKSUM_KEY!r} record names tensor(s) {missing} that "
+                         f"the file does not hold; the file is damaged")
+    unlisted = sorted(set(tensors) - set(sums))
+    if unlisted:
+        raise ValueError(f"{path}: tensor(s) {unlisted} have no checksum in the "
+                         f"{CHECKSUM_KEY!r} record; the file was changed after it was saved")
+    bad = [k for k in tensors if _sha256(raw[k]) != sums[k].lower()]
+    if bad:
+        names = ", ".join(repr(k) for k in bad)
+        raise ValueError(f"{path}: tensor {names} does not match its sha256 checksum: the file "
+                         f"is damaged (flipped bytes); copy or write it again")
+
+
 def load(path: str | os.PathLike, device: torch.device | str | None = None) -> dict:
     """Load a capture file into a validated dict.
 
@@ -200,10 +303,16 @@ def load(path: str | os.PathLike, device: torch.device | str | None = None) -> d
     ``lse_ref`` when the file bundles ``o_triton`` / ``m_triton``, plus any of
     ``call, step, block, outlier_heads, grid, cube, seed`` present. Tensors go to ``device``
     (default: stay on the CPU).
+
+    Raises ValueError naming the path when the file is empty, truncated or damaged, is not a
+    capture, or a tensor's bytes differ from the sha256 that :func:`save` recorded (see the
+    module docstring); FileNotFoundError when it does not exist.
     """
-    raw = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
+    raw = _read(path)
     if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a dict, got {type(raw).__name__}")
+        raise ValueError(f"{path}: not a capture: expected a dict of tensors, got "
+                         f"{type(raw).__name__}")
+    _verify_checksums(raw, path)
     if "topk_idx" in raw:
         idx = raw["topk_idx"]
     elif "idx" in raw:
@@ -236,9 +345,11 @@ def save(cap: dict, path: str | os.PathLike, *, index_key: str = "topk_idx") -> 
 
     Written keys: ``q, k, v, <index_key>, vbs`` (``index_key`` is ``"topk_idx"`` or ``"idx"``, the
     outlier file's spelling), the metadata keys present (``call, step, block, outlier_heads, grid,
-    cube, seed``), and ``o_ref`` / ``lse_ref`` as ``o_triton`` / ``m_triton`` like the outlier
-    file. Tensors are saved contiguous on the CPU. The file is written to a temporary file in the
-    same directory and moved into place with ``os.replace``, so readers never see a partial file.
+    cube, seed``), ``o_ref`` / ``lse_ref`` as ``o_triton`` / ``m_triton`` like the outlier file,
+    and ``checksums`` (:data:`CHECKSUM_KEY`): the sha256 of each tensor, which :func:`load`
+    verifies. Tensors are saved contiguous on the CPU. The file is written to a temporary file in
+    the same directory and moved into place with ``os.replace``, so readers never see a partial
+    file.
     """
     if index_key not in ("topk_idx", "idx"):
         raise ValueError(f"index_key must be 'topk_idx' or 'idx', got {index_key!r}")
@@ -252,6 +363,7 @@ def save(cap: dict, path: str | os.PathLike, *, index_key: str = "topk_idx") -> 
         if key in cap:
             val = cap[key]
             out[key] = list(val) if isinstance(val, tuple) and key == "outlier_heads" else val
+    out[CHECKSUM_KEY] = {k: _sha256(t) for k, t in out.items() if isinstance(t, torch.Tensor)}
     atomic_write(Path(path), lambda f: torch.save(out, f))
 
 

@@ -130,6 +130,29 @@ def test_output_magnitude(small_cap):
     assert bool((mean_abs > 0.1).all()) and bool((mean_abs < 2.0).all()), mean_abs
 
 
+def test_synthesize_reports_progress():
+    seen = []
+    cap = captures.synthesize(seed=0, grid=(5, 6, 8), heads=10, head_dim=64, topk=3, batch=2,
+                              progress=lambda done, total: seen.append((done, total)))
+    (total,) = {t for _, t in seen}
+    assert [d for d, _ in seen] == list(range(1, total + 1))  # every step once, in order
+    assert total == 2 * 2 + 1  # batch x chunks of 8 heads, then the selection
+    plain = captures.synthesize(seed=0, grid=(5, 6, 8), heads=10, head_dim=64, topk=3, batch=2)
+    assert torch.equal(cap["q"], plain["q"]) and torch.equal(cap["topk_idx"], plain["topk_idx"])
+
+
+def test_fast_rope_is_bit_identical_to_the_real_form():
+    # synthesize's CPU rotation is one complex multiply; it must give the very bits of
+    # (x0 cos - x1 sin, x0 sin + x1 cos), so the same seed keeps giving the same captures
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn((3, 1000, 64), generator=g) * 7
+    cos, sin = captures._rope_tables((10, 10, 10), 64, torch.device("cpu"))
+    xp = x.view(3, 1000, 32, 2)
+    x0, x1 = xp[..., 0], xp[..., 1]
+    want = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).view_as(x)
+    assert torch.equal(captures._apply_rope(x, cos, sin), want)
+
+
 def test_synthesize_validation():
     with pytest.raises(ValueError, match="topk"):
         captures.synthesize(grid=(5, 6, 8), heads=1, head_dim=64, topk=9)

@@ -31,7 +31,7 @@ import math
 import os
 import pickle
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -417,8 +417,17 @@ def _rope_tables(
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (2i, 2i+1) of ``x`` ``(h, N, D)`` by the per-token angles."""
+    """Rotate channel pairs (2i, 2i+1) of ``x`` ``(h, N, D)`` by the per-token angles.
+
+    ``(x0 cos - x1 sin, x0 sin + x1 cos)``. On the CPU as one complex multiply, ~10x faster than
+    the four real products and a stack, and bit-identical to them: ATen's vectorized complex
+    product rounds ``ac - bd`` and ``ad + bc`` the same way (no fused multiply-add). Elsewhere
+    (CUDA may contract into FMA) the real form keeps each device's stream as it was.
+    """
     xp = x.view(*x.shape[:-1], -1, 2)
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous():
+        rot = torch.view_as_complex(xp) * torch.complex(cos, sin)
+        return torch.view_as_real(rot).view_as(x)
     x0, x1 = xp[..., 0], xp[..., 1]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return out.view_as(x)
@@ -514,6 +523,7 @@ def synthesize(
     cube: Sequence[int] = (4, 4, 4),
     *,
     outlier_logit: float = 300.0,
+    progress: Callable[[int, int], object] | None = None,
 ) -> dict:
     """A Wan2.2-like synthetic capture, seeded and deterministic.
 
@@ -549,7 +559,8 @@ def synthesize(
 
     Everything is drawn from one ``torch.Generator(device)`` seeded with ``seed``: the same seed and
     device give identical tensors (CPU and CUDA streams differ). Work is done in fp32 in chunks of
-    heads, directly on ``device``.
+    heads, directly on ``device``. ``progress(done, total)``, when given, is called after each
+    step (one per batch entry and chunk of 8 heads, then one for the cube layout and selection).
     """
     g3, c3 = _check_synth_args(grid, heads, head_dim, topk, batch, dtype, cube)
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -594,6 +605,8 @@ def synthesize(
     k_all = torch.empty_like(q_all)
     v_all = torch.empty_like(q_all)
     chunk = 8
+    steps = batch * -(-heads // chunk) + 1
+    done = 0
     for b in range(batch):
         for h0 in range(0, heads, chunk):
             h1 = min(heads, h0 + chunk)
@@ -627,8 +640,9 @@ def synthesize(
                 # k: a constant component on the same channels everywhere (an attention sink)
                 qh[lh][:, out_ch] += hot[:, None] * (15.0 * out_sign)
                 kh[lh][:, out_ch] += 4.0 * out_sign
-            qh = qh * torch.rsqrt(qh.pow(2).mean(-1, keepdim=True) + 1e-6)
-            kh = kh * torch.rsqrt(kh.pow(2).mean(-1, keepdim=True) + 1e-6)
+            # in place, here and below: no fresh (nh, N, d) temporaries to page in
+            qh.mul_(torch.rsqrt(qh.pow(2).mean(-1, keepdim=True) + 1e-6))
+            kh.mul_(torch.rsqrt(kh.pow(2).mean(-1, keepdim=True) + 1e-6))
             for lh in local_out:
                 # gain on the outlier channels so the max logit is ~outlier_logit:
                 # logit_out ~= G^2 * P_q(x) * P_k(y) / (n_ch * sqrt(d)), P = projection on sign
@@ -638,10 +652,10 @@ def synthesize(
                 g2 = outlier_logit * out_ch.numel() * math.sqrt(d) / denom
                 gq[lh, out_ch] = torch.sqrt(g2)
                 gk[lh, out_ch] = torch.sqrt(g2)
-            qh = _apply_rope(qh * gq[:, None, :], cos, sin)
-            kh = _apply_rope(kh * gk[:, None, :], cos, sin)
-            q_all[b, :, hs] = qh.permute(1, 0, 2).to(dtype)
-            k_all[b, :, hs] = kh.permute(1, 0, 2).to(dtype)
+            qh = _apply_rope(qh.mul_(gq[:, None, :]), cos, sin)
+            kh = _apply_rope(kh.mul_(gk[:, None, :]), cos, sin)
+            q_all[b, :, hs].copy_(qh.permute(1, 0, 2))  # cast and transpose in one pass
+            k_all[b, :, hs].copy_(kh.permute(1, 0, 2))
             del qh, kh
 
             # v: its own smooth field + bias + noise
@@ -651,9 +665,12 @@ def synthesize(
             vh = torch.bmm(basis_v, _randn((nh, m_v, d), gen, dev)).add_(v_bias[hs, None, :])
             vh.add_(_randn(vh.shape, gen, dev).mul_(noise_v[hs]))
             # soft bound |v| < V_BOUND: outputs stay where one bf16 ulp is well under MAX_ABS
-            vh = torch.tanh(vh.mul_(1.0 / V_BOUND)).mul_(V_BOUND)
-            v_all[b, :, hs] = vh.permute(1, 0, 2).to(dtype)
+            vh.mul_(1.0 / V_BOUND).tanh_().mul_(V_BOUND)
+            v_all[b, :, hs].copy_(vh.permute(1, 0, 2))
             del vh, basis_v
+            done += 1
+            if progress is not None:
+                progress(done, steps)
 
     q, vbs = layout.to_cubes(q_all, g3, c3)
     del q_all
@@ -663,6 +680,8 @@ def synthesize(
     del v_all
     block = math.prod(c3)
     topk_idx = sparsity.mean_pool_topk(q, k, vbs, topk, block=block)
+    if progress is not None:
+        progress(steps, steps)
     return {
         "q": q,
         "k": k,

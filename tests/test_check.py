@@ -47,7 +47,7 @@ def test_changed_template_is_drift(tmp_path):
     assert res.returncode == 1
     assert "+// a change nobody regenerated" in res.stdout  # unified diff on stdout
     assert "tilegen check --update" in res.stderr  # names the regenerating command
-    assert ".cu: changed" in res.stderr
+    assert ".cu (changed)" in res.stderr
     assert run_check(root, "--update").returncode == 0
     assert run_check(root).returncode == 0
 
@@ -64,9 +64,56 @@ def test_changed_target_default_config_is_drift(tmp_path):
 
 def test_hand_edit_is_drift(tmp_path):
     root = copy_tree(tmp_path)
-    path = next((root / "targets" / "sm_90" / "generated").glob("*.py"))
+    path = next(p for p in (root / "targets" / "sm_90" / "generated").glob("*.py")
+                if "tl.math.exp2(qk" in p.read_text())  # the Triton family's source
     path.write_text(path.read_text().replace("tl.math.exp2(qk", "tl.math.exp(qk"))
     res = run_check(root, "--target", "sm_90")
     assert res.returncode == 1 and path.name in res.stderr
     assert "-                p = tl.math.exp(qk" in res.stdout  # committed (hand-edited) line
     assert "+                p = tl.math.exp2(qk" in res.stdout  # what the template renders
+
+
+def _drift_lines(stderr: str) -> list[str]:
+    return [ln.strip() for ln in stderr.splitlines() if ln.strip().endswith(")")]
+
+
+def test_drift_names_target_and_backend_of_each_file(tmp_path):
+    # one Triton template feeds a file of the same name in every target: each line must say which
+    root = copy_tree(tmp_path)
+    tpl = root / "templates" / "triton" / "lut_kernel.py.j2"
+    tpl.write_text(tpl.read_text() + "\n# a change nobody regenerated\n")
+    res = run_check(root)
+    assert res.returncode == 1
+    lines = _drift_lines(res.stderr)
+    assert len(lines) == 3, res.stderr
+    for target in ("sm_90", "sm_100a", "gfx942"):
+        (line,) = [ln for ln in lines if ln.startswith(f"{target}/triton: ")]
+        assert f"targets/{target}/generated/" in line and line.endswith(".py (changed)"), line
+    assert "3 generated source(s) drifted" in res.stderr
+
+
+def test_update_counts_only_the_files_it_changed(tmp_path):
+    root = copy_tree(tmp_path)
+    tpl = root / "templates" / "cuda" / "lut_kernel.cu.j2"
+    tpl.write_text(tpl.read_text() + "\n// a change nobody regenerated\n")
+    res = run_check(root, "--update")
+    assert res.returncode == 0, res.stderr
+    assert "regenerated 2 " in res.stdout, res.stdout  # the two .cu files, not all 6
+    assert "sm_90/cuda: " in res.stdout and "sm_100a/cuda: " in res.stdout
+    assert "triton" not in res.stdout and "gfx942" not in res.stdout
+    again = run_check(root, "--update")
+    assert again.returncode == 0 and "regenerated" not in again.stdout, again.stdout
+    assert "up to date" in again.stdout
+    assert run_check(root).returncode == 0
+
+
+def test_update_names_stale_files_it_removes(tmp_path):
+    root = copy_tree(tmp_path)
+    stale = root / "targets" / "gfx942" / "generated" / "old_kernel.hip"
+    stale.write_text("// no longer generated\n")
+    res = run_check(root, "--target", "gfx942")
+    assert res.returncode == 1 and "gfx942/hip: " in res.stderr and "(stale)" in res.stderr
+    res = run_check(root, "--update", "--target", "gfx942")
+    assert res.returncode == 0 and not stale.exists()
+    assert "regenerated 0 " in res.stdout and "removed 1 stale" in res.stdout, res.stdout
+    assert "gfx942/hip: " in res.stdout

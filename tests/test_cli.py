@@ -121,6 +121,30 @@ def test_captures_synthesize(tmp_path):
     assert cap["q"].dtype == torch.float16 and cap["q"].shape[1] == 8 * 64  # files stay BSHD
 
 
+@pytest.mark.parametrize("count", ["0", "-1", "two"])
+def test_captures_count_must_be_positive(tmp_path, count):
+    out = tmp_path / "caps"
+    res = tilegen("captures", "synthesize", "--out", str(out), "--count", count, check=False)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "--count" in res.stderr and count in res.stderr
+    assert not out.exists()  # nothing written, not even the folder
+
+
+def test_captures_synthesize_progress_is_plain_lines_off_a_tty(tmp_path):
+    spec = Spec(grid=(5, 6, 8), num_heads=2, head_dim=64, topk=3)
+    (tmp_path / "s.json").write_text(spec.to_json())
+    res = tilegen("captures", "synthesize", "--out", str(tmp_path / "c"), "--spec",
+                  str(tmp_path / "s.json"), "--seed", "3", "--count", "2")
+    lines = res.stdout.splitlines()
+    assert "\r" not in res.stdout and "\x1b" not in res.stdout  # no bar, no colour codes
+    first = str(tmp_path / "c" / "synthetic_seed3.pt")
+    second = str(tmp_path / "c" / "synthetic_seed4.pt")
+    assert lines[0].startswith("[1/2] synthesizing " + first), lines  # said before the work
+    assert any(ln.startswith("[1/2] wrote " + first) for ln in lines), lines
+    assert any(ln.startswith("[2/2] synthesizing " + second) for ln in lines), lines
+    assert lines[-1].startswith("[2/2] wrote " + second), lines
+
+
 def test_bench_without_gpu_says_so():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")

@@ -111,8 +111,9 @@ def test_mask_lut_round_trip():
         n = int(counts[b, h, i])
         row = idx[b, h, i].tolist()
         assert row[:n] == sorted(torch.nonzero(mask[b, h, i]).flatten().tolist())
-        pad = row[n - 1] if n else 0  # padding repeats the last valid id (0 for empty rows)
-        assert all(v == pad for v in row[n:])
+        # padding: the smallest unselected ids, ascending, so no id appears twice in a row
+        unselected = torch.nonzero(~mask[b, h, i]).flatten().tolist()
+        assert row[n:] == unselected[:len(row) - n]
 
 
 def test_topk_lut_to_mask_and_back():
@@ -206,3 +207,62 @@ def test_cdf_select_mass_property():
             assert float(pr[sel].min()) >= float(pr[rest].max()) - 1e-7
     full_idx, full_counts = sparsity.cdf_select(q, k, vbs, 1.0, block=block)
     assert int(full_counts.min()) >= int(counts.max())
+
+
+# ------------------------------------------------------------------------ no duplicates in a row
+
+
+def _assert_rows_distinct(idx, what):
+    """Every LUT row, padding included, holds each cube id at most once (contract.md)."""
+    s = idx.long().sort(dim=-1).values
+    dup = (s[..., 1:] == s[..., :-1]).any(-1)
+    assert not bool(dup.any()), f"{what}: row {tuple(dup.nonzero()[0].tolist())} repeats an id"
+
+
+def _tied_cubes(kind, b=2, nc=9, block=8, h=3, d=4):
+    if kind == "zeros":  # every coarse score 0
+        q = torch.zeros(b, nc * block, h, d)
+        return q, q.clone(), torch.full((nc,), block, dtype=torch.int32)
+    if kind == "constant":  # every cube the same mean: every score equal
+        q = torch.ones(b, nc * block, h, d)
+        return q, q.clone(), torch.full((nc,), block, dtype=torch.int32)
+    # pairs of identical KV cubes: ties between two ids in every row
+    q, k, vbs = _random_cubes(7, b=b, nc=nc, block=block, h=h, d=d)
+    k = k.view(b, nc, block, h, d)
+    k[:, 1::2] = k[:, 0:-1:2]
+    vbs[1::2] = vbs[0:-1:2]
+    return q, k.view(b, nc * block, h, d), vbs
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_selectors_never_repeat_an_id_in_a_row(seed):
+    block = 8
+    q, k, vbs = _random_cubes(seed, nc=9, block=block, d=8)
+    for topk in (1, 4, 9):
+        _assert_rows_distinct(sparsity.mean_pool_topk(q, k, vbs, topk, block=block),
+                              f"mean_pool_topk topk={topk}")
+    padded = 0
+    for p in (0.05, 0.5, 0.9, 1.0):
+        idx, counts = sparsity.cdf_select(q * 3, k, vbs, p, block=block)
+        _assert_rows_distinct(idx, f"cdf_select p={p}")
+        padded += int((counts < idx.shape[-1]).sum())
+    assert padded > 0  # rows of varying length: the padding was exercised
+    g = torch.Generator().manual_seed(seed)
+    for density in (0.0, 0.1, 0.5, 0.9, 1.0):
+        mask = torch.rand(2, 3, 7, 11, generator=g) < density
+        mask[0, 0, 0] = False  # an empty row beside full ones
+        idx, counts = sparsity.mask_to_lut(mask)
+        _assert_rows_distinct(idx, f"mask_to_lut density={density}")
+        assert torch.equal(sparsity.lut_to_mask(idx, 11, counts=counts), mask)
+
+
+@pytest.mark.parametrize("kind", ["zeros", "constant", "pairs"])
+def test_selectors_never_repeat_an_id_on_ties(kind):
+    q, k, vbs = _tied_cubes(kind)
+    for topk in (1, 3, 8, 9):
+        idx = sparsity.mean_pool_topk(q, k, vbs, topk, block=8)
+        _assert_rows_distinct(idx, f"mean_pool_topk topk={topk}")
+    for p in (0.3, 0.5, 1.0):
+        idx, counts = sparsity.cdf_select(q, k, vbs, p, block=8)
+        _assert_rows_distinct(idx, f"cdf_select p={p}")
+        assert bool((counts >= 1).all())

@@ -72,3 +72,54 @@ def test_unknown_field_in_file_is_an_error():
 def test_frozen():
     with pytest.raises(AttributeError):
         Spec().head_dim = 64  # type: ignore[misc]
+
+
+# ------------------------------------------------------------------------------ broken spec files
+
+
+BROKEN_FILES = [
+    ("empty.toml", b"", ["empty"]),
+    ("empty.json", b"", ["empty"]),
+    ("blank.toml", b"\n  \n# only a comment\n", ["no Spec fields"]),
+    ("blank.json", b"  \n", ["empty"]),
+    ("list.json", b"[1, 2, 3]\n", ["object", "list"]),
+    ("number.json", b"64\n", ["object", "int"]),
+    ("binary.json", bytes(range(256)) * 4, ["UTF-8"]),
+    ("binary.toml", b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe", ["UTF-8"]),
+    ("bad.json", b'{\n  "head_dim": 64,\n  "dtype": fp16\n}\n', ["line 3"]),
+    ("bad.toml", b'head_dim = 64\ndtype = fp16\n', ["line 2"]),
+    ("table.toml", b'spec = 5\n', ["[spec]", "table"]),
+    ("emptytable.toml", b'[spec]\n', ["no Spec fields"]),
+    ("emptyobject.json", b'{}', ["no Spec fields"]),
+]
+
+
+@pytest.mark.parametrize("name,content,needles", BROKEN_FILES, ids=[c[0] for c in BROKEN_FILES])
+def test_broken_spec_files_are_value_errors_naming_the_file(tmp_path, name, content, needles):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as err:
+        Spec.from_file(path)
+    msg = str(err.value)
+    assert str(path) in msg, msg
+    for needle in needles:
+        assert needle in msg, msg
+
+
+def test_bad_field_in_file_names_the_file(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text("head_dim = 96\n")
+    with pytest.raises(ValueError, match=r"Spec\.head_dim") as err:
+        Spec.from_file(path)
+    assert str(path) in str(err.value)
+    with pytest.raises(FileNotFoundError):
+        Spec.from_file(tmp_path / "missing.toml")
+
+
+def test_spec_text_parse_errors_are_value_errors():
+    with pytest.raises(ValueError, match="line 1"):
+        Spec.from_json("[1]x")
+    with pytest.raises(ValueError, match="object"):
+        Spec.from_json("[1, 2]")
+    with pytest.raises(ValueError, match="line 1"):
+        Spec.from_toml("head_dim = = 3")

@@ -54,23 +54,93 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (argparse turns the error into usage + exit status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (files to write), got "
+                                         f"{value}")
+    return value
+
+
+class _Progress:
+    """Per-file progress for `tilegen captures`: a rich bar on a terminal when rich is
+    installed, a carriage-return counter on a terminal without it, plain lines otherwise."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.tty = sys.stdout.isatty()
+        self.bar = None
+        if self.tty:
+            try:  # rich is optional here: plain output without it
+                import rich.progress as rp
+            except ImportError:
+                pass
+            else:
+                self.bar = rp.Progress(rp.TextColumn("{task.description}"), rp.BarColumn(),
+                                       rp.TaskProgressColumn(), rp.TimeElapsedColumn())
+        self.task = None
+
+    def __enter__(self) -> _Progress:
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def _say(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, flush=True)
+
+    def start(self, i: int, path: Path, what: str) -> None:
+        tag = f"[{i + 1}/{self.count}]"
+        if self.bar is not None:
+            self.task = self.bar.add_task(f"{tag} {path.name}", total=None)
+        else:
+            self._say(f"{tag} synthesizing {path}: {what}")
+
+    def step(self, done: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, total=total)
+        elif self.tty:
+            print(f"\r  step {done}/{total}", end="" if done < total else "\n", flush=True)
+
+    def finish(self, i: int, path: Path, seconds: float) -> None:
+        if self.bar is not None:
+            self.bar.remove_task(self.task)
+        self._say(f"[{i + 1}/{self.count}] wrote {path} ({seconds:.1f}s)")
+
+
 def cmd_captures(args: argparse.Namespace) -> int:
     from tilegen import captures
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     spec = _spec(args)
-    for i in range(args.count):
-        seed = args.seed + i
-        t0 = time.perf_counter()
-        # files are BSHD whatever the spec's layout (contract.md); dtype, cube, batch: the spec's
-        cap = captures.synthesize(seed=seed, grid=spec.grid, heads=spec.num_heads,
-                                  head_dim=spec.head_dim, topk=spec.topk, batch=spec.batch,
-                                  dtype=spec.torch_dtype, cube=spec.cube,
-                                  outlier=not args.no_outlier)
-        path = out / f"synthetic_seed{seed}.pt"
-        captures.save(cap, path)
-        print(f"wrote {path} ({time.perf_counter() - t0:.1f}s)")
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = spec.torch_dtype
+    what = (f"q, k, v ({spec.batch}, {spec.seq_len}, {spec.num_heads}, {spec.head_dim}) "
+            f"{spec.dtype}, topk {spec.topk}")
+    with _Progress(args.count) as progress:
+        for i in range(args.count):
+            seed = args.seed + i
+            path = out / f"synthetic_seed{seed}.pt"
+            progress.start(i, path, what)
+            t0 = time.perf_counter()
+            # files are BSHD whatever the spec's layout (contract.md); dtype, cube, batch: the
+            # spec's
+            cap = captures.synthesize(seed=seed, grid=spec.grid, heads=spec.num_heads,
+                                      head_dim=spec.head_dim, topk=spec.topk, batch=spec.batch,
+                                      dtype=dtype, cube=spec.cube,
+                                      outlier=not args.no_outlier, progress=progress.step)
+            captures.save(cap, path)
+            progress.finish(i, path, time.perf_counter() - t0)
     return 0
 
 
@@ -79,8 +149,18 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     targets = tuple(args.target) if args.target else TARGET_NAMES
     if args.update:
-        paths = generated.update(targets)
-        print(f"regenerated {len(paths)} committed source(s) under targets/*/generated/")
+        fixed = generated.update(targets)
+        if not fixed:
+            print(f"tilegen check --update: all {len(generated.expected(targets))} generated "
+                  f"source(s) up to date; nothing written")
+            return 0
+        written = [d for d in fixed if d.kind != "stale"]
+        removed = [d for d in fixed if d.kind == "stale"]
+        extra = f", removed {len(removed)} stale one(s)" if removed else ""
+        print(f"tilegen check --update: regenerated {len(written)} generated source(s){extra} "
+              f"under targets/*/generated/:")
+        for drift in fixed:
+            print(f"  {drift.describe()}")
         return 0
     drifts = generated.check(targets)
     if not drifts:
@@ -88,9 +168,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         return 0
     for drift in drifts:
         sys.stdout.write(drift.diff)
-    print(f"\ntilegen check: {len(drifts)} generated source(s) drifted from the templates "
-          f"({', '.join(f'{d.path.name}: {d.kind}' for d in drifts)}).\n"
-          f"Regenerate with: {generated.REGENERATE}", file=sys.stderr)
+    lines = "".join(f"  {d.describe()}\n" for d in drifts)
+    print(f"\ntilegen check: {len(drifts)} generated source(s) drifted from the templates:\n"
+          f"{lines}Regenerate with: {generated.REGENERATE}", file=sys.stderr)
     return 1
 
 
@@ -143,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="directory for the .pt files")
     p.add_argument("--spec", help="spec file for the workload shape")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--count", type=int, default=1)
+    p.add_argument("--count", type=_positive_int, default=1,
+                   help="files to write, seeds SEED, SEED+1, ... (default 1)")
     p.add_argument("--no-outlier", action="store_true", help="omit the overflow outlier head")
     p.set_defaults(func=cmd_captures)
 

@@ -2,7 +2,8 @@
 
 For the default spec and each target x backend, the rendered source is committed under
 `targets/<target>/generated/`. `check()` re-renders everything with `build.plan()` and compares
-byte for byte: a template or spec change that was not regenerated is drift.
+byte for byte: a template or spec change that was not regenerated is drift. Every drift carries
+a `target/backend` label: the Triton source of each target has the same file name.
 """
 
 from __future__ import annotations
@@ -13,10 +14,14 @@ from pathlib import Path
 
 from tilegen.build import plan
 from tilegen.cache import atomic_write
+from tilegen.paths import ROOT
 from tilegen.spec import Spec
 from tilegen.targets import TARGET_NAMES, get_target
 
 REGENERATE = "tilegen check --update"
+
+# backend of a committed file no longer in the plan (a stale one), by suffix
+_BACKEND_OF_SUFFIX = {".py": "triton", ".cu": "cuda", ".hip": "hip"}
 
 
 @dataclass(frozen=True)
@@ -24,46 +29,66 @@ class Drift:
     path: Path
     kind: str  # "changed" | "missing" | "stale"
     diff: str
+    label: str = ""  # "target/backend", e.g. "sm_90/triton"
+
+    def describe(self) -> str:
+        """``target/backend: path (kind)``, the path relative to the checkout when inside it."""
+        try:
+            shown = self.path.relative_to(ROOT)
+        except ValueError:
+            shown = self.path
+        return f"{self.label}: {shown} ({self.kind})"
+
+
+def _planned(targets: tuple[str, ...]) -> dict[Path, tuple[str, str]]:
+    """Every committed file -> (``target/backend`` label, the text it must hold)."""
+    files: dict[Path, tuple[str, str]] = {}
+    for name in targets:
+        target = get_target(name)
+        for item in plan(Spec(), target):
+            path = target.generated_dir / item.source.name
+            files[path] = (f"{target.name}/{item.backend}", item.source.text)
+    return files
 
 
 def expected(targets: tuple[str, ...] = TARGET_NAMES) -> dict[Path, str]:
     """Every committed file and the text it must hold (default spec, each target's default)."""
-    files: dict[Path, str] = {}
-    for name in targets:
-        target = get_target(name)
-        for item in plan(Spec(), target):
-            files[target.generated_dir / item.source.name] = item.source.text
-    return files
+    return {path: text for path, (_, text) in _planned(targets).items()}
 
 
 def check(targets: tuple[str, ...] = TARGET_NAMES) -> list[Drift]:
-    want = expected(targets)
+    want = _planned(targets)
     drifts: list[Drift] = []
-    for path, text in sorted(want.items()):
+    for path, (label, text) in sorted(want.items()):
         if not path.exists():
-            drifts.append(Drift(path, "missing", f"--- {path} is missing\n"))
+            drifts.append(Drift(path, "missing", f"--- {path} is missing\n", label))
             continue
         have = path.read_text()
         if have != text:
             diff = "".join(difflib.unified_diff(
                 have.splitlines(keepends=True), text.splitlines(keepends=True),
                 fromfile=f"{path} (committed)", tofile=f"{path} (rendered now)"))
-            drifts.append(Drift(path, "changed", diff))
+            drifts.append(Drift(path, "changed", diff, label))
     for name in targets:
         folder = get_target(name).generated_dir
         for path in sorted(folder.glob("*")) if folder.exists() else ():
             if path.is_file() and path not in want:
-                drifts.append(Drift(path, "stale", f"--- {path} is no longer generated\n"))
+                label = f"{name}/{_BACKEND_OF_SUFFIX.get(path.suffix, path.suffix or '?')}"
+                drifts.append(Drift(path, "stale", f"--- {path} is no longer generated\n", label))
     return drifts
 
 
-def update(targets: tuple[str, ...] = TARGET_NAMES) -> list[Path]:
-    """Rewrite the committed sources (and delete ones no longer generated)."""
+def update(targets: tuple[str, ...] = TARGET_NAMES) -> list[Drift]:
+    """Rewrite the committed sources that drifted (and delete ones no longer generated).
+
+    Returns what it fixed: one Drift per file written ("changed" or "missing") or deleted
+    ("stale"); files already up to date are not touched and not returned.
+    """
     want = expected(targets)
-    for drift in check(targets):
+    fixed = check(targets)
+    for drift in fixed:
         if drift.kind == "stale":
             drift.path.unlink()
-    for path, text in want.items():
-        if not path.exists() or path.read_text() != text:
-            atomic_write(path, text)
-    return sorted(want)
+        else:
+            atomic_write(drift.path, want[drift.path])
+    return fixed

@@ -95,8 +95,10 @@ def mask_to_lut(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         ``(idx, counts)``: ``idx`` is ``(B, H, NQ, max_count)`` int32 with each row's selected ids
         sorted ascending, ``max_count = max(1, max row count)``; ``counts`` is ``(B, H, NQ)`` int32.
-        Padding (positions ``>= counts``) repeats the row's last valid id, or 0 for an empty row, so
-        every entry is a valid cube id (safe to load) -- kernels must still honour ``counts``.
+        Padding (positions ``>= counts``) holds the row's smallest *unselected* ids, ascending
+        (``0, 1, ...`` for an empty row), so every entry is a valid cube id (safe to load) and no
+        row holds an id twice, padding included (contract.md: indices within a row are
+        distinct) -- kernels must still honour ``counts``.
     """
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
@@ -111,14 +113,11 @@ def mask_to_lut(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(1, int(counts.max())) if counts.numel() else 1
     ar = torch.arange(nkv, device=mask.device, dtype=torch.int64)
     # selected ids keep their value, unselected get pushed past nkv: one ascending sort puts
-    # the selected ids first, in order
+    # the selected ids first, in order, then the unselected ones, in order (the padding:
+    # width <= NKV, so there are always enough of them, and all ids of a row are distinct)
     key = torch.where(mask, ar, ar + nkv)
     key = key.sort(dim=-1).values[..., :width]
-    pos = torch.arange(width, device=mask.device)
-    valid = pos < counts.long().unsqueeze(-1)
-    last = torch.gather(key, -1, (counts.long() - 1).clamp(min=0).unsqueeze(-1))
-    last = torch.where(counts.unsqueeze(-1) > 0, last, torch.zeros_like(last))
-    idx = torch.where(valid, key, last).to(torch.int32)
+    idx = torch.where(key >= nkv, key - nkv, key).to(torch.int32)
     return idx, counts
 
 
@@ -245,8 +244,9 @@ def cdf_select(
     one cube per row).
 
     Returns:
-        ``(idx, counts)`` as :func:`mask_to_lut`: ``(B, H, NQ, max_count)`` int32 sorted ascending
-        by cube id, padding repeats the last valid id; ``(B, H, NQ)`` int32 counts.
+        ``(idx, counts)`` as :func:`mask_to_lut`: ``(B, H, NQ, max_count)`` int32, the selected
+        ids ascending, then padding with the smallest unselected ids (no id twice in a row);
+        ``(B, H, NQ)`` int32 counts.
     """
     _, _, q_vbs = _check_qkv_cubes(q, k, vbs, block, q_vbs)
     if isinstance(p, bool) or not isinstance(p, (int, float)):

@@ -213,6 +213,9 @@ class Spec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Spec:
+        if not isinstance(data, dict):
+            raise ValueError(f"a spec is a JSON object / TOML table of Spec fields, got "
+                             f"{type(data).__name__}")
         data = dict(data)
         data.pop("schema", None)
         known = {f.name for f in dataclasses.fields(cls) if f.init}
@@ -223,23 +226,48 @@ class Spec:
 
     @classmethod
     def from_json(cls, text: str) -> Spec:
-        return cls.from_dict(json.loads(text))
+        """A spec from JSON text: an object of fields. ValueError (with the line) on bad JSON."""
+        return cls.from_dict(_parse_json(text))
 
     @classmethod
     def from_toml(cls, text: str) -> Spec:
-        data = tomllib.loads(text)
-        return cls.from_dict(data.get("spec", data))
+        """A spec from TOML text: top-level fields or a ``[spec]`` table. ValueError (with the
+        line) on bad TOML."""
+        return cls.from_dict(_spec_table(_parse_toml(text)))
 
     @classmethod
     def from_file(cls, path: str | Path) -> Spec:
-        """Read a spec from a ``.toml`` or ``.json`` file (a TOML file may use a [spec] table)."""
+        """Read a spec from a ``.toml`` or ``.json`` file (a TOML file may use a [spec] table).
+
+        Every problem with the file's contents (empty, not UTF-8 text, a parse error, a top
+        level that is not an object/table, no fields, an unknown or invalid field) is a
+        ValueError naming the file, and the line where it is known. A missing file is a
+        FileNotFoundError.
+        """
         path = Path(path)
-        text = path.read_text()
-        if path.suffix == ".json":
-            return cls.from_json(text)
-        if path.suffix == ".toml":
-            return cls.from_toml(text)
-        raise ValueError(f"spec file {path} must end in .toml or .json")
+        if path.suffix not in (".json", ".toml"):
+            raise ValueError(f"spec file {path} must end in .toml or .json")
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            line = raw[:exc.start].count(b"\n") + 1
+            raise ValueError(f"spec file {path}: not a text file: byte {exc.start} (line {line}) "
+                             f"is not valid UTF-8; a spec file is TOML or JSON text") from None
+        if not text.strip():
+            raise ValueError(f"spec file {path} is empty; write the Spec fields it sets (e.g. "
+                             f"head_dim = 64), or give no file for the default spec")
+        try:
+            if path.suffix == ".json":
+                data = _parse_json(text)
+            else:
+                data = _spec_table(_parse_toml(text))
+            if isinstance(data, dict) and not {k for k in data if k != "schema"}:
+                raise ValueError("holds no Spec fields; write the fields it sets (e.g. "
+                                 "head_dim = 64), or give no file for the default spec")
+            return cls.from_dict(data)
+        except ValueError as exc:
+            raise ValueError(f"spec file {path}: {exc}") from None
 
     def replace(self, **changes: Any) -> Spec:
         return dataclasses.replace(self, **changes)
@@ -253,6 +281,31 @@ class Spec:
 def _digest(obj: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
                           ).hexdigest()
+
+
+def _parse_json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON at line {exc.lineno}, column {exc.colno}: "
+                         f"{exc.msg}") from None
+
+
+def _parse_toml(text: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:  # its message ends "(at line N, column M)"
+        raise ValueError(f"invalid TOML: {exc}") from None
+
+
+def _spec_table(data: dict[str, Any]) -> Any:
+    """The ``[spec]`` table of a TOML document, or its top level when it has none."""
+    if "spec" not in data:
+        return data
+    if not isinstance(data["spec"], dict):
+        raise ValueError(f"'spec' must be a [spec] table of Spec fields, got "
+                         f"{type(data['spec']).__name__}")
+    return data["spec"]
 
 
 def _toml_value(value: Any) -> str:

@@ -30,9 +30,9 @@ class CudaBackend(Backend):
         return render_cuda(spec, cfg, target)
 
     def toolchain(self, target: Target | None = None) -> str:
-        from tilegen.backends.cuda.nvcc import nvcc_version
+        from tilegen.backends.cuda.nvcc import toolchain_id
 
-        return f"nvcc={nvcc_version()}"
+        return toolchain_id()
 
     def require_toolchain(self, target: Target) -> None:
         from tilegen.backends.cuda.nvcc import find_nvcc
@@ -43,7 +43,8 @@ class CudaBackend(Backend):
                 out_dir: Path) -> Artifact:
         from tilegen.backends.cuda.nvcc import compile_cuda
 
-        return compile_cuda(source, target, out_dir)
+        return compile_cuda(source, target, out_dir,
+                            self.variant_key(spec, cfg, target, source).digest)
 
     def make_op(self, spec: Spec, cfg: KernelConfig | None, target: Target | None,
                 config_source: str = "explicit") -> Any:

@@ -260,8 +260,15 @@ def _define(text: str, name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def compile_cuda(source: Source, target: Target, out_dir: str | Path | None = None) -> Artifact:
-    """Compile `source` for `target` (its ISA, target.toml `arch`) into a cubin.
+def toolchain_id(nvcc: Path | None = None) -> str:
+    """The toolchain part of the variant key: nvcc's version and the flags every build uses."""
+    return f"nvcc={nvcc_version(nvcc)} {' '.join(NVCC_FLAGS)}"
+
+
+def compile_cuda(source: Source, target: Target, out_dir: str | Path | None = None,
+                 variant: str | None = None) -> Artifact:
+    """Compile `source` for `target` (its ISA, target.toml `arch`) into a cubin; `variant` is
+    the digest of its `tilegen.identity.VariantKey`, the cache key.
 
     The cubin is cached under sha256(source, nvcc version, flags, arch); a hit skips nvcc. With
     `out_dir` the source and the cubin are also written there (the build's output folder);
@@ -273,7 +280,9 @@ def compile_cuda(source: Source, target: Target, out_dir: str | Path | None = No
     arch = arch_of(target)
     nvcc = find_nvcc()
     version = nvcc_version(nvcc)
-    key = cache.key_of("cuda", source.sha256, version, " ".join(NVCC_FLAGS), arch)
+    # the variant key's digest (tilegen.identity) names the cubin in the cache; without one
+    # (a bare source), the same parts: source, toolchain, ISA
+    key = variant or cache.key_of("cuda", source.sha256, toolchain_id(nvcc), arch)
     stem = Path(source.name).stem
     cubin_name = f"{stem}.{arch}.cubin"
     folder = cache.cache_dir() / "cuda" / key[:2] / key

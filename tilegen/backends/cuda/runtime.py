@@ -228,7 +228,11 @@ class CudaBlockSparseAttention:
             if found is None:
                 target = target_for_capability(*torch.cuda.get_device_capability(index))
                 cfg = self.config_for(target).replace(store_lse=store_lse)
-                artifact = compile_cuda(render_cuda(self.spec, cfg, target), target)
+                from tilegen.backends.cuda import BACKEND
+
+                src = render_cuda(self.spec, cfg, target)
+                artifact = compile_cuda(src, target, None,
+                                        BACKEND.variant_key(self.spec, cfg, target, src).digest)
                 torch.cuda.init()
                 kern = CudaKernel(artifact, index,
                                   cuda_traits(self.spec, cfg, target)["smem_bytes"])

@@ -23,8 +23,8 @@ class GluonBlockSparseAttention:
     def __init__(self, spec: Spec, config: KernelConfig, target: Target | None,
                  config_source: str = "explicit") -> None:
         if target is None:
-            raise ValueError("the gluon backend needs a target with wgmma (an sm_90 GPU, or "
-                             "target='sm_90' to build without one)")
+            raise ValueError("the gluon backend needs a target with wgmma: run on such a GPU "
+                             "or pass target=... (targets/*/target.toml list it in backends)")
         self.spec = spec
         self.config = config
         self.target = target

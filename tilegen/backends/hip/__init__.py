@@ -38,9 +38,9 @@ class HipBackend(Backend):
         return render_hip(spec, cfg, target)
 
     def toolchain(self, target: Target | None = None) -> str:
-        from tilegen.backends.hip.compile import clang_version, find_clang
+        from tilegen.backends.hip.compile import toolchain_id
 
-        return f"clang={clang_version(find_clang())}"
+        return toolchain_id(target.arch if target else "")
 
     def require_toolchain(self, target: Target) -> None:
         from tilegen.backends.hip.compile import find_clang
@@ -51,7 +51,8 @@ class HipBackend(Backend):
                 out_dir: Path) -> Artifact:
         from tilegen.backends.hip.compile import compile_hip
 
-        return compile_hip(source, out_dir, target)
+        return compile_hip(source, out_dir, target,
+                           self.variant_key(spec, cfg, target, source).digest)
 
     def make_op(self, spec: Spec, cfg: KernelConfig, target: Target | None,
                 config_source: str = "explicit") -> Any:

@@ -138,7 +138,13 @@ def _parse_metadata_yaml(text: str, kernel_name: str) -> dict | None:
 
 
 # -- compilation -------------------------------------------------------------------------------
-def compile_hip(source: Source, out_dir: Path, target: Target) -> Artifact:
+def toolchain_id(arch: str) -> str:
+    """The toolchain part of the variant key: clang's version and the flags of a build."""
+    return f"clang={clang_version(find_clang())} {' '.join(hip_flags(arch))}"
+
+
+def compile_hip(source: Source, out_dir: Path, target: Target,
+                variant: str | None = None) -> Artifact:
     """Compile a rendered HIP source into `out_dir/<name>.hsaco`; return its Artifact.
 
     Cached in the kernel cache under sha256(source, clang version, flags). Raises
@@ -148,7 +154,8 @@ def compile_hip(source: Source, out_dir: Path, target: Target) -> Artifact:
     version = clang_version(clang)
     arch = target.arch
     flags = hip_flags(arch)
-    key = cache.key_of(source.text, version, " ".join(flags))
+    # the variant key's digest (tilegen.identity) names the code object in the cache
+    key = variant or cache.key_of(source.text, version, " ".join(flags))
     stem = source.name.removesuffix(".hip")
     folder = cache.cache_dir() / "hip" / key[:2] / key
     cached = folder / f"{stem}.hsaco"

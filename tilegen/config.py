@@ -140,10 +140,20 @@ def fit_to_spec(cfg: KernelConfig, spec: Spec | None) -> KernelConfig:
                        block_n=min(cfg.block_n, spec.block_kv))
 
 
+def from_fields(values: dict[str, Any]) -> KernelConfig:
+    """A config from flat fields: KernelConfig's own fields as they are, every other name as a
+    family option (how target.toml tables and tuning points become configs)."""
+    own = {f.name for f in dataclasses.fields(KernelConfig)} - {"options"}
+    return KernelConfig(**{k: v for k, v in values.items() if k in own},
+                        options={k: v for k, v in values.items() if k not in own})
+
+
 def default_config(target: Target, spec: Spec | None = None,
                    backend: str | None = None) -> KernelConfig:
-    """The target's default config (targets/<name>/target.toml [default]), fitted to `spec`."""
-    return fit_to_spec(KernelConfig(**target.default), spec)
+    """The target's default config for `backend` (targets/<name>/target.toml [default], or
+    [default.<backend>]), fitted to `spec`."""
+    fields = target.default_for(backend) if backend else dict(target.default)
+    return fit_to_spec(from_fields(fields), spec)
 
 
 def reference_config(spec: Spec | None = None) -> KernelConfig:

@@ -75,6 +75,10 @@ class Target:
     triton_arch: int | str
     default: dict[str, int]
     tunable: dict[str, tuple[int, ...]]
+    #: per-backend tables ([tunable.<backend>], [default.<backend>]) for families whose knobs
+    #: differ from the common launch parameters
+    tunable_by_backend: dict[str, dict[str, tuple[Any, ...]]] = field(default_factory=dict)
+    default_by_backend: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: vendor-specific facts (AMD: simds_per_cu, registers_per_simd_lane, lds_banks, ...)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -110,9 +114,16 @@ class Target:
         by_threads = self.max_threads_per_sm // threads
         return max(0, min(by_regs, by_smem, by_threads, self.max_blocks_per_sm))
 
-    def tunable_for(self, backend: str) -> dict[str, tuple[int, ...]]:
-        """The tunable ranges of `backend` on this target (one table for all backends today)."""
-        return dict(self.tunable)
+    def tunable_for(self, backend: str) -> dict[str, tuple[Any, ...]]:
+        """The tunable ranges of `backend` on this target: its own table
+        ([tunable.<backend>] in target.toml) when it has one, else the common [tunable]."""
+        own = self.tunable_by_backend.get(backend)
+        return dict(own) if own is not None else dict(self.tunable)
+
+    def default_for(self, backend: str) -> dict[str, Any]:
+        """The default config fields of `backend` ([default.<backend>] or the common one)."""
+        own = self.default_by_backend.get(backend)
+        return dict(own) if own is not None else dict(self.default)
 
     @property
     def generated_dir(self):
@@ -152,8 +163,12 @@ def get_target(name: str) -> Target:
         backends=tuple(raw["backends"]),
         triton_backend=triton["backend"],
         triton_arch=triton["arch"],
-        default=dict(raw["default"]),
-        tunable={k: tuple(v) for k, v in raw["tunable"].items()},
+        default={k: v for k, v in raw["default"].items() if not isinstance(v, dict)},
+        tunable={k: tuple(v) for k, v in raw["tunable"].items() if not isinstance(v, dict)},
+        tunable_by_backend={b: {k: tuple(v) for k, v in t.items()}
+                            for b, t in raw["tunable"].items() if isinstance(t, dict)},
+        default_by_backend={b: dict(t) for b, t in raw["default"].items()
+                            if isinstance(t, dict)},
         extra={k: v for k, v in raw.items() if k not in known},
     )
 

@@ -43,13 +43,6 @@ class GluonBackend(Backend):
         why = check(spec, opts, target)
         return problems + ([why] if why else [])
 
-    def default_config(self, spec: Spec, target: Target) -> KernelConfig:
-        from tilegen.backends.gluon.render import DEFAULTS, TUNABLE_OPTIONS
-
-        return KernelConfig(block_m=64, block_n=64, num_warps=4,
-                            num_stages=1,  # the rings are options (k_stages, v_stages)
-                            options={k: DEFAULTS[k] for k in TUNABLE_OPTIONS})
-
     def render(self, spec: Spec, cfg: KernelConfig, target: Target) -> Source:
         from tilegen.backends.gluon.render import render_gluon
 

@@ -46,20 +46,6 @@ DEFAULTS: dict[str, Any] = {
     "producer_regs": 24,
     "debug": "",
 }
-#: the options a KernelConfig carries for this family (store_lse is the common field; debug
-#: and producer_regs stay at their defaults outside timing experiments)
-TUNABLE_OPTIONS = ("num_consumers", "k_stages", "v_stages", "pack_partials", "q_in_regs",
-                   "qk_ahead", "fence_wait", "consumer_regs")
-#: values the tuner may try (each combination still has to fit shared memory and registers)
-SPACE: dict[str, tuple] = {
-    "num_consumers": (1, 2, 3),
-    "k_stages": (1, 2, 3),
-    "v_stages": (1, 2, 3),
-    "pack_partials": (True, False),
-    "q_in_regs": (True, False),
-    "qk_ahead": (True, False),
-    "fence_wait": (True, False),
-}
 GL_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 

@@ -252,6 +252,29 @@ def _open_storage(optuna: Any, url: str, kwargs: dict[str, Any]) -> Any:
     raise AssertionError("unreachable")
 
 
+def _serialize_sqlite(storage: Any) -> None:
+    """Make every transaction of an Optuna SQLite storage take the write lock up front.
+
+    Python's sqlite3 module runs a SELECT outside any transaction and BEGINs only before the
+    UPDATE, and SQLite ignores SELECT ... FOR UPDATE: two workers popping the same enqueued trial
+    could both see it WAITING and both run it. With BEGIN IMMEDIATE (SQLAlchemy's recipe for
+    serializable SQLite) Optuna's check-and-set of a trial's state is atomic across threads and
+    processes. PostgreSQL storages honour FOR UPDATE and are left alone."""
+    from sqlalchemy import event
+
+    engine = storage.engine
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()  # connections opened before the listeners are dropped
+
+
 def _retry_callback(optuna: Any) -> Any:
     """Optuna's retry-on-stale-heartbeat callback (``RetryFailedTrialCallback`` before 4.9)."""
     cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
@@ -452,6 +475,8 @@ class _Session:
                 optuna.storages, "RetryHeartbeatStaleTrialCallback")
                 else "failed_trial_callback"] = _retry_callback(optuna)
             self.storage = _open_storage(optuna, self.storage_url, kwargs)
+        if self.storage_url.startswith("sqlite"):
+            _serialize_sqlite(self.storage)
         self.exhaustive = o.sampler == "grid" or (o.sampler == "auto"
                                                   and self.space.size <= o.trials)
         with warnings.catch_warnings():
@@ -568,7 +593,24 @@ class _Session:
 
     def objective(self, trial: Any) -> float:
         """One trial: pick a config, answer repeats and infeasible configs without a worker,
-        else run it in a worker. Returns the latency (COMPLETE) or raises TrialPruned."""
+        else run it in a worker. Returns the latency (COMPLETE) or raises TrialPruned; any
+        other exception (a bug, a storage error) ends the trial FAIL with the traceback in its
+        ``error`` attribute, not counted."""
+        try:
+            return self._objective(trial)
+        except self.optuna.TrialPruned:
+            raise
+        except BaseException as exc:
+            import traceback
+
+            with contextlib.suppress(Exception):
+                if "status" not in trial.user_attrs:
+                    trial.set_user_attr("status", "error")
+                trial.set_user_attr("error", "".join(
+                    traceback.format_exception(exc))[-_MAX_ERROR:])
+            raise
+
+    def _objective(self, trial: Any) -> float:
         optuna = self.optuna
         cfg = self.space.suggest(trial)
         for key, value in (("config", cfg.name), ("config_json", cfg.to_json()),

@@ -635,3 +635,39 @@ def test_next_schema_change_is_append_a_function(tmp_path: Path) -> None:
     db.close()
     with pytest.raises(SchemaVersionError):
         TuningDB.open(path)
+
+
+def test_export_merge_after_a_retune(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """After a template change and a re-tune, `db export --merge` puts the new (current) winner
+    in place of the shipped (stale) one and keeps the file's other workloads."""
+    from tilegen import backends
+    from tilegen.cli import main
+    from tilegen.config import KernelConfig
+    from tilegen.spec import Spec
+    from tilegen.targets import get_target
+
+    spec, other = Spec(grid=(4, 4, 8), num_heads=2, topk=2), Spec(grid=(4, 4, 8), topk=2)
+    triton = backends.get("triton")
+    cfg = KernelConfig(block_m=32)
+
+    def store(path: Path, s: Spec, ms: float, sha: str | None = None) -> None:
+        key = triton.variant_key(s, cfg, get_target("sm_90")).to_dict()
+        key["source_sha256"] = sha or key["source_sha256"]
+        with TuningDB.open(path) as db:
+            db.upsert_workload(s.hash, s.kernel_hash, s.to_dict())
+            db.set_winner(s.hash, db.add_candidate(key, cfg.to_dict()),
+                          device_name="NVIDIA H200", median_ms=ms, timer="do_bench")
+
+    shipped = tmp_path / "winners.json"
+    store(tmp_path / "old.sqlite", spec, 1.0, sha="0" * 64)  # tuned before the template edit
+    store(tmp_path / "old.sqlite", other, 3.0)
+    with TuningDB.open(tmp_path / "old.sqlite") as db:
+        db.export_json(shipped)
+    store(tmp_path / "new.sqlite", spec, 2.0)  # the re-tune: slower, but current
+    code = main(["db", "export", "--db", str(tmp_path / "new.sqlite"), "--spec-hash",
+                 spec.hash[:10], "--out", str(shipped), "--merge"])
+    out = capsys.readouterr().out
+    assert code == 0 and f"into {shipped}" in out and "only the imported one matches" in out
+    doc = json.loads(shipped.read_text())
+    by_spec = {w["spec_hash"]: w for w in doc["winners"]}
+    assert by_spec[spec.hash]["median_ms"] == 2.0 and by_spec[other.hash]["median_ms"] == 3.0

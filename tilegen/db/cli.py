@@ -22,6 +22,7 @@ DB_EPILOG = """examples:
   tilegen db list --db /shared/tuning.sqlite
   tilegen db show 3f2a9c            # a spec hash or a unique prefix of one
   tilegen db export --out tuning_db/winners.json [--spec-hash H] [--include-fake]
+  tilegen db export --spec-hash a19100 --out tuning_db/winners.json --merge   # after a re-tune
   tilegen db import tuning_db/winners.json [--force]
 """
 
@@ -167,7 +168,17 @@ def _export(db: Any, args: argparse.Namespace) -> int:
     left = doc.get("_left_out_fake", 0)
     note = (f"; left out {left} winner(s) timed by a test-only timer (--include-fake exports "
             "them)") if left else ""
-    if args.out:
+    if args.out and args.merge and Path(args.out).exists():
+        from tilegen.db.exchange import merge_export_file
+        from tilegen.winners import variant_currency
+
+        rep = merge_export_file(args.out, doc, currency=variant_currency)
+        assert rep is not None
+        print(f"merged {len(doc['workloads'])} workload(s), {len(doc['winners'])} winner(s) "
+              f"into {args.out}" + ("" if rep.changed else " (no change)") + note)
+        for line in rep.notes:
+            print(f"  {line}")
+    elif args.out:
         write_export(doc, args.out)
         print(f"exported {len(doc['workloads'])} workload(s), {len(doc['winners'])} winner(s) "
               f"to {args.out}{note}")
@@ -222,6 +233,10 @@ def add_db_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     a.add_argument("--spec-hash", help="only this workload (hash or unique prefix)")
     a.add_argument("--include-fake", action="store_true",
                    help="also export winners timed by a test-only timer (never ship those)")
+    a.add_argument("--merge", action="store_true",
+                   help="merge into an existing export at --out instead of replacing it (the "
+                   "rules of db import: a current winner replaces a stale one), e.g. after a "
+                   "re-tune: db export --spec-hash H --out tuning_db/winners.json --merge")
     a = action("import", help="merge an export into this DB")
     a.add_argument("file")
     a.add_argument("--force", action="store_true",

@@ -530,9 +530,12 @@ def test_version_1_file_is_migrated_at_open(tmp_path: Path) -> None:
     _v1_file(path)
     from tilegen.db import TuningDBError
 
-    with pytest.raises(TuningDBError, match="schema version 1"):  # read-only cannot migrate
-        TuningDB.open(path, readonly=True)
-    with TuningDB.open(path) as db:
+    with pytest.raises(TuningDBError, match="schema version 1.*tilegen db migrate"):
+        TuningDB.open(path, readonly=True)  # read-only never migrates
+    from tilegen.cli import main
+
+    assert main(["db", "migrate", "--db", str(path)]) == 0
+    with TuningDB.open(path, readonly=True) as db:
         assert db.schema_version() == 2
         (w,) = db.list_workloads()
         winners = {x.device_name: x for x in db.winners()}

@@ -6,7 +6,8 @@ itself cannot be used (not a DB, truncated, read-only for ``import``): one line 
 and the cause, the file left untouched.
 
 ``list``, ``show`` and ``export`` open the DB read-only (they work on a read-only mount and never
-create a file); ``import`` opens it read-write. ``--db`` may come before or after the action.
+create a file); ``import`` and ``migrate`` open it read-write (``migrate`` only brings an older
+file to the current schema version). ``--db`` may come before or after the action.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def cmd_db(args: argparse.Namespace) -> int:
     code = _missing_db(args, path)
     if code is not None:
         return code
+    if args.action == "migrate" and not path.exists():
+        print(f"tilegen db: error: no tuning DB at {path}", file=sys.stderr)
+        return 1
     try:
         with TuningDB.open(path, readonly=args.action in READ_ONLY) as db:
             return _ACTIONS[args.action](db, args)
@@ -189,6 +193,11 @@ def _export(db: Any, args: argparse.Namespace) -> int:
     return 0
 
 
+def _migrate(db: Any, args: argparse.Namespace) -> int:
+    print(f"tuning DB {db.path} is at schema version {db.schema_version()}")
+    return 0
+
+
 def _import(db: Any, args: argparse.Namespace) -> int:
     from tilegen.winners import variant_currency
 
@@ -202,7 +211,8 @@ def _import(db: Any, args: argparse.Namespace) -> int:
     return 0
 
 
-_ACTIONS = {"list": _list, "show": _show, "export": _export, "import": _import}
+_ACTIONS = {"list": _list, "show": _show, "export": _export, "import": _import,
+            "migrate": _migrate}
 
 
 def add_db_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -237,6 +247,8 @@ def add_db_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
                    help="merge into an existing export at --out instead of replacing it (the "
                    "rules of db import: a current winner replaces a stale one), e.g. after a "
                    "re-tune: db export --spec-hash H --out tuning_db/winners.json --merge")
+    action("migrate", help="bring an older DB file to this tilegen's schema version (read-only "
+           "commands never migrate)")
     a = action("import", help="merge an export into this DB")
     a.add_argument("file")
     a.add_argument("--force", action="store_true",

@@ -383,9 +383,9 @@ class TuningDB:
             if version != SCHEMA_VERSION:
                 db.close()
                 raise SchemaVersionError(
-                    path, f"has schema version {version}; opening it read-write once "
-                    f"(e.g. `tilegen db import` of nothing, or `tilegen tune`) migrates it to "
-                    f"version {SCHEMA_VERSION}")
+                    path, f"has schema version {version}, older than this tilegen's "
+                    f"{SCHEMA_VERSION}; run `tilegen db migrate --db {path}` once (it is opened "
+                    "read-only here)")
             return db
         assert last is not None
         raise translate(last, path) or TuningDBError(path, f"cannot be read ({last})") from None

@@ -902,14 +902,19 @@ def run_session(opts: TuneOptions) -> SessionResult:
                         "(interrupted) and queued again" if retried else ""))
         remaining = opts.trials - done
         if remaining > 0 and not sess.exhausted():
-            with sess.progress:
-                sess.study.optimize(
-                    sess.objective, n_trials=remaining, n_jobs=len(sess.handles),
-                    callbacks=[optuna.study.MaxTrialsCallback(
-                        opts.trials, states=(optuna.trial.TrialState.COMPLETE,
-                                             optuna.trial.TrialState.PRUNED)),
-                        sess.after_trial],
-                    gc_after_trial=False)
+            try:
+                with sess.progress:
+                    sess.study.optimize(
+                        sess.objective, n_trials=remaining, n_jobs=len(sess.handles),
+                        callbacks=[optuna.study.MaxTrialsCallback(
+                            opts.trials, states=(optuna.trial.TrialState.COMPLETE,
+                                                 optuna.trial.TrialState.PRUNED)),
+                            sess.after_trial],
+                        gc_after_trial=False)
+            except Exception as exc:
+                if sess.fatal is None:
+                    raise
+                raise SessionError(f"tuning stopped: {sess.fatal}") from exc
         if sess.fatal is not None:
             raise SessionError(f"tuning stopped: {sess.fatal}") from sess.fatal
         rows = sess.rows()

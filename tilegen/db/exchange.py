@@ -261,14 +261,12 @@ def check_doc(doc: Mapping[str, Any], file: str) -> dict[str, Any]:
             raise w.error(None, str(exc)) from None
         out["environments"].append(norm)
         envs[rec.get("env_key") or env_key(norm)] = env_key(norm)
-    variants: set[str] = set()
     for i, rec in enumerate(_section(doc, "candidates", file)):
         w = _Where(file, "candidates", i, rec)
         variant = w.get("variant", normalize_variant)
         w.label = f" ({variant['config']})"
         out["candidates"].append({"variant": variant,
                                   "config": w.get("config", lambda x: json_object(x, "config"))})
-        variants.add(variant_digest(variant))
     for i, rec in enumerate(_section(doc, "winners", file)):
         w = _Where(file, "winners", i, rec)
         if isinstance(rec.get("variant"), Mapping) and isinstance(
@@ -296,7 +294,6 @@ def check_doc(doc: Mapping[str, Any], file: str) -> dict[str, Any]:
             "template_set_hash": w.get("template_set_hash", lambda x: _opt_str(x) or "",
                                        default=""),
             "_where": (w.section, w.index, w.label),
-            "_has_candidate": variant_digest(variant) in variants,
         })
     return out
 

@@ -1,10 +1,18 @@
-"""`tilegen.winners.lookup_config`: the tuned winner from the DB or a shipped JSON export,
-stale detection (template set, toolchain), and lookups with SQLAlchemy unimportable."""
+"""`tilegen.winners.lookup_config`: the tuned winner from the DB or a shipped JSON export.
+
+- one identity: a winner is current iff re-rendering its config gives its source sha256 and the
+  toolchain matches (a template comment keeps it; a source change makes it stale);
+- kernel fields vs workload fields: a workload without a winner uses the winner of the nearest
+  tuned workload of the same kernel, and says which;
+- only winners timed on a real device are used;
+- lookups with SQLAlchemy unimportable (shipped JSON only).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -14,16 +22,16 @@ import pytest
 import triton
 
 import tilegen
-from tilegen import winners
+from tilegen import backends, winners
 from tilegen.config import KernelConfig, default_config
-from tilegen.db import TuningDB, toolchain_key
-from tilegen.render import template_set_hash
+from tilegen.db import TuningDB
 from tilegen.spec import Spec
 from tilegen.targets import get_target
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = Spec(grid=(4, 4, 8), num_heads=2, head_dim=64, topk=2)
 TARGET = get_target("sm_90")
+TRITON = backends.get("triton")
 TUNED = KernelConfig(block_m=32, block_n=64, num_warps=4, num_stages=2)
 
 
@@ -38,21 +46,31 @@ def where(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def _store(path: Path, cfg: KernelConfig = TUNED, *, tpl: str | None = None,
-           tool: str | None = None, device: str = "cpu", ms: float = 1.25) -> None:
-    """Record `cfg` as the winner of SPEC on (device, sm_90) the way `tilegen tune` does."""
+def _store(path: Path, cfg: KernelConfig = TUNED, *, spec: Spec = SPEC, sha: str | None = None,
+           tool: str | None = None, device: str = "cpu", ms: float = 1.25,
+           timer: str = "do_bench") -> None:
+    """Record `cfg` as the winner of `spec` on (device, sm_90) the way `tilegen tune` does:
+    its variant key from the current render (or the given source sha / toolchain)."""
+    key = TRITON.variant_key(spec, cfg, TARGET).to_dict()
+    if sha is not None:
+        key["source_sha256"] = sha
+    if tool is not None:
+        key["toolchain"] = tool
     with TuningDB.open(path) as db:
-        db.upsert_workload(SPEC.hash, SPEC.to_dict())
-        cid = db.add_candidate(SPEC.hash, cfg.name, cfg.to_dict(), "0" * 64)
-        db.set_winner(SPEC.hash, cid, device_name=device, arch="sm_90",
-                      template_set_hash=tpl or template_set_hash("triton"),
-                      toolchain_key=tool or winners.current_toolchain_key(), median_ms=ms,
+        db.upsert_workload(spec.hash, spec.kernel_hash, spec.to_dict())
+        cid = db.add_candidate(key, cfg.to_dict())
+        db.set_winner(spec.hash, cid, device_name=device, median_ms=ms, timer=timer,
                       force=True)
 
 
-def test_toolchain_key_is_the_db_format() -> None:
-    assert winners.current_toolchain_key() == toolchain_key({"triton": triton.__version__})
-    assert winners.current_device_name() == "cpu"  # this machine has no GPU
+def _export(where: Path, name: str = "winners.json", **store) -> Path:
+    db_file = where / f"export-{name}.sqlite"
+    _store(db_file, **store)
+    with TuningDB.open(db_file) as db:
+        out = winners.SHIPPED_DIR / name
+        db.export_json(out, include_fake=True)
+    db_file.unlink()
+    return out
 
 
 def test_miss_falls_back_with_one_line(where: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -71,42 +89,121 @@ def test_hit_from_db(where: Path, caplog: pytest.LogCaptureFixture) -> None:
     _store(where / "tuning.sqlite")
     with caplog.at_level(logging.INFO, logger="tilegen"):
         assert winners.lookup_config(SPEC, TARGET) == TUNED
-    assert "using tuned winner" in caplog.text
+    assert "using tuned winner" in caplog.text and "do_bench" in caplog.text
     op = tilegen.load(SPEC, target="sm_90")
     assert op.config == TUNED and op.config_source == "winner"
-    # another device name or arch is another kind of device: a miss
+    # another device name or target is another kind of device: a miss
     assert winners.find_winner(SPEC, TARGET, device_name="NVIDIA H200").status == "miss"
     assert winners.find_winner(SPEC, get_target("sm_100a")).status == "miss"
 
 
-@pytest.mark.parametrize("field", ["template", "toolchain"])
+@pytest.mark.parametrize("field", ["source", "toolchain"])
 def test_stale_in_db_is_reported_not_used(where: Path, field: str,
                                           caplog: pytest.LogCaptureFixture) -> None:
-    if field == "template":
-        _store(where / "tuning.sqlite", tpl="f" * 64)
+    if field == "source":
+        _store(where / "tuning.sqlite", sha="f" * 64)
     else:
         _store(where / "tuning.sqlite", tool="triton=3.5.1")
     with caplog.at_level(logging.WARNING, logger="tilegen"):
         assert winners.lookup_config(SPEC, TARGET) is None
     (line,) = [r.getMessage() for r in caplog.records]
     assert "stale tuned winner" in line and TUNED.name in line
-    if field == "template":
-        assert "template set ffffffffffff" in line and template_set_hash("triton")[:12] in line
+    if field == "source":
+        assert "its source ffffffffffff is not what this checkout renders" in line
     else:
-        assert "toolchain 'triton=3.5.1'" in line and triton.__version__ in line
+        assert "'triton=3.5.1'" in line and triton.__version__ in line
     found = winners.find_winner(SPEC, TARGET)
     assert found.status == "stale" and found.config == TUNED  # still offered as a tuning seed
     assert tilegen.load(SPEC, target="sm_90").config_source == "default"
 
 
-def _export(where: Path, name: str = "winners.json", **store) -> Path:
-    db_file = where / f"export-{name}.sqlite"
-    _store(db_file, **store)
-    with TuningDB.open(db_file) as db:
-        out = winners.SHIPPED_DIR / name
-        db.export_json(out, spec_hash=SPEC.hash)
-    db_file.unlink()
-    return out
+def _edited_templates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit) -> None:
+    """Point rendering at a copy of templates/ with the Triton kernel template edited."""
+    import tilegen.render as render
+
+    copy = tmp_path / "templates"
+    shutil.copytree(render.TEMPLATES_DIR, copy)
+    path = copy / "triton" / "lut_kernel.py.j2"
+    path.write_text(edit(path.read_text()))
+    monkeypatch.setattr(render, "TEMPLATES_DIR", copy)
+    render.environment.cache_clear()
+    monkeypatch.setattr(winners, "_logged", set())
+
+
+def test_template_comment_keeps_the_winner_a_source_change_makes_it_stale(
+        where: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One identity: staleness is the variant key (rendered source + toolchain), not a hash of
+    the template folder. A Jinja comment changes the folder but not the source."""
+    import tilegen.render as render
+    from tilegen.render import template_set_hash
+
+    _store(where / "tuning.sqlite")
+    before = template_set_hash("triton")
+    try:
+        _edited_templates(where / "a", monkeypatch,
+                          lambda t: "{# reviewer's note: this never reaches the source #}\n" + t)
+        assert template_set_hash("triton") != before  # the old criterion would call it stale
+        res = winners.find_winner(SPEC, TARGET)
+        assert res.hit and res.config == TUNED
+        _edited_templates(where / "b", monkeypatch,
+                          lambda t: t + "\n# a line that does reach the source\n")
+        res = winners.find_winner(SPEC, TARGET)
+        assert res.status == "stale" and "is not what this checkout renders" in res.message
+    finally:
+        monkeypatch.undo()
+        render.environment.cache_clear()
+
+
+def test_nearest_workload_of_the_same_kernel(where: Path,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """720p grid / 12 heads has no winner of its own: it uses the Wan2.2 workload's winner
+    (same kernel fields) and says which; its own winner comes first once it has one."""
+    wan = Spec()
+    p720 = Spec(grid=(21, 45, 80), num_heads=12)
+    assert p720.kernel_hash == wan.kernel_hash and p720.hash != wan.hash
+    far = Spec(grid=(4, 4, 8), num_heads=2, topk=2)  # same kernel, a much smaller workload
+    wan_cfg = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=5)
+    _store(where / "tuning.sqlite", wan_cfg, spec=wan, device="NVIDIA H200", ms=9.8)
+    _store(where / "tuning.sqlite", TUNED, spec=far, device="NVIDIA H200", ms=0.1)
+    with caplog.at_level(logging.INFO, logger="tilegen"):
+        res = winners.find_winner(p720, TARGET, device_name="NVIDIA H200")
+        assert res.hit and res.config == wan_cfg and res.nearest
+        assert res.tuned_spec_hash == wan.hash and res.distance == p720.workload_distance(wan)
+        assert "nearest tuned workload (spec " + wan.short_hash in res.message
+        assert "grid 21x30x52, 40 heads" in res.message and "grid 21x45x80, 12 heads" in \
+            res.message
+    # exact match first
+    mine = KernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=3)
+    _store(where / "tuning.sqlite", mine, spec=p720, device="NVIDIA H200", ms=3.0)
+    res = winners.find_winner(p720, TARGET, device_name="NVIDIA H200")
+    assert res.hit and res.config == mine and not res.nearest and res.distance == 0
+    # another kernel (head_dim 64) never borrows them
+    other = Spec(grid=(21, 45, 80), num_heads=12, head_dim=64)
+    assert winners.find_winner(other, TARGET, device_name="NVIDIA H200").status == "miss"
+
+
+def test_nearest_is_logged_once_by_lookup_config(where: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    _store(where / "tuning.sqlite", spec=SPEC)
+    bigger = SPEC.replace(num_heads=4)
+    with caplog.at_level(logging.INFO, logger="tilegen"):
+        assert winners.lookup_config(bigger, TARGET) == TUNED
+        assert winners.lookup_config(bigger, TARGET) == TUNED
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "nearest tuned workload" in line and SPEC.short_hash in line
+    op = tilegen.load(bigger, target="sm_90")
+    assert op.config == TUNED and op.config_source == "winner"
+
+
+def test_fake_timer_winners_are_never_used(where: Path,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    _store(where / "tuning.sqlite", timer="fake-deterministic")
+    _export(where, timer="fake-deterministic")
+    with caplog.at_level(logging.INFO, logger="tilegen"):
+        assert winners.lookup_config(SPEC, TARGET) is None
+    assert "test-only timer 'fake-deterministic'" in caplog.text
+    assert "no tuned winner" in caplog.text
+    assert tilegen.load(SPEC, target="sm_90").config_source == "default"
 
 
 def test_hit_and_stale_from_json_export(where: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -115,9 +212,8 @@ def test_hit_and_stale_from_json_export(where: Path, caplog: pytest.LogCaptureFi
     res = winners.find_winner(SPEC, TARGET)
     assert res.hit and res.config == TUNED and res.source == f"json:{path}"
     assert res.median_ms == 1.25
-    assert winners.lookup_config(SPEC, TARGET) == TUNED
     path.unlink()
-    _export(where, "old.json", tpl="e" * 64)
+    _export(where, "old.json", sha="e" * 64)
     with caplog.at_level(logging.WARNING, logger="tilegen"):
         assert winners.lookup_config(SPEC, TARGET) is None
     assert "stale tuned winner" in caplog.text and "old.json" in caplog.text
@@ -125,7 +221,7 @@ def test_hit_and_stale_from_json_export(where: Path, caplog: pytest.LogCaptureFi
 
 def test_db_first_then_json(where: Path) -> None:
     # DB stale, shipped export current: the current one wins
-    _store(where / "tuning.sqlite", tpl="d" * 64)
+    _store(where / "tuning.sqlite", sha="d" * 64)
     _export(where, cfg=KernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=4))
     res = winners.find_winner(SPEC, TARGET)
     assert res.hit and res.source.startswith("json:") and res.config.block_n == 32
@@ -163,11 +259,11 @@ def test_lookup_without_sqlalchemy(where: Path) -> None:
         from tilegen.spec import Spec
         from tilegen.targets import get_target
         try:
-            import tilegen.db
+            import tilegen.db.records
         except ImportError:
             pass
         else:
-            raise SystemExit("tilegen.db imported without sqlalchemy?")
+            raise SystemExit("tilegen.db.records imported without sqlalchemy?")
         winners.SHIPPED_DIR = Path({str(winners.SHIPPED_DIR)!r})
         spec = Spec.from_json({SPEC.to_json()!r})
         cfg = winners.lookup_config(spec, get_target("sm_90"))
@@ -182,20 +278,51 @@ def test_lookup_without_sqlalchemy(where: Path) -> None:
     assert "no tuned winner" in out.stderr  # WARNING reaches stderr with no logging set up
 
 
-def test_shipped_winners_are_current():
-    """Every winner shipped in tuning_db/*.json was tuned under the current Triton templates and
-    Triton version; otherwise a fresh install would log it as stale and run the default. A
-    Triton template edit therefore needs a re-tune (bench/tune_h200.sh) before it lands."""
-    import triton
+def _shipped() -> list[tuple[Path, dict]]:
+    from tilegen.paths import ROOT as root
 
-    from tilegen.paths import ROOT
-
-    shipped = sorted((ROOT / "tuning_db").glob("*.json"))
+    shipped = sorted((root / "tuning_db").glob("*.json"))
     assert shipped, "no shipped winners in tuning_db/"
-    for path in shipped:
-        for w in json.loads(path.read_text())["winners"]:
-            assert w["template_set_hash"] == template_set_hash("triton"), (
-                f"{path.name}: winner {w['config_name']} on {w['device_name']} was tuned under "
-                f"template set {w['template_set_hash'][:12]}, current "
-                f"{template_set_hash('triton')[:12]}: re-run bench/tune_h200.sh")
-            assert w["toolchain_key"] == f"triton={triton.__version__}", path.name
+    return [(p, json.loads(p.read_text())) for p in shipped]
+
+
+def test_shipped_winners_are_current() -> None:
+    """Every winner shipped in tuning_db/*.json is what this checkout builds: its config
+    re-renders to its source sha256 and its toolchain is this Triton's. A Triton template edit
+    that changes the rendered source therefore needs a re-tune (bench/tune_h200.sh; see
+    tuning_db/README.md) before it lands; one that does not (a comment) needs nothing."""
+    for path, doc in _shipped():
+        configs = {json.dumps(c["variant"], sort_keys=True): c["config"]
+                   for c in doc["candidates"]}
+        specs = {w["spec_hash"]: w["spec"] for w in doc["workloads"]}
+        for w in doc["winners"]:
+            cfg = configs[json.dumps(w["variant"], sort_keys=True)]
+            assert winners.variant_currency(w["variant"], cfg, specs[w["spec_hash"]]), (
+                f"{path.name}: winner {w['variant']['config']} on {w['device_name']} is stale "
+                f"(source {w['variant']['source_sha256'][:12]}, toolchain "
+                f"{w['variant']['toolchain']}): re-tune and re-export (tuning_db/README.md)")
+
+
+def test_shipped_winners_were_timed_on_a_real_device() -> None:
+    """No shipped winner comes from the test-only timer (issue 12): CI runs this."""
+    from tilegen.db.policy import REAL_TIMERS
+
+    for path, doc in _shipped():
+        for w in doc["winners"]:
+            assert w["timer"] in REAL_TIMERS, (path.name, w["variant"]["config"], w["timer"])
+            assert w["device_name"] != "cpu", (path.name, w["variant"]["config"])
+
+
+def test_shipped_wan22_winner_is_used_on_an_h200(where: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The winner measured on the H200 (bm64_bn64_w4_s5, 9.80 ms) is what tilegen.load(Spec())
+    picks there, and the 720p / 12-head workload of the same kernel borrows it."""
+    from tilegen.paths import ROOT as root
+
+    monkeypatch.setattr(winners, "SHIPPED_DIR", root / "tuning_db")
+    res = winners.find_winner(Spec(), TARGET, device_name="NVIDIA H200")
+    assert res.hit and res.config.name == "bm64_bn64_w4_s5_lse" and res.timer == "do_bench"
+    assert abs(res.median_ms - 9.80) < 0.01
+    res = winners.find_winner(Spec(grid=(21, 45, 80), num_heads=12), TARGET,
+                              device_name="NVIDIA H200")
+    assert res.hit and res.nearest and res.config.name == "bm64_bn64_w4_s5_lse"

@@ -239,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="KernelConfig JSON to bench instead of the loaded one")
     p.set_defaults(func=cmd_bench)
 
-    from tilegen.tune.cli import add_db_parser, add_tune_parser
+    from tilegen.db.cli import add_db_parser
+    from tilegen.tune.cli import add_tune_parser
 
     add_tune_parser(sub)
     add_db_parser(sub)

@@ -1,62 +1,62 @@
-"""tilegen's tuning DB: workloads, environments, candidates, trials and winners (SQLite, WAL).
+"""tilegen's tuning DB: workloads, environments, candidates (variant keys), studies, winners.
 
 The file is ``TuningDB.open(path)``'s ``path``, else ``$TILEGEN_DB``, else
 ``$XDG_CACHE_HOME/tilegen/tuning.sqlite`` (``~/.cache/tilegen/tuning.sqlite``). Schema and
-export format: ``tuning_db/README.md``.
+export format: ``tuning_db/README.md``. The modules:
 
-Importing this package needs SQLAlchemy. ``toolchain_key`` and ``TOOLCHAIN_FIELDS`` are
-re-exported from ``tilegen.tune.toolchain``, their one definition, which does not need it.
+- `tilegen.db.engine`: where the file is, checking it, opening it read-only or read-write;
+- `tilegen.db.models`, `tilegen.db.migrations`: the tables and their versions;
+- `tilegen.db.records`: ``TuningDB``, the tables' access;
+- `tilegen.db.policy`: which winner to keep (pure, no SQLAlchemy);
+- `tilegen.db.exchange`: export and import (JSON);
+- `tilegen.db.cli`: ``tilegen db {list,show,export,import}``.
+
+Names are imported lazily, so ``tilegen.db.policy`` and ``tilegen.db.errors`` work on a machine
+without SQLAlchemy (`tilegen.winners` reads shipped JSON there).
 """
 
-from tilegen.db.migrations import MIGRATIONS, SchemaVersionError
-from tilegen.db.models import SCHEMA_VERSION
-from tilegen.db.store import (
-    DB_ENV_VAR,
-    ENV_FIELDS,
-    EXPORT_FORMAT,
-    TOOLCHAIN_FIELDS,
-    TRIAL_STATUSES,
-    ConflictError,
-    ImportReport,
-    SetWinnerResult,
-    TrialInfo,
-    TuningDB,
-    WinnerInfo,
-    WinnerLookup,
-    WorkloadDetail,
-    WorkloadInfo,
-    canonical_json,
-    default_db_path,
-    env_key,
-    merge_export_file,
-    normalize_env,
-    resolve_db_path,
-    toolchain_key,
-)
+from __future__ import annotations
 
-__all__ = [
-    "DB_ENV_VAR",
-    "ENV_FIELDS",
-    "EXPORT_FORMAT",
-    "MIGRATIONS",
-    "SCHEMA_VERSION",
-    "TOOLCHAIN_FIELDS",
-    "TRIAL_STATUSES",
-    "ConflictError",
-    "ImportReport",
-    "SchemaVersionError",
-    "SetWinnerResult",
-    "TrialInfo",
-    "TuningDB",
-    "WinnerInfo",
-    "WinnerLookup",
-    "WorkloadDetail",
-    "WorkloadInfo",
-    "canonical_json",
-    "default_db_path",
-    "env_key",
-    "merge_export_file",
-    "normalize_env",
-    "resolve_db_path",
-    "toolchain_key",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DB_ENV_VAR": "engine",
+    "DB_FILENAME": "engine",
+    "default_db_path": "engine",
+    "resolve_db_path": "engine",
+    "ConflictError": "errors",
+    "DBReadOnlyError": "errors",
+    "ExportFormatError": "errors",
+    "SchemaVersionError": "errors",
+    "TuningDBError": "errors",
+    "EXPORT_FORMAT": "policy",
+    "FAKE_TIMERS": "policy",
+    "REAL_TIMERS": "policy",
+    "ENV_FIELDS": "models",
+    "SCHEMA_VERSION": "models",
+    "MIGRATIONS": "migrations",
+    "ImportReport": "records",
+    "SetWinnerResult": "records",
+    "StudyInfo": "records",
+    "TuningDB": "records",
+    "WinnerInfo": "records",
+    "WorkloadDetail": "records",
+    "WorkloadInfo": "records",
+    "canonical_json": "records",
+    "env_key": "records",
+    "normalize_env": "records",
+    "variant_digest": "records",
+    "merge_export_file": "exchange",
+    "read_export": "exchange",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tilegen.db' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"tilegen.db.{module}"), name)
+
+
+__all__ = sorted(_EXPORTS)

@@ -1,5 +1,9 @@
 """SQLAlchemy 2.x ORM models of the tuning DB (one SQLite file, see ``tuning_db/README.md``).
 
+Schema version 2: workloads (specs, with their kernel hash), environments, candidates (variant
+keys and configs), studies (where the Optuna trial log of a session lives) and winners. There
+is no trials table: Optuna's storage is the one record of each trial.
+
 Each table has a surrogate integer ``id`` for foreign keys and a *natural* unique key that the
 JSON export uses instead, so that an export does not depend on the ids of the DB it came from.
 
@@ -31,7 +35,7 @@ from sqlalchemy.types import TypeDecorator
 
 #: Version of the schema this code writes. Bump it together with a new entry appended to
 #: ``tilegen.db.migrations.MIGRATIONS``.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Named constraints, so that a future migration can drop or alter them by name
 # (SQLite's batch "move and copy" needs names to find them).
@@ -104,27 +108,30 @@ class SchemaVersion(Base):
 
 
 class Workload(Base):
-    """A spec: its content hash (hex) and canonical JSON."""
+    """A spec: its content hash, its kernel hash (the kernel fields only) and canonical JSON.
+
+    Winners are recorded per workload; `tilegen.winners` falls back to the winner of the
+    nearest workload with the same ``kernel_hash`` when a spec has none of its own.
+    """
 
     __tablename__ = "workloads"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     spec_hash: Mapped[str] = mapped_column(String(128), unique=True)
+    kernel_hash: Mapped[str] = mapped_column(String(128), index=True)
     spec_json: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
-    candidates: Mapped[list[Candidate]] = relationship(
-        back_populates="workload", cascade="all, delete-orphan"
-    )
     winners: Mapped[list[Winner]] = relationship(
         back_populates="workload", cascade="all, delete-orphan"
     )
 
 
 class Environment(Base):
-    """Where a trial ran: device, driver and toolchain versions, template-set hash.
+    """Where a winner was measured: device, driver and tool versions.
 
-    ``env_key`` is a stable hash of the other fields (``tilegen.db.store.env_key``).
+    ``env_key`` is a stable hash of the other fields (``tilegen.db.records.env_key``).
+    ``template_set_hash`` is informational only: staleness is decided by the variant key.
     """
 
     __tablename__ = "environments"
@@ -146,76 +153,84 @@ class Environment(Base):
 
 
 class Candidate(Base):
-    """One kernel config of a workload, and the hash of the source it rendered to."""
+    """One compiled variant: its variant key (`tilegen.identity.VariantKey`) and its config.
 
-    __tablename__ = "candidates"
-    __table_args__ = (UniqueConstraint("workload_id", "config_name", "source_sha256"),)
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    workload_id: Mapped[int] = mapped_column(ForeignKey("workloads.id", ondelete="CASCADE"))
-    config_name: Mapped[str] = mapped_column(String(512))
-    config_json: Mapped[str] = mapped_column(Text)
-    source_sha256: Mapped[str] = mapped_column(String(128))
-
-    workload: Mapped[Workload] = relationship(back_populates="candidates")
-    trials: Mapped[list[Trial]] = relationship(
-        back_populates="candidate", cascade="all, delete-orphan"
-    )
-
-
-class Trial(Base):
-    """One Optuna trial: which candidate ran where, how it ended, how fast it was.
-
-    ``status`` is checked in Python (``TRIAL_STATUSES``), not by a CHECK constraint, so that a
-    new status does not need SQLite's copy-the-table migration.
+    ``variant_digest`` (the key's sha256) is the natural key. A candidate belongs to a kernel
+    (``kernel_hash``), not to a workload: the same source runs every workload shape.
     """
 
-    __tablename__ = "trials"
-    __table_args__ = (
-        UniqueConstraint("study", "trial_number"),
-        Index(None, "candidate_id"),
-        Index(None, "status"),
-    )
+    __tablename__ = "candidates"
+    __table_args__ = (Index(None, "kernel_hash", "backend", "target"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    candidate_id: Mapped[int] = mapped_column(ForeignKey("candidates.id", ondelete="CASCADE"))
-    environment_id: Mapped[int] = mapped_column(ForeignKey("environments.id"))
-    study: Mapped[str] = mapped_column(String(256))
-    trial_number: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(32))
-    median_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
-    tflops: Mapped[float | None] = mapped_column(Float, nullable=True)
-    scores_json: Mapped[str | None] = mapped_column(Text, nullable=True)
-    error_class: Mapped[str | None] = mapped_column(String(256), nullable=True)
-    error_text: Mapped[str | None] = mapped_column(Text, nullable=True)
+    variant_digest: Mapped[str] = mapped_column(String(64), unique=True)
+    kernel_hash: Mapped[str] = mapped_column(String(128))
+    backend: Mapped[str] = mapped_column(String(64))
+    config_name: Mapped[str] = mapped_column(String(512))
+    source_sha256: Mapped[str] = mapped_column(String(128))
+    toolchain: Mapped[str] = mapped_column(String(256))
+    target: Mapped[str] = mapped_column(String(64))
+    config_json: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
-    candidate: Mapped[Candidate] = relationship(back_populates="trials")
-    environment: Mapped[Environment] = relationship()
+    def variant(self) -> dict[str, str]:
+        """The variant key as a dict (`tilegen.identity.VariantKey.to_dict`)."""
+        return {"kernel_hash": self.kernel_hash, "backend": self.backend,
+                "config": self.config_name, "source_sha256": self.source_sha256,
+                "toolchain": self.toolchain, "target": self.target}
+
+
+class Study(Base):
+    """Where the trials of a tuning session live: an Optuna study (storage URL, password left
+    out, and name). Optuna's storage is the one record of every trial; this row only says which
+    study tuned which workload, so `tilegen db show` can point at (and read) it."""
+
+    __tablename__ = "studies"
+    __table_args__ = (UniqueConstraint("storage", "name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    storage: Mapped[str] = mapped_column(String(1024))
+    name: Mapped[str] = mapped_column(String(256))
+    workload_id: Mapped[int] = mapped_column(ForeignKey("workloads.id", ondelete="CASCADE"))
+    backend: Mapped[str] = mapped_column(String(64))
+    device_name: Mapped[str] = mapped_column(String(256))
+    target: Mapped[str] = mapped_column(String(64))
+    timer: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    workload: Mapped[Workload] = relationship()
 
 
 class Winner(Base):
-    """The fastest passing candidate of a workload on one device kind (device name + arch).
+    """The fastest passing variant of a workload on one kind of device, per backend and target.
 
-    ``template_set_hash`` and ``toolchain_key`` record what it was measured under; a lookup
-    under other values reports the winner as stale rather than using it.
+    It is *current* when re-rendering its config gives its ``source_sha256`` and the toolchain
+    matches (the variant key, checked by `tilegen.winners`); ``timer`` says how it was timed
+    (only `tilegen.db.policy.REAL_TIMERS` winners are ever used by `tilegen.load`).
+    ``environment_id``, ``study``, ``trial_number`` and ``template_set_hash`` are provenance.
     """
 
     __tablename__ = "winners"
-    __table_args__ = (UniqueConstraint("workload_id", "device_name", "arch"),)
+    __table_args__ = (UniqueConstraint("workload_id", "backend", "device_name", "target"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     workload_id: Mapped[int] = mapped_column(ForeignKey("workloads.id", ondelete="CASCADE"))
+    backend: Mapped[str] = mapped_column(String(64))
     device_name: Mapped[str] = mapped_column(String(256))
-    arch: Mapped[str] = mapped_column(String(64))
-    template_set_hash: Mapped[str] = mapped_column(String(128))
-    toolchain_key: Mapped[str] = mapped_column(String(512))
+    target: Mapped[str] = mapped_column(String(64))
     candidate_id: Mapped[int] = mapped_column(ForeignKey("candidates.id", ondelete="CASCADE"))
     median_ms: Mapped[float] = mapped_column(Float)
+    timer: Mapped[str] = mapped_column(String(64))
+    environment_id: Mapped[int | None] = mapped_column(ForeignKey("environments.id"),
+                                                       nullable=True)
+    study: Mapped[str] = mapped_column(String(256), default="")
+    trial_number: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    template_set_hash: Mapped[str] = mapped_column(String(128), default="")
     recorded_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
     workload: Mapped[Workload] = relationship(back_populates="winners")
     candidate: Mapped[Candidate] = relationship()
+    environment: Mapped[Environment | None] = relationship()
 
 
 __all__ = [
@@ -224,7 +239,7 @@ __all__ = [
     "Candidate",
     "Environment",
     "SchemaVersion",
-    "Trial",
+    "Study",
     "UTCDateTime",
     "Winner",
     "Workload",

@@ -3,9 +3,9 @@
 - `tilegen.tune.space`: `SearchSpace` from ``targets/<target>/target.toml`` [tunable], typed
   launch and render fragments, seeds;
 - `tilegen.tune.objective`: one trial in a persistent worker process, failure classes;
-- `tilegen.tune.session`: the Optuna study (resumable RDB storage), winners into the DB;
-- `tilegen.tune.cli`: ``tilegen tune`` and ``tilegen db``;
-- `tilegen.tune.toolchain`: the toolchain key winners are recorded under (pure Python).
+- `tilegen.tune.session`: the Optuna study (heartbeats, retries, budget, samplers: Optuna's
+  own machinery; the trial log is Optuna's storage), winners into the tilegen DB;
+- `tilegen.tune.cli`: ``tilegen tune`` (``tilegen db`` is `tilegen.db.cli`).
 
 Names are imported lazily: ``import tilegen.tune`` pulls in neither Optuna nor torch.
 """
@@ -30,9 +30,6 @@ _EXPORTS = {
     "SessionResult": "session",
     "SessionError": "session",
     "run_session": "session",
-    "TOOLCHAIN_FIELDS": "toolchain",
-    "current_toolchain_key": "toolchain",
-    "toolchain_key": "toolchain",
 }
 
 

@@ -1,16 +1,17 @@
-"""``tilegen tune`` and ``tilegen db``: parsers that plug into tilegen's command line.
+"""``tilegen tune``: the parser that plugs into tilegen's command line.
 
-`tilegen.cli` wires them in with ``add_tune_parser(sub)`` and ``add_db_parser(sub)``; each
-parser sets ``func`` to a handler that takes the parsed namespace and returns an exit code.
-``python -m tilegen.tune.cli {tune,db} ...`` runs them on their own.
+`tilegen.cli` wires it in with ``add_tune_parser(sub)`` (and ``db`` with
+`tilegen.db.cli.add_db_parser`); the parser sets ``func`` to a handler that takes the parsed
+namespace and returns an exit code: 0 a passing config exists, 1 none passed, 2 the session
+could not run (bad options, a DB file that is not a DB or is read-only, a worker whose setup
+failed: one line on stderr), 130 interrupted. ``python -m tilegen.tune.cli {tune,db} ...`` runs
+them on their own.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
 TUNE_EPILOG = """examples:
@@ -21,15 +22,10 @@ TUNE_EPILOG = """examples:
   TRITON_INTERPRET=1 tilegen tune --target sm_90 --spec tiny.toml --timer fake-deterministic
                                                             # CPU smoke test (fake timer: test only)
 
-Re-running the same command resumes the study: trials a killed run left RUNNING are marked
-FAIL ("interrupted") and their configs queued again; only the remainder of --trials runs.
-"""
-
-DB_EPILOG = """examples:
-  tilegen db list
-  tilegen db show 3f2a9c            # a spec hash or a unique prefix of one
-  tilegen db export --out tuning_db/winners.json [--spec-hash H] [--trials]
-  tilegen db import tuning_db/winners.json [--force]
+Re-running the same command resumes the study: a trial whose session was killed stops sending
+heartbeats; Optuna fails it and queues its config again; only the remainder of --trials runs.
+Trials live in the Optuna storage (--storage); the tilegen DB keeps environments, candidates
+and winners (tilegen db show reads both).
 """
 
 
@@ -41,6 +37,7 @@ def _spec(args: argparse.Namespace):
 
 def cmd_tune(args: argparse.Namespace) -> int:
     """Run or resume a tuning session; 0 when a passing config exists, 1 when none passed."""
+    from tilegen.db.errors import TuningDBError
     from tilegen.tune.session import SessionError, TuneOptions, run_session
     from tilegen.tune.space import parse_space_override
 
@@ -49,16 +46,19 @@ def cmd_tune(args: argparse.Namespace) -> int:
         name, values = parse_space_override(text)
         space[name] = values
     opts = TuneOptions(
-        spec=_spec(args), target=args.target, captures=args.captures, seeds=args.seeds,
+        spec=_spec(args), target=args.target, backend=args.backend, captures=args.captures,
+        seeds=args.seeds, heartbeat_s=args.heartbeat, oracle_check=args.oracle_check,
         trials=args.trials, storage=args.storage, study=args.study, workers=args.workers,
         timeout_s=args.timeout, setup_timeout_s=args.setup_timeout, timer=args.timer,
         db_path=args.db, sampler=args.sampler, sampler_seed=args.seed, space=space,
         export=args.export, summary=args.summary, plot=args.plot, top=args.top)
     if args.op_factory:
         opts.op_factory = args.op_factory
+    if args.reference_factory:
+        opts.reference_factory = args.reference_factory
     try:
         result = run_session(opts)
-    except SessionError as exc:
+    except (SessionError, TuningDBError) as exc:
         print(f"tilegen tune: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -70,7 +70,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def add_tune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``tune`` to `subparsers` (a ``parser.add_subparsers()`` result)."""
     from tilegen.targets import TARGET_NAMES
-    from tilegen.tune.objective import TIMERS
+    from tilegen.tune.objective import ORACLE_CHECKS, TIMERS
     from tilegen.tune.session import SAMPLERS
 
     p = subparsers.add_parser(
@@ -84,6 +84,8 @@ def add_tune_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--spec", help="spec file (.toml or .json); default: the Wan2.2 workload spec")
     p.add_argument("--target", choices=TARGET_NAMES,
                    help="target (default: the GPU's; required under the CPU interpreter)")
+    p.add_argument("--backend", default="triton",
+                   help="kernel family to tune (tilegen.backends; default triton)")
     p.add_argument("--captures", default="synthetic",
                    help="directory of capture .pt files, or 'synthetic' (default); a synthetic "
                    "outlier capture is added when none of the set has an outlier head")
@@ -94,7 +96,11 @@ def add_tune_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--storage", help="Optuna storage URL (default: sqlite:///<dir of the "
                    "tilegen DB>/optuna.sqlite); postgresql://... lets several hosts share a study")
     p.add_argument("--study", help="study name (default: tilegen-<spec>-<target>-<device>-"
-                   "t<template hash>)")
+                   "s<digest of the rendered sources>)")
+    p.add_argument("--heartbeat", type=int, default=15, metavar="SECONDS",
+                   help="heartbeat of a running trial in the Optuna storage; a trial silent for "
+                   "3x this long (its session or host was killed) is failed and its config "
+                   "queued again (default 15)")
     p.add_argument("--workers", type=int, default=1,
                    help="local workers, one per GPU (CUDA_VISIBLE_DEVICES), sharing one study")
     p.add_argument("--timeout", type=float, default=240.0,
@@ -106,8 +112,13 @@ def add_tune_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                    help="do_bench (default: CUDA events, warmed, kernel-only median). "
                    "fake-deterministic is TEST-ONLY: a latency derived from the config name, "
                    "for CPU runs under TRITON_INTERPRET=1; the correctness gate still runs")
+    p.add_argument("--oracle-check", choices=ORACLE_CHECKS, default="auto",
+                   help="at worker setup the gate's reference (the reference variant) is scored "
+                   "against the fp32 oracle on every capture: enforce (a failure stops the "
+                   "session), report (a note), auto (default: enforce with do_bench, report with "
+                   "the test-only timer, whose tiny CPU shapes cannot meet mean|d| <= 1e-4)")
     p.add_argument("--db", help="tilegen tuning DB file (default: $TILEGEN_DB, else "
-                   "~/.cache/tilegen/tuning.sqlite)")
+                   "~/.cache/tilegen/tuning.sqlite); it must be writable")
     p.add_argument("--sampler", choices=SAMPLERS, default="auto",
                    help="auto (default): every point when the space fits in --trials, else TPE")
     p.add_argument("--seed", type=int, default=0, help="sampler seed")
@@ -125,157 +136,17 @@ def add_tune_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     # Test hook, hidden: 'module:function' building the op from (spec, config), e.g. an op
     # that returns a wrong result, sleeps or crashes, to exercise the failure classes.
     p.add_argument("--op-factory", default=None, help=argparse.SUPPRESS)
+    # Test hook, hidden: 'module:function' building the reference op from (spec, config).
+    p.add_argument("--reference-factory", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_tune)
-    return p
-
-
-# ============================================================================ db
-
-
-#: Actions that only read the DB: they never create it (or its folder).
-_READ_ONLY = ("list", "show", "export")
-
-
-def _open_db(args: argparse.Namespace):
-    from tilegen.db import TuningDB
-
-    return TuningDB.open(args.db)
-
-
-def _missing_db(args: argparse.Namespace) -> int | None:
-    """For a read-only action on a DB file that does not exist: say so and return the exit
-    code (0 for list: an empty listing; 1 for show and export: nothing to show). Else None."""
-    from tilegen.db import resolve_db_path
-
-    if args.action not in _READ_ONLY:
-        return None
-    path = resolve_db_path(args.db)
-    if path.exists():
-        return None
-    line = f"no tuning DB at {path} (nothing tuned yet; run tilegen tune)"
-    if args.action == "list":
-        print(line)
-        return 0
-    print(f"tilegen db: error: {line}", file=sys.stderr)
-    return 1
-
-
-def _resolve_hash(db: Any, prefix: str) -> str:
-    hashes = [w.spec_hash for w in db.list_workloads()]
-    found = [h for h in hashes if h.startswith(prefix)]
-    if len(found) != 1:
-        what = "no" if not found else f"{len(found)}"
-        raise KeyError(f"{what} workload(s) in {db.path} match spec hash {prefix!r}")
-    return found[0]
-
-
-def cmd_db(args: argparse.Namespace) -> int:
-    code = _missing_db(args)
-    if code is not None:
-        return code
-    try:
-        with _open_db(args) as db:
-            return _DB_ACTIONS[args.action](db, args)
-    except (KeyError, ValueError, OSError) as exc:
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"tilegen db: error: {message}", file=sys.stderr)
-        return 1
-
-
-def _db_list(db: Any, args: argparse.Namespace) -> int:
-    rows = db.list_workloads()
-    print(f"tuning DB {db.path}: {len(rows)} workload(s)")
-    if rows:
-        print(f"  {'spec hash':14s} {'cands':>5s} {'trials':>6s} {'winners':>7s}  spec")
-    for w in rows:
-        s = w.spec
-        brief = (f"{s.get('encoding')} d{s.get('head_dim')} {s.get('dtype')} "
-                 f"grid={s.get('grid')} heads={s.get('num_heads')} topk={s.get('topk')}")
-        print(f"  {w.spec_hash[:12]:14s} {w.n_candidates:5d} {w.n_trials:6d} {w.n_winners:7d}"
-              f"  {brief}")
-    return 0
-
-
-def _db_show(db: Any, args: argparse.Namespace) -> int:
-    d = db.show(_resolve_hash(db, args.spec_hash), best=args.best)
-    w = d.workload
-    print(f"spec {w.spec_hash}")
-    print(f"  {json.dumps(w.spec, sort_keys=True)}")
-    print("  trials by status: " + (", ".join(f"{k} {v}" for k, v in d.status_counts.items())
-                                     or "none"))
-    print("winners:" if d.winners else "winners: none")
-    for x in d.winners:
-        print(f"  {x.device_name} ({x.arch}): {x.config_name} {x.median_ms:.4f} ms  "
-              f"templates {x.template_set_hash[:12]}  {x.toolchain_key}  "
-              f"recorded {x.recorded_at:%Y-%m-%d %H:%M}")
-    if d.best_trials:
-        print(f"fastest passing trials (up to {args.best}):")
-        for t in d.best_trials:
-            tf = f"{t.tflops:7.1f} TFLOP/s" if t.tflops is not None else ""
-            print(f"  {t.study}#{t.trial_number:<4d} {t.config_name:28s} {t.median_ms:9.4f} ms "
-                  f"{tf}  {t.device_name}")
-    return 0
-
-
-def _db_export(db: Any, args: argparse.Namespace) -> int:
-    spec_hash = _resolve_hash(db, args.spec_hash) if args.spec_hash else None
-    text = db.export_json(args.out, spec_hash=spec_hash, include_trials=args.trials)
-    if args.out:
-        doc = json.loads(text)
-        print(f"exported {len(doc['workloads'])} workload(s), {len(doc['winners'])} winner(s) "
-              f"to {args.out}")
-    else:
-        sys.stdout.write(text)
-    return 0
-
-
-def _db_import(db: Any, args: argparse.Namespace) -> int:
-    from tilegen.tune.session import _current_identity
-
-    rep = db.import_json(Path(args.file), force=args.force, current=_current_identity())
-    print(f"imported {args.file} into {db.path}: workloads +{rep.workloads_added}, "
-          f"environments +{rep.environments_added}, candidates +{rep.candidates_added}, "
-          f"trials +{rep.trials_added} ({rep.trials_skipped} already there), winners "
-          f"+{rep.winners_inserted} new, {rep.winners_replaced} replaced, "
-          f"{rep.winners_kept} kept" + ("" if rep.changed else " (nothing changed)"))
-    for note in rep.notes:
-        print(f"  {note}")
-    return 0
-
-
-_DB_ACTIONS = {"list": _db_list, "show": _db_show, "export": _db_export, "import": _db_import}
-
-
-def add_db_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``db {list,show,export,import}`` to `subparsers`."""
-    p = subparsers.add_parser(
-        "db", help="inspect, export and import the tuning DB",
-        description="The tuning DB (SQLite): workloads, environments, candidates, trials and "
-        "winners. Export writes reviewable JSON (the format of tuning_db/*.json); import merges "
-        "an export into this DB (to seed another machine).",
-        epilog=DB_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--db", help="DB file (default: $TILEGEN_DB, else "
-                   "~/.cache/tilegen/tuning.sqlite)")
-    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    a = actions.add_parser("list", help="workloads with counts of candidates, trials, winners")
-    a = actions.add_parser("show", help="one workload: winners, fastest trials, status counts")
-    a.add_argument("spec_hash", help="spec hash or a unique prefix")
-    a.add_argument("--best", type=int, default=10, help="fastest passing trials to list")
-    a = actions.add_parser("export", help="write JSON (stdout without --out)")
-    a.add_argument("--out", help="file to write (atomically)")
-    a.add_argument("--spec-hash", help="only this workload (hash or unique prefix)")
-    a.add_argument("--trials", action="store_true", help="include every trial")
-    a = actions.add_parser("import", help="merge an export into this DB")
-    a.add_argument("file")
-    a.add_argument("--force", action="store_true",
-                   help="take the file's winners even where the local ones are faster")
-    p.set_defaults(func=cmd_db)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m tilegen.tune.cli {tune,db} ...`` (the same parsers as ``tilegen``)."""
     import logging
+
+    from tilegen.db.cli import add_db_parser
 
     parser = argparse.ArgumentParser(prog="tilegen")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")

@@ -94,7 +94,7 @@ def artifacts():
 def test_header_name_and_choices(spec):
     cfg = default_config(get_target("sm_90"))
     src = nv.render_cuda(spec, cfg, SM90)
-    header = "// " + HEADER.format(template=nv.CUDA_TEMPLATE, spec_hash=spec.hash,
+    header = "// " + HEADER.format(template=nv.CUDA_TEMPLATE, kernel_hash=spec.kernel_hash,
                                    target="sm_90 (sm_90a)")
     assert src.text.splitlines()[0] == header
     name = nv.kernel_name(spec, cfg)

@@ -83,7 +83,7 @@ def compiled(hip_cache):
 def test_render_header_and_determinism(spec: Spec) -> None:
     src = hipp.render_hip(spec, DEFAULT, TARGET)
     first = src.text.splitlines()[0]
-    assert first == "// " + HEADER.format(template=hipp.HIP_TEMPLATE, spec_hash=spec.hash,
+    assert first == "// " + HEADER.format(template=hipp.HIP_TEMPLATE, kernel_hash=spec.kernel_hash,
                                           target="gfx942 (gfx942)")
     assert hipp.render_hip(spec, DEFAULT, TARGET).text == src.text
     assert src.name == (f"lut_d{spec.head_dim}_{spec.dtype}_{spec.layout}_vbs_q64k64_"

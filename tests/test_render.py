@@ -44,7 +44,7 @@ def test_golden(case):
 def test_header_names_template_and_spec_hash():
     spec, cfg = Spec(), KernelConfig()
     first = render_triton(spec, cfg).text.splitlines()[0]
-    assert first == "# " + HEADER.format(template="triton/lut_kernel.py.j2", spec_hash=spec.hash,
+    assert first == "# " + HEADER.format(template="triton/lut_kernel.py.j2", kernel_hash=spec.kernel_hash,
                                          target="sm_90 (sm_90a)")
 
 
@@ -119,3 +119,17 @@ def test_template_set_hash_follows_the_templates(tmp_path):
     tr = tmp_path / "templates" / "triton" / "attention_macros.j2"
     tr.write_text(tr.read_text() + "\n")
     assert hashes()["triton"] != base["triton"]
+
+
+def test_workload_fields_do_not_change_any_source():
+    """A kernel's source depends on its kernel fields only: the same variant key names it for
+    every workload (grid, heads, topk, batch), on every family."""
+    from tilegen import backends
+
+    other = Spec(grid=(21, 45, 80), num_heads=12, topk=31, batch=2)
+    for name in ("sm_90", "sm_100a", "gfx942"):
+        target = get_target(name)
+        for impl in backends.for_target(target):
+            cfg = impl.default_config(Spec(), target)
+            assert (impl.render(Spec(), cfg, target).sha256
+                    == impl.render(other, cfg, target).sha256), (name, impl.name)

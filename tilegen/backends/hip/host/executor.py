@@ -7,9 +7,10 @@ after ``hip_host_runtime.h``, which supplies the launch model (workgroups of 64-
 every lane a fiber), LDS, barriers and every ``__builtin_amdgcn_*`` the kernel calls, the MFMAs
 with the lane layouts of AMD's matrix instruction calculator (see the header's comment).
 
-The library's one entry point takes the kernarg buffer that `tilegen.backends.hip.runtime.pack_kernargs`
-builds for the ROCm launcher (the same bytes, unpacked by the AMDGPU kernarg rules) and the grid
-and block of `tilegen.backends.hip.runtime.launch_geometry`, so a run also checks the launcher's half.
+The library's one entry point takes the kernarg buffer that
+`tilegen.backends.hip.runtime.pack_kernargs` builds for the ROCm launcher (the same bytes,
+unpacked by the AMDGPU kernarg rules) and the grid and block of
+`tilegen.backends.hip.runtime.launch_geometry`, so a run also checks the launcher's half.
 
     o, lse = run(spec, cfg, q, k, v, topk_idx, vbs, counts)   # CPU tensors in, CPU tensors out
 
@@ -31,8 +32,8 @@ import torch
 
 from tilegen import cache
 
-# The HIP backend's render, plan and toolchain (tilegen.backends.hip.plan, .compile) and its ROCm launcher's
-# kernarg packing and grid (tilegen.backends.hip.runtime) are imported here only.
+# The HIP backend's render, plan and toolchain (tilegen.backends.hip.plan, .compile) and its ROCm
+# launcher's kernarg packing and grid (tilegen.backends.hip.runtime) are imported here only.
 from tilegen.backends.hip.compile import clang_version, find_clang
 from tilegen.backends.hip.plan import HIP_KERNEL_NAME, plan_for, render_hip
 from tilegen.backends.hip.runtime import (

@@ -44,8 +44,8 @@ def test_golden(case):
 def test_header_names_template_and_spec_hash():
     spec, cfg = Spec(), KernelConfig()
     first = render_triton(spec, cfg).text.splitlines()[0]
-    assert first == "# " + HEADER.format(template="triton/lut_kernel.py.j2", kernel_hash=spec.kernel_hash,
-                                         target="sm_90 (sm_90a)")
+    assert first == "# " + HEADER.format(template="triton/lut_kernel.py.j2",
+                                         kernel_hash=spec.kernel_hash, target="sm_90 (sm_90a)")
 
 
 def test_every_render_sees_its_target():

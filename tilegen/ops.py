@@ -9,6 +9,7 @@ without a host sync.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -34,23 +35,44 @@ def _note_once(message: str, level: int = logging.INFO) -> None:
         log.log(level, message)
 
 
-def resolve_config(spec: Spec, target: Target | None, backend: str = "triton"
-                   ) -> tuple[KernelConfig, str]:
-    """The tuned winner for (spec, device) when the tuning DB or the shipped winners hold a
-    current one, else the target's default (logged), else the reference config on a machine
-    with no tilegen target."""
+def resolve_config(spec: Spec, target: Target | None, backend: str | None = None
+                   ) -> tuple[str, KernelConfig, str]:
+    """(backend, config, where it came from) for `spec` on this device.
+
+    With `backend` None, the fastest current tuned winner among the target's families (the
+    tuning DB, then the shipped winners; a winner of the same kernel on the nearest tuned
+    workload counts), else the Triton family's target default (logged). With a `backend`, that
+    family's winner or default. A machine with no tilegen target gets the reference config.
+    """
     if target is None:
         if torch.cuda.is_available():  # a GPU tilegen has no target file for
             _note_once(f"no tilegen target for {torch.cuda.get_device_name()}; using the "
                        f"reference config {cfgmod.reference_config(spec).name} without target "
                        f"checks (targets: {', '.join(TARGET_NAMES)})", logging.WARNING)
-        return cfgmod.reference_config(spec), "reference"
-    from tilegen.winners import lookup_config
+        return backend or "triton", cfgmod.reference_config(spec), "reference"
+    from tilegen.winners import find_winner
 
-    found = lookup_config(spec, target)
-    if found is not None:
-        return found, "winner"
-    return backends.get(backend).default_config(spec, target), "default"
+    names = [backend] if backend else [b.name for b in backends.for_target(target)]
+    best = None
+    misses = []
+    for name in names:
+        res = find_winner(spec, target, backend=name)
+        if not res.hit:
+            misses.append(res)
+            continue
+        ms = res.median_ms if res.median_ms is not None else math.inf
+        if best is None or ms < best[0]:
+            best = (ms, name, res)
+    if best is not None:
+        _, name, res = best
+        _note_once(res.message)
+        return name, res.config, "winner"
+    name = backend or "triton"
+    for res in misses:
+        if res.status == "stale" or name in res.message:
+            _note_once(res.message, logging.WARNING)
+            break
+    return name, backends.get(name).default_config(spec, target), "default"
 
 
 def _target_for(backend: backends.Backend, target: Target | str | None) -> Target | None:
@@ -68,7 +90,7 @@ def _target_for(backend: backends.Backend, target: Target | str | None) -> Targe
 
 
 def load(spec: Spec | None = None, config: KernelConfig | None = None, *,
-         target: Target | str | None = None, backend: str = "triton") -> Any:
+         target: Target | str | None = None, backend: str | None = None) -> Any:
     """The block-sparse attention op for `spec` (default: the contract's workload spec).
 
     `config` pins a variant; otherwise the tuned winner for this device is used when the tuning
@@ -77,24 +99,28 @@ def load(spec: Spec | None = None, config: KernelConfig | None = None, *,
     target's and the backend's rules before anything is compiled.
 
     `backend` names a kernel family of the registry (`tilegen.backends.names()`): "triton"
-    (default; CUDA and ROCm GPUs, the interpreter, CPU), "cuda" (CK-style CUDA C++ through nvcc
-    and the CUDA driver API) or "hip" (CK-style HIP C++ through clang-19 and hip-python).
+    (CUDA and ROCm GPUs, the interpreter, CPU), "gluon" (the warp-specialized Hopper kernel),
+    "cuda" (CK-style CUDA C++ through nvcc and the CUDA driver API) or "hip" (CK-style HIP C++
+    through clang-19 and hip-python). None (the default) takes the family of the fastest tuned
+    winner for this device, else "triton". A pinned `config` without a backend is a Triton
+    config.
     """
     spec = spec or Spec()
     if not isinstance(spec, Spec):
         raise TypeError(f"spec must be a tilegen.Spec, got {type(spec).__name__}")
-    impl = backends.get(backend)
-    tgt = _target_for(impl, target)
     if config is not None:
         if not isinstance(config, KernelConfig):
             raise TypeError(f"config must be a tilegen.KernelConfig, got {type(config).__name__}")
+        backend = backend or "triton"
+    impl = backends.get(backend or "triton")
+    tgt = _target_for(impl, target)
+    if config is not None:
         source = "explicit"
-    elif backend == "triton":
-        config, source = resolve_config(spec, tgt, backend)
-    elif tgt is not None:
-        config, source = impl.default_config(spec, tgt), "default"
-    else:  # resolved against the device's target at the first call
-        return impl.make_op(spec, None, None, "default")
+    elif tgt is None and backend not in (None, "triton"):
+        return impl.make_op(spec, None, None, "default")  # resolved at the first call
+    else:
+        backend, config, source = resolve_config(spec, tgt, backend)
+        impl = backends.get(backend)
     if tgt is not None:
         impl.check(spec, tgt, config)
     else:

@@ -110,6 +110,7 @@ class WorkerSetup:
     op_factory: str = DEFAULT_OP_FACTORY
     reference_factory: str = ""  # test hook: "module:function" building the reference op
     oracle_check: str = "auto"  # "enforce" | "report" | "auto" (see ORACLE_CHECKS)
+    backend: str = "triton"  # the kernel family the op factory builds
 
 
 @dataclass
@@ -436,7 +437,8 @@ class _WorkerState:
         cfg = KernelConfig.from_dict(req.config)
         res = TrialResult(req.number, cfg.name, "runtime_error", timer=self.setup.timer)
         try:
-            op = self.factory(self.spec, cfg)
+            op = (self.factory(self.spec, cfg) if self.setup.backend == "triton"
+                  else self.factory(self.spec, cfg, backend=self.setup.backend))
             rows: list[dict[str, Any]] = []
             for i, ((name, cap), ref) in enumerate(zip(self.caps, self.refs, strict=True)):
                 tc = time.perf_counter()

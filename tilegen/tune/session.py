@@ -401,7 +401,7 @@ class _Session:
         o = self.opts
         setup = WorkerSetup(self.spec.canonical_json(), o.captures,
                             tuple(range(max(1, o.seeds))), o.timer, o.op_factory,
-                            o.reference_factory, o.oracle_check)
+                            o.reference_factory, o.oracle_check, o.backend)
         slots = _gpu_slots(o.workers)
         self.handles = [WorkerHandle(setup, gpu=g, setup_timeout_s=o.setup_timeout_s,
                                      label=f"worker{i}" + (f"@gpu{g}" if g else ""))
@@ -445,7 +445,7 @@ class _Session:
 
         o, optuna = self.opts, self.optuna
         self.info, self.target = info, target
-        self.space = SearchSpace.from_target(self.spec, target, o.space)
+        self.space = SearchSpace.from_target(self.spec, target, o.space, self.backend.name)
         self.all_names = {c.name for c in self.space.configs()}
         self.toolchain = self.backend.toolchain(target)
         self.env = {

@@ -30,7 +30,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from tilegen import config as cfgmod
 from tilegen.config import KernelConfig, default_config, reference_config
 from tilegen.spec import Spec
 from tilegen.targets import Target
@@ -61,17 +60,20 @@ def _field_types() -> dict[str, type]:
 
 @dataclass(frozen=True)
 class Dim:
-    """One searched field: its name, its typed choices, and the fragment it belongs to."""
+    """One searched field (or family option): its name, typed choices, and fragment. ``types``
+    maps every name the space may search to its Python type (KernelConfig fields, then the
+    family's options, `tilegen.config.KernelConfig.options`)."""
 
     name: str
     choices: tuple[Value, ...]
     kind: Kind
+    types: tuple[tuple[str, type], ...] = ()
 
     def __post_init__(self) -> None:
-        types = _field_types()
+        types = dict(self.types) or _field_types()
         if self.name not in types:
-            raise ValueError(f"tunable {self.name!r} is not a KernelConfig field; known fields: "
-                             f"{sorted(types)}")
+            raise ValueError(f"tunable {self.name!r} is not a KernelConfig field or an option of "
+                             f"this kernel family; known: {sorted(types)}")
         if self.name in NOT_TUNABLE:
             raise ValueError(f"KernelConfig.{self.name} is not tunable: {NOT_TUNABLE[self.name]}")
         if not self.choices:
@@ -89,9 +91,12 @@ class Dim:
         return trial.suggest_categorical(self.name, list(self.choices))
 
 
-def make_dim(name: str, values: Sequence[Any]) -> Dim:
-    """A `Dim` for KernelConfig field `name`, in the launch or render fragment by its name."""
-    return Dim(name, tuple(values), "launch" if name in LAUNCH_FIELDS else "render")
+def make_dim(name: str, values: Sequence[Any],
+             types: Mapping[str, type] | None = None) -> Dim:
+    """A `Dim` for KernelConfig field (or family option) `name`, in the launch or render
+    fragment by its name."""
+    return Dim(name, tuple(values), "launch" if name in LAUNCH_FIELDS else "render",
+               tuple(sorted((types or {}).items(), key=lambda kv: kv[0])))
 
 
 def parse_space_override(text: str) -> tuple[str, tuple[Value, ...]]:
@@ -133,16 +138,27 @@ class SearchSpace:
     target: Target
     dims: tuple[Dim, ...]
     base: KernelConfig
+    backend: str = "triton"
 
     @classmethod
     def from_target(cls, spec: Spec, target: Target,
-                    overrides: Mapping[str, Sequence[Value]] | None = None) -> SearchSpace:
-        """The space from ``target.tunable``, with ``overrides`` replacing or adding fields."""
-        ranges: dict[str, Sequence[Value]] = dict(target.tunable)
+                    overrides: Mapping[str, Sequence[Value]] | None = None,
+                    backend: str = "triton") -> SearchSpace:
+        """The space of `backend` from ``target.tunable_for(backend)`` (``[tunable]`` or
+        ``[tunable.<backend>]``), with ``overrides`` replacing or adding fields."""
+        from tilegen import backends
+
+        base = backends.get(backend).default_config(spec, target)
+        types = {**_field_types(), **{k: type(v) for k, v in base.options}}
+        ranges: dict[str, Sequence[Value]] = dict(target.tunable_for(backend))
         ranges.update(overrides or {})
-        launch = [make_dim(n, ranges[n]) for n in LAUNCH_FIELDS if n in ranges]
-        render = [make_dim(n, ranges[n]) for n in sorted(ranges) if n not in LAUNCH_FIELDS]
-        return cls(spec, target, tuple(launch + render), default_config(target, spec))
+        launch = [make_dim(n, ranges[n], types) for n in LAUNCH_FIELDS if n in ranges]
+        render = [make_dim(n, ranges[n], types) for n in sorted(ranges)
+                  if n not in LAUNCH_FIELDS]
+        return cls(spec, target, tuple(launch + render), base, backend)
+
+    def _is_field(self, name: str) -> bool:
+        return name in _field_types()
 
     # -- shape -----------------------------------------------------------------------------
     @property
@@ -167,16 +183,23 @@ class SearchSpace:
         missing = [n for n in self.names if n not in params]
         if missing:
             raise ValueError(f"params lack searched field(s) {missing}")
-        return self.base.replace(**{n: params[n] for n in self.names})
+        fields = {n: params[n] for n in self.names if self._is_field(n)}
+        options = {n: params[n] for n in self.names if not self._is_field(n)}
+        if options:
+            fields["options"] = {**dict(self.base.options), **options}
+        return self.base.replace(**fields)
+
+    def _value(self, cfg: KernelConfig, name: str) -> Value:
+        return getattr(cfg, name) if self._is_field(name) else cfg.option(name)
 
     def params(self, cfg: KernelConfig) -> dict[str, Value]:
-        """The point of `cfg` (its searched fields)."""
-        return {n: getattr(cfg, n) for n in self.names}
+        """The point of `cfg` (its searched fields and options)."""
+        return {n: self._value(cfg, n) for n in self.names}
 
     def contains(self, cfg: KernelConfig) -> bool:
         """True when `cfg` is a point of this space (searched fields in range, the rest equal
         to ``base``)."""
-        if any(getattr(cfg, d.name) not in d.choices for d in self.dims):
+        if any(self._value(cfg, d.name) not in d.choices for d in self.dims):
             return False
         return self.config(self.params(cfg)) == cfg
 
@@ -191,9 +214,12 @@ class SearchSpace:
 
     # -- feasibility ---------------------------------------------------------------------
     def violations(self, cfg: KernelConfig) -> list[str]:
-        """Why `cfg` cannot run on the target (empty when it can): `tilegen.config.violations`,
-        the pure predicates, each naming the hardware rule it mirrors."""
-        return cfgmod.violations(self.spec, self.target, cfg)
+        """Why `cfg` cannot run on the target (empty when it can): the backend's rules
+        (`Backend.violations`: `tilegen.config`'s pure predicates plus the family's own), each
+        naming the hardware rule it mirrors."""
+        from tilegen import backends
+
+        return backends.get(self.backend).violations(self.spec, self.target, cfg)
 
     def feasible(self) -> list[KernelConfig]:
         return [c for c in self.configs() if not self.violations(c)]

@@ -179,3 +179,21 @@ def test_op_refuses_cpu_tensors():
     idx = torch.zeros(1, 1, 1, 1, dtype=torch.int32)
     with pytest.raises(ValueError, match="CUDA"):
         op(q, q, q, idx, torch.full((1,), 64, dtype=torch.int32))
+
+
+def test_tuning_space_of_the_family():
+    """The family's knobs come from targets/sm_90/target.toml [tunable.gluon]; `--space`
+    overrides type option values too; every point round-trips through the space."""
+    from tilegen.tune.space import SearchSpace, parse_space_override
+
+    pinned = dict(parse_space_override(t) for t in (
+        "num_consumers=1", "q_in_regs=true", "qk_ahead=true", "fence_wait=true"))
+    space = SearchSpace.from_target(Spec(), SM90, pinned, "gluon")
+    assert space.size == 12 and len(space.feasible()) == 12
+    for cfg in space.configs():
+        assert space.contains(cfg) and cfg.option("num_consumers") == 1
+    three = SearchSpace.from_target(Spec(), SM90, dict([parse_space_override(
+        "num_consumers=3")]), "gluon")  # three consumers' rings overflow shared memory
+    assert any("shared memory" in " ".join(three.violations(c)) for c in three.configs())
+    with pytest.raises(ValueError, match="option of this kernel family"):
+        SearchSpace.from_target(Spec(), SM90, dict([parse_space_override("bogus=1")]), "gluon")

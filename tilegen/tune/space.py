@@ -106,9 +106,12 @@ def parse_space_override(text: str) -> tuple[str, tuple[Value, ...]]:
     if not sep or not name or not rest.strip():
         raise ValueError(f"--space wants NAME=V1,V2,..., got {text!r}")
     types = _field_types()
-    if name not in types:
-        raise ValueError(f"--space {name!r} is not a KernelConfig field; known: {sorted(types)}")
-    want = types[name]
+    if name in types:
+        want = types[name]
+    else:  # a family option (e.g. the Gluon family's k_stages): typed by its values here and
+        # checked against the family's options when the space is built
+        first = rest.split(",")[0].strip().lower()
+        want = bool if first in ("true", "false") else int if first.lstrip("-").isdigit() else str
     values: list[Value] = []
     for raw in rest.split(","):
         raw = raw.strip()

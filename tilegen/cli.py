@@ -175,10 +175,32 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from tilegen.bench import run_bench
+    from tilegen import bench
 
-    return run_bench(_spec(args), args.captures, _config(args), seeds=args.seeds)
+    plan = bench.make_plan(
+        _spec(args), args.captures, seeds=args.seeds, config=_config(args), topk=args.topk,
+        sweep=args.sweep, grid=args.grid, heads=args.heads, backends=args.backends or (),
+        flex=not args.no_flex, dense=not args.no_dense, json_path=args.json,
+        plot_path=args.plot, warmup_ms=args.warmup, rep_ms=args.rep)
+    if args.dry_run:
+        print(plan.describe())
+        return 0
+    return bench.run_bench(plan, command=" ".join(["tilegen", *sys.argv[1:]]))
 
+
+def _bench_type(name: str):
+    """An argparse type from tilegen.bench, imported when used (it imports torch)."""
+    def parse(text: str):
+        from tilegen import bench
+
+        return getattr(bench, name)(text)
+
+    parse.__name__ = name.removeprefix("parse_")
+    return parse
+
+
+#: tilegen.bench.SWEEP_TOPK, spelled out so `tilegen --help` does not import torch
+BENCH_SWEEP = "31,78,125,187,312"
 
 # Commands that compile for a GPU must import triton in compiled mode (see
 # tilegen.backends.triton.aot._require_compiled_mode): the interpreter has no say in them.
@@ -228,15 +250,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-outlier", action="store_true", help="omit the overflow outlier head")
     p.set_defaults(func=cmd_captures)
 
-    p = sub.add_parser("bench", help="score and time the op on captures, beside dense SDPA (GPU)",
-                       description="Run the op and the reference variant on each capture: "
-                       "score with the contract's rule and time with triton.testing.do_bench; "
-                       "dense PyTorch SDPA on the same q, k, v is timed beside them (peer).")
+    p = sub.add_parser(
+        "bench", help="every variant and peer side by side on the same inputs (GPU)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="In one process, on the same captures: the tuned default (also through "
+        "block_sparse_attention), the reference variant, the kernel families of --backends, "
+        "FlexAttention with a BlockMask from the LUT, and dense SDPA (cuDNN, flash). Each is "
+        "timed as users call it (median, triton.testing.do_bench) with the bare kernel "
+        "beside it, scored against the reference variant with the contract's rule, and "
+        "reported with TFLOP/s on real keys and the speedup over the reference variant. "
+        "Writes a JSON file and a PNG plot (latency and TFLOP/s against sparsity).",
+        epilog="examples:\n"
+        "  tilegen bench                           # the spec's TOPK, synthetic capture\n"
+        "  tilegen bench --sweep --backends gluon  # TOPK 31,78,125,187,312, + the Gluon family\n"
+        "  tilegen bench --grid 21,30,52 --heads 12 --topk 78\n"
+        "  tilegen bench --captures caps/ --no-flex\n"
+        "  tilegen bench --sweep --dry-run         # print the plan, touch no GPU")
     p.add_argument("--spec", help="spec file (.toml or .json); default: the Wan2.2 workload spec")
     p.add_argument("--captures", default="synthetic",
                    help="directory of capture .pt files, or 'synthetic' (default)")
-    p.add_argument("--seeds", type=int, default=1, help="synthetic captures to make")
-    p.add_argument("--config", help="KernelConfig JSON to bench instead of the loaded one")
+    p.add_argument("--seeds", type=int, default=1, help="synthetic captures per TOPK (default 1)")
+    p.add_argument("--config", help="KernelConfig JSON to bench instead of the loaded default")
+    p.add_argument("--topk", type=_bench_type("parse_int_list"), metavar="K[,K...]",
+                   help="TOPK values to sweep, e.g. 31,78,125 (default: the spec's topk)")
+    p.add_argument("--sweep", action="store_true",
+                   help=f"sweep TOPK {BENCH_SWEEP} (95%% to 50%% sparsity on the "
+                   "default grid's 624 cubes)")
+    p.add_argument("--grid", type=_bench_type("parse_grid"), metavar="T,H,W",
+                   help="latent grid of another model (overrides the spec's grid)")
+    p.add_argument("--heads", type=int, metavar="N", help="number of heads (overrides the spec)")
+    p.add_argument("--backends", type=_bench_type("parse_backends"), metavar="NAME[,NAME...]",
+                   help="also bench these kernel families' defaults, e.g. triton,gluon,cuda")
+    p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer")
+    p.add_argument("--no-dense", action="store_true", help="skip the dense SDPA peers")
+    p.add_argument("--json", default="bench_results.json",
+                   help="results file (default: bench_results.json)")
+    p.add_argument("--plot", help="plot file (default: the --json path with .png)")
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warmup in ms (default 25)")
+    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms "
+                   "(default 100)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (variants x captures) and exit without touching a GPU")
     p.set_defaults(func=cmd_bench)
 
     from tilegen.db.cli import add_db_parser

@@ -32,6 +32,7 @@ from tilegen.ops import block_sparse_attention
 from tilegen.reference import attention_fp32
 
 SUBSET_HEADS = (0, 17, 39)
+ROUNDS = 5
 
 
 def bench_ms(fn) -> float:
@@ -61,10 +62,29 @@ def check_op(name: str, op, cap: dict, o_ref: torch.Tensor, o32: torch.Tensor,
         if cap["seed"] == 0:
             shapes = validate_inputs(op.spec, *args)
             out = (torch.empty_like(cap["q"]), None)
-            row["ms_bare"] = bench_ms(lambda: op.launch(*args, shapes=shapes, store_lse=False,
-                                                        out=out))
-            row["ms_op"] = bench_ms(lambda: op(*args, return_lse=False))
+            def bare():
+                op.launch(*args, shapes=shapes, store_lse=False, out=out)
+
+            def call():
+                op(*args, return_lse=False)
+
+            # interleaved rounds: the machine drifts by a few percent over seconds
+            bares, calls = [], []
+            for _ in range(ROUNDS):
+                bares.append(bench_ms(bare))
+                calls.append(bench_ms(call))
+            row["ms_bare"] = sorted(bares)[len(bares) // 2]
+            row["ms_op"] = sorted(calls)[len(calls) // 2]
+            row["ms_bare_rounds"], row["ms_op_rounds"] = bares, calls
             row["op_overhead_pct"] = 100 * (row["ms_op"] / row["ms_bare"] - 1)
+            # host time per call (enqueue only: the GPU runs behind), against the kernel time
+            for fn, key in ((bare, "host_us_bare"), (call, "host_us_op")):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(50):
+                    fn()
+                row[key] = (time.perf_counter() - t0) / 50 * 1e6
+                torch.cuda.synchronize()
             # no host sync: any synchronizing CUDA call raises in this mode
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")

@@ -49,9 +49,10 @@ def tilegen_bsa_bwd_preprocess(
 
 @triton.jit
 def tilegen_bsa_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, LUT, COUNTS, VBS, DQ, ERR,
+    Q, K, V, DO, LSE, DELTA, DSUM, LUT, COUNTS, VBS, DQ, ERR,
     seq_len, num_heads, num_q_blocks, num_kv_blocks, topk, qk_scale, sm_scale,
     HAS_COUNTS: tl.constexpr,
+    HAS_DSUM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -87,7 +88,9 @@ def tilegen_bsa_bwd_dq(
     # sum_j dS_ij k_j amplifies by |k|, which is large on a head whose keys share one big
     # direction (the outlier head). dq is taken as dS K - rowsum(dS) c instead, with c the mean
     # of the real keys of the row's first BLOCK_N-key tile: the same value in exact arithmetic,
-    # and only |k - c| amplifies the errors.
+    # and only |k - c| amplifies the errors. With a gradient of lse, sum_j dS_ij is
+    # log2(e) * dlse_i instead of 0 (DSUM, folded into delta by the host): only the excess over
+    # it is an error.
     kv_first = tl.load(lut_row)
     kv_first = tl.where((kv_first >= 0) & (kv_first < num_kv_blocks), kv_first, 0).to(tl.int64)
     k_first = tl.load(K + base + (kv_first * BLOCK_KV + offs_n)[:, None] * row + offs_d[None, :])
@@ -130,6 +133,8 @@ def tilegen_bsa_bwd_dq(
                 dq += tl.dot(ds_op, k)
                 ds_sum += tl.sum(ds_op.to(tl.float32), 1)
 
+    if HAS_DSUM:
+        ds_sum -= tl.load(DSUM + bh * seq_len + offs_m)
     dq = (dq - ds_sum[:, None] * centre[None, :]) * sm_scale
     dq = tl.where(q_valid[:, None], dq, 0.0)
     dq = tl.where(row_ok, dq, float("nan"))

@@ -111,10 +111,11 @@ def backward_signatures(spec: Spec) -> dict[str, dict[str, str]]:
         "preprocess": {"O": f32, "DO": elem, "DELTA": f32, "VBS": i32,
                        "seq_len": "i32", "num_heads": "i32", "BLOCK_M": "constexpr"},
         "dq": {"Q": elem, "K": elem, "V": elem, "DO": elem, "LSE": f32, "DELTA": f32,
-               "LUT": i32, "COUNTS": i32, "VBS": i32, "DQ": elem, "ERR": i32,
+               "DSUM": f32, "LUT": i32, "COUNTS": i32, "VBS": i32, "DQ": elem, "ERR": i32,
                "seq_len": "i32", "num_heads": "i32", "num_q_blocks": "i32",
                "num_kv_blocks": "i32", "topk": "i32", "qk_scale": "fp32", "sm_scale": "fp32",
-               "HAS_COUNTS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
+               "HAS_COUNTS": "constexpr", "HAS_DSUM": "constexpr", "BLOCK_M": "constexpr",
+               "BLOCK_N": "constexpr"},
         "dkdv": {"Q": elem, "K": elem, "V": elem, "DO": elem, "LSE": f32, "DELTA": f32,
                  "KV_OFFSETS": i32, "KV_QCUBES": i32, "VBS": i32, "DK": elem, "DV": elem,
                  "ERR": i32, "seq_len": "i32", "num_heads": "i32", "num_kv_blocks": "i32",
@@ -134,7 +135,7 @@ def compile_triton_backward(spec: Spec, cfg: KernelConfig, target: Target, out_d
     for kernel, sig in backward_signatures(spec).items():
         consts, launch = bwd.kernel_launch(kernel)
         if kernel == "dq":
-            consts = {"HAS_COUNTS": False, **consts}
+            consts = {"HAS_COUNTS": False, "HAS_DSUM": False, **consts}
         n_ptr = sum(1 for t in sig.values() if t.startswith("*"))
         shape = "_".join(f"{k[6:].lower() or 'm'}{v}" for k, v in consts.items()
                          if k.startswith("BLOCK"))

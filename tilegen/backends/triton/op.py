@@ -228,8 +228,10 @@ class BlockSparseAttention:
         consts, opts = bcfg.kernel_launch("preprocess")
         kernels["preprocess"][(S // consts["BLOCK_M"], B * H)](
             o, do, delta, vbs, S, H, **consts, **opts)
+        dsum = None
         if dlse is not None:  # d lse_2 / d s = log2(e) * P: fold it into delta
-            delta = delta - dlse.to(torch.float32) * LOG2E
+            dsum = dlse.to(torch.float32) * LOG2E  # = sum_j dS_ij, the dQ kernel's centring
+            delta = delta - dsum
         offsets, qcubes = inverse if inverse is not None else inverse_map(topk_idx, counts, nkv)
         buf = torch.float32 if cfg.interp_bf16 else q.dtype
         dq = torch.empty_like(q, dtype=buf)
@@ -237,9 +239,10 @@ class BlockSparseAttention:
         dv = torch.empty_like(v, dtype=buf)
         consts, opts = bcfg.kernel_launch("dq")
         kernels["dq"][(nq * (spec.block_q // consts["BLOCK_M"]), B * H)](
-            q, k, v, do, lse, delta, topk_idx, counts if counts is not None else topk_idx, vbs,
-            dq, err, S, H, nq, nkv, topk, scale * LOG2E, scale,
-            HAS_COUNTS=counts is not None, **consts, **opts)
+            q, k, v, do, lse, delta, dsum if dsum is not None else delta, topk_idx,
+            counts if counts is not None else topk_idx, vbs, dq, err,
+            S, H, nq, nkv, topk, scale * LOG2E, scale,
+            HAS_COUNTS=counts is not None, HAS_DSUM=dsum is not None, **consts, **opts)
         consts, opts = bcfg.kernel_launch("dkdv")
         kernels["dkdv"][(nkv * (spec.block_kv // consts["BLOCK_N"]), B * H)](
             q, k, v, do, lse, delta, offsets, qcubes, vbs, dk, dv, err,

@@ -12,7 +12,9 @@ Stages (each in its own try/except; a failure is recorded as text and the rest s
    users call it, the backward alone (autograd, incl. delta and the inverse map), the backward
    kernels alone (inverse map prebuilt), the inverse map alone, and per-kernel times from
    torch.profiler;
-3. a small sweep of backward launch configs (`BackwardConfig`), the best one re-checked;
+3. a small sweep of backward launch configs (`BackwardConfig`, incl. the atomic-dQ variant
+   whose dK/dV kernel also adds dQ: 5 matmuls instead of 7), the best one re-checked on the
+   outlier head;
 4. FlexAttention with the same BlockMask (from the LUT, vbs as mask_mod;
    kernel_options={"BLOCK_M": 64, "BLOCK_N": 64}): forward + backward and backward alone, two
    BlockMask layouts (every cube partial; full cubes split from partial ones); failures are
@@ -188,7 +190,9 @@ def sweep(cap, op, args, inv, heads):
         variants.append(BackwardConfig(dq_warps=dq_w, dq_stages=dq_s))
     for kw in ({"dkdv_warps": 4}, {"dkdv_stages": 1}, {"dkdv_stages": 3},
                {"dkdv_block_m": 32}, {"dkdv_block_m": 32, "dkdv_warps": 4},
-               {"dkdv_block_n": 32, "dkdv_warps": 4}, {"dq_block_m": 32, "dq_warps": 4}):
+               {"dkdv_block_n": 32, "dkdv_warps": 4}, {"dq_block_m": 32, "dq_warps": 4},
+               {"dq_atomic": True}, {"dq_atomic": True, "dkdv_stages": 3},
+               {"dq_atomic": True, "dkdv_block_m": 32}):
         variants.append(BackwardConfig(**kw))
     rows = {}
     for cfg in variants:

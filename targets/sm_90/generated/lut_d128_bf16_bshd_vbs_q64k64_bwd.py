@@ -9,6 +9,8 @@ Three kernels, launched in this order (FlashAttention-2's split, no atomics):
 - `tilegen_bsa_bwd_dkdv`: dK and dV per BLOCK_N keys of a KV cube, resident for the whole program,
   walking the inverse map (CSR: KV_OFFSETS[bh * NKV + c] .. KV_OFFSETS[bh * NKV + c + 1] index
   KV_QCUBES, the query cubes whose LUT row chose cube c); grid (KV cubes * 64 // BLOCK_N, B*H).
+  With ATOMIC_DQ it also atomically adds the dQ terms into fp32 buffers, and the dQ kernel is
+  not launched (the variant that can compete in the tuner).
 
 P is recomputed from the forward's base-2 lse: P = exp2(s * sm_scale * log2 e - lse).
 Padded slots (past vbs[cube]) never reach a real gradient: padded query rows have dO and P
@@ -145,8 +147,9 @@ def tilegen_bsa_bwd_dq(
 
 @triton.jit
 def tilegen_bsa_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, KV_OFFSETS, KV_QCUBES, VBS, DK, DV, ERR,
+    Q, K, V, DO, LSE, DELTA, KV_OFFSETS, KV_QCUBES, VBS, DK, DV, DQ_ACC, DS_SUM, ERR,
     seq_len, num_heads, num_kv_blocks, qk_scale, sm_scale,
+    ATOMIC_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -187,13 +190,21 @@ def tilegen_bsa_bwd_dkdv(
                 delta = tl.load(DELTA + bh * seq_len + q_rows)
                 qk_t = tl.dot(k, tl.trans(q)) * qk_scale
                 p_t = tl.math.exp2(qk_t - lse[None, :])
-                p_t = tl.where(q_valid[None, :], p_t, 0.0)
+                if ATOMIC_DQ:  # dS^T also feeds dQ: keys past vbs must give 0 there too
+                    p_t = tl.where(q_valid[None, :] & k_valid[:, None], p_t, 0.0)
+                else:  # rows of keys past vbs only reach their own (discarded) dK/dV rows
+                    p_t = tl.where(q_valid[None, :], p_t, 0.0)
                 p_op = p_t.to(Q.dtype.element_ty)
                 dv += tl.dot(p_op, do)
                 dp_t = tl.dot(v, tl.trans(do))
                 ds_t = p_t * (dp_t - delta[None, :])
                 ds_op = ds_t.to(Q.dtype.element_ty)
                 dk += tl.dot(ds_op, q)
+                if ATOMIC_DQ:
+                    dq_part = tl.dot(tl.trans(ds_op), k)
+                    tl.atomic_add(DQ_ACC + q_offs, dq_part, mask=q_valid[:, None], sem="relaxed")
+                    tl.atomic_add(DS_SUM + bh * seq_len + q_rows, tl.sum(ds_op.to(tl.float32), 0), mask=q_valid,
+                                  sem="relaxed")
 
             elif sub_m < n_valid_q:
                 q_rows = q_cube * BLOCK_Q + sub_m + offs_m
@@ -205,13 +216,21 @@ def tilegen_bsa_bwd_dkdv(
                 delta = tl.load(DELTA + bh * seq_len + q_rows)
                 qk_t = tl.dot(k, tl.trans(q)) * qk_scale
                 p_t = tl.math.exp2(qk_t - lse[None, :])
-                p_t = tl.where(q_valid[None, :], p_t, 0.0)
+                if ATOMIC_DQ:  # dS^T also feeds dQ: keys past vbs must give 0 there too
+                    p_t = tl.where(q_valid[None, :] & k_valid[:, None], p_t, 0.0)
+                else:  # rows of keys past vbs only reach their own (discarded) dK/dV rows
+                    p_t = tl.where(q_valid[None, :], p_t, 0.0)
                 p_op = p_t.to(Q.dtype.element_ty)
                 dv += tl.dot(p_op, do)
                 dp_t = tl.dot(v, tl.trans(do))
                 ds_t = p_t * (dp_t - delta[None, :])
                 ds_op = ds_t.to(Q.dtype.element_ty)
                 dk += tl.dot(ds_op, q)
+                if ATOMIC_DQ:
+                    dq_part = tl.dot(tl.trans(ds_op), k)
+                    tl.atomic_add(DQ_ACC + q_offs, dq_part, mask=q_valid[:, None], sem="relaxed")
+                    tl.atomic_add(DS_SUM + bh * seq_len + q_rows, tl.sum(ds_op.to(tl.float32), 0), mask=q_valid,
+                                  sem="relaxed")
 
     dk = dk * sm_scale
     dk = tl.where(k_valid[:, None], dk, 0.0)

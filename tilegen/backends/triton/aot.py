@@ -118,8 +118,9 @@ def backward_signatures(spec: Spec) -> dict[str, dict[str, str]]:
                "BLOCK_N": "constexpr"},
         "dkdv": {"Q": elem, "K": elem, "V": elem, "DO": elem, "LSE": f32, "DELTA": f32,
                  "KV_OFFSETS": i32, "KV_QCUBES": i32, "VBS": i32, "DK": elem, "DV": elem,
-                 "ERR": i32, "seq_len": "i32", "num_heads": "i32", "num_kv_blocks": "i32",
-                 "qk_scale": "fp32", "sm_scale": "fp32",
+                 "DQ_ACC": f32, "DS_SUM": f32, "ERR": i32, "seq_len": "i32", "num_heads": "i32",
+                 "num_kv_blocks": "i32",
+                 "qk_scale": "fp32", "sm_scale": "fp32", "ATOMIC_DQ": "constexpr",
                  "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
     }
 
@@ -136,6 +137,8 @@ def compile_triton_backward(spec: Spec, cfg: KernelConfig, target: Target, out_d
         consts, launch = bwd.kernel_launch(kernel)
         if kernel == "dq":
             consts = {"HAS_COUNTS": False, "HAS_DSUM": False, **consts}
+        if kernel == "dkdv":
+            consts = {"ATOMIC_DQ": bwd.dq_atomic, **consts}
         n_ptr = sum(1 for t in sig.values() if t.startswith("*"))
         shape = "_".join(f"{k[6:].lower() or 'm'}{v}" for k, v in consts.items()
                          if k.startswith("BLOCK"))

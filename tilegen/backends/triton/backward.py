@@ -42,7 +42,10 @@ class BackwardConfig:
       block_q / block_kv), ``dq_warps`` / ``dq_stages`` its launch options;
     - ``dkdv_block_n`` / ``dkdv_block_m``: resident keys per dK/dV program / query rows per inner
       step (divide block_kv / block_q), ``dkdv_warps`` / ``dkdv_stages``;
-    - ``pre_block_m``: rows per preprocess program (divides block_q).
+    - ``pre_block_m``: rows per preprocess program (divides block_q);
+    - ``dq_atomic``: the dK/dV kernel also computes dQ (fp32 atomic adds; 5 matmuls per block
+      pair instead of 7) and the dQ kernel is skipped: the variant that trades the S and dP
+      recomputation for atomics (`finish_atomic_dq` does the epilogue).
     """
 
     dq_block_m: int = 64
@@ -54,6 +57,7 @@ class BackwardConfig:
     dkdv_warps: int = 8
     dkdv_stages: int = 2
     pre_block_m: int = 64
+    dq_atomic: bool = False
 
     def fit(self, spec: Spec) -> BackwardConfig:
         """Tiles shrunk to the spec's cube sizes where larger."""
@@ -64,13 +68,14 @@ class BackwardConfig:
             dkdv_block_n=min(self.dkdv_block_n, spec.block_kv),
             dkdv_block_m=min(self.dkdv_block_m, spec.block_q),
             dkdv_warps=self.dkdv_warps, dkdv_stages=self.dkdv_stages,
-            pre_block_m=min(self.pre_block_m, spec.block_q))
+            pre_block_m=min(self.pre_block_m, spec.block_q), dq_atomic=self.dq_atomic)
 
     @property
     def name(self) -> str:
         return (f"dq{self.dq_block_m}x{self.dq_block_n}w{self.dq_warps}s{self.dq_stages}_"
                 f"dkdv{self.dkdv_block_n}x{self.dkdv_block_m}w{self.dkdv_warps}"
-                f"s{self.dkdv_stages}_pre{self.pre_block_m}")
+                f"s{self.dkdv_stages}_pre{self.pre_block_m}"
+                + ("_atomicdq" if self.dq_atomic else ""))
 
     def kernel_launch(self, kernel: str) -> tuple[dict[str, int], dict[str, int]]:
         """(constexprs, launch options) of one kernel of the module (`BACKWARD_KERNELS` key)."""
@@ -132,3 +137,38 @@ def inverse_map(topk_idx: torch.Tensor, counts: torch.Tensor | None, num_kv_bloc
     offsets = torch.zeros(sentinel + 1, dtype=torch.int32, device=dev)
     offsets[1:] = torch.cumsum(per_key, 0).to(torch.int32)
     return offsets, qcubes
+
+
+def finish_atomic_dq(dq_acc: torch.Tensor, ds_sum: torch.Tensor, dsum: torch.Tensor | None,
+                     k: torch.Tensor, topk_idx: torch.Tensor, vbs: torch.Tensor | None,
+                     q_dtype: torch.dtype, layout: str, block: int, sm_scale: float
+                     ) -> torch.Tensor:
+    """dQ of the ATOMIC_DQ variant from its fp32 sums: the dQ kernel's centring
+    (dq = (dS K - (rowsum dS - log2(e) dlse) c) * sm_scale, c the mean of the real keys of the
+    row's first LUT cube; see lut_backward.py.j2), padded query rows zeroed, in the layout of q.
+    Vectorized torch, no host sync."""
+    def bhsd(x):
+        return x.permute(0, 2, 1, 3) if layout == "bshd" else x
+
+    kh = bhsd(k)
+    B, H, S, D = kh.shape
+    nkv = S // block
+    nq = topk_idx.shape[2]
+    first = topk_idx[..., 0].long().clamp(0, nkv - 1)  # (B, H, NQ)
+    cubes = kh.reshape(B, H, nkv, block, D)
+    sel = torch.gather(cubes, 2, first[..., None, None].expand(B, H, nq, block, D)).float()
+    if vbs is not None:
+        n = vbs.long()[first].clamp(1, block)  # (B, H, NQ)
+        real = torch.arange(block, device=k.device)[None, None, None, :] < n[..., None]
+        centre = (sel * real[..., None]).sum(3) / n[..., None]
+    else:
+        centre = sel.mean(3)
+    excess = ds_sum if dsum is None else ds_sum - dsum  # (B, H, S)
+    corr = excess.view(B, H, nq, block, 1) * centre[:, :, :, None, :]
+    dq32 = (bhsd(dq_acc).reshape(B, H, nq, block, D) - corr) * sm_scale
+    if vbs is not None:
+        qv = (torch.arange(block, device=k.device)[None, :] < vbs.long()[:, None])[:nq]
+        dq32 = dq32 * qv[None, None, :, :, None]
+    dq = torch.empty(dq_acc.shape, dtype=q_dtype, device=k.device)
+    bhsd(dq).copy_(dq32.reshape(B, H, S, D))
+    return dq

@@ -32,6 +32,7 @@ import torch
 from tilegen.backends.triton.backward import (
     BACKWARD_KERNELS,
     BackwardConfig,
+    finish_atomic_dq,
     inverse_map,
     render_triton_backward,
 )
@@ -234,20 +235,29 @@ class BlockSparseAttention:
             delta = delta - dsum
         offsets, qcubes = inverse if inverse is not None else inverse_map(topk_idx, counts, nkv)
         buf = torch.float32 if cfg.interp_bf16 else q.dtype
-        dq = torch.empty_like(q, dtype=buf)
         dk = torch.empty_like(k, dtype=buf)
         dv = torch.empty_like(v, dtype=buf)
-        consts, opts = bcfg.kernel_launch("dq")
-        kernels["dq"][(nq * (spec.block_q // consts["BLOCK_M"]), B * H)](
-            q, k, v, do, lse, delta, dsum if dsum is not None else delta, topk_idx,
-            counts if counts is not None else topk_idx, vbs, dq, err,
-            S, H, nq, nkv, topk, scale * LOG2E, scale,
-            HAS_COUNTS=counts is not None, HAS_DSUM=dsum is not None, **consts, **opts)
+        if bcfg.dq_atomic:
+            dq_acc = torch.zeros_like(q, dtype=torch.float32)
+            ds_sum = torch.zeros((B, H, S), dtype=torch.float32, device=q.device)
+        else:
+            dq = torch.empty_like(q, dtype=buf)
+            dq_acc = ds_sum = delta  # not touched
+            consts, opts = bcfg.kernel_launch("dq")
+            kernels["dq"][(nq * (spec.block_q // consts["BLOCK_M"]), B * H)](
+                q, k, v, do, lse, delta, dsum if dsum is not None else delta, topk_idx,
+                counts if counts is not None else topk_idx, vbs, dq, err,
+                S, H, nq, nkv, topk, scale * LOG2E, scale,
+                HAS_COUNTS=counts is not None, HAS_DSUM=dsum is not None, **consts, **opts)
         consts, opts = bcfg.kernel_launch("dkdv")
         kernels["dkdv"][(nkv * (spec.block_kv // consts["BLOCK_N"]), B * H)](
-            q, k, v, do, lse, delta, offsets, qcubes, vbs, dk, dv, err,
-            S, H, nkv, scale * LOG2E, scale, **consts, **opts)
+            q, k, v, do, lse, delta, offsets, qcubes, vbs, dk, dv, dq_acc, ds_sum, err,
+            S, H, nkv, scale * LOG2E, scale, ATOMIC_DQ=bcfg.dq_atomic, **consts, **opts)
         self.errors.after_launch(q.device)
+        if bcfg.dq_atomic:
+            dq = finish_atomic_dq(dq_acc, ds_sum, dsum, k, topk_idx,
+                                  vbs if spec.variable_block_sizes else None, buf, spec.layout,
+                                  spec.block_kv, scale)
         if cfg.interp_bf16:
             dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         return dq, dk, dv

@@ -222,3 +222,21 @@ def test_families_without_backward_refuse_and_point_to_triton():
         require_no_grad(q, backend="cuda")
     with torch.no_grad():
         require_no_grad(q, backend="cuda")
+
+
+def test_backward_ops_are_registered_with_fakes(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cap = _case(9, 64, "bf16", "bshd")
+    base = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"], cap["counts"])
+    train = torch.ops.tilegen.block_sparse_attention_train.default
+    torch.library.opcheck(train, (*base, "bshd", None),
+                          test_utils=("test_schema", "test_faketensor"))
+    o, lse, o_acc = train(*base, "bshd", None)
+    bwd = torch.ops.tilegen.block_sparse_attention_backward.default
+    torch.library.opcheck(bwd, (cap["do"], *base[:3], o_acc, lse, *base[3:], None, "bshd", None),
+                          test_utils=("test_schema", "test_faketensor"))
+    # the public op called directly with return_lse=False still has a backward
+    q = cap["q"].clone().requires_grad_(True)
+    o, _ = torch.ops.tilegen.block_sparse_attention(q, *base[1:], "bshd", None, False)
+    o.backward(cap["do"])
+    assert captures.grad_score(q.grad, _reference(cap, "bshd")[0]).passed

@@ -129,9 +129,9 @@ def compile_triton_backward(spec: Spec, cfg: KernelConfig, target: Target, out_d
                             source: Source | None = None,
                             bwd: BackwardConfig | None = None) -> list[Artifact]:
     """Compile every kernel of the backward module (preprocess, dQ, dK/dV) for `target`, with
-    the default `BackwardConfig` (fitted to the spec); one Artifact per kernel."""
+    the target's default `BackwardConfig` (fitted to the spec); one Artifact per kernel."""
     source = source or render_triton_backward(spec, cfg, target)
-    bwd = (bwd or BackwardConfig()).fit(spec)
+    bwd = (bwd or BackwardConfig.default_for(target)).fit(spec)
     arts = []
     for kernel, sig in backward_signatures(spec).items():
         consts, launch = bwd.kernel_launch(kernel)

@@ -103,7 +103,7 @@ class BlockSparseAttention:
         self._kernels: dict[KernelConfig, object] = {}
         self._bwd_kernels: dict[KernelConfig, dict[str, object]] = {}
         #: launch parameters of the backward kernels (`BackwardConfig`)
-        self.backward_config = BackwardConfig().fit(spec)
+        self.backward_config = BackwardConfig.default_for(target).fit(spec)
 
     def __repr__(self) -> str:
         where = self.target.name if self.target else "cpu"

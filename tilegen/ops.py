@@ -107,13 +107,15 @@ def load(spec: Spec | None = None, config: KernelConfig | None = None, *,
 
 # -- torch.library custom op --------------------------------------------------------------------
 #: one loaded op per (dtype, head dim, layout), looked up without building a Spec per call
-_ops: dict[tuple[torch.dtype, int, str], Any] = {}
+_ops: dict[tuple[torch.dtype, int, str, str], Any] = {}
 
 
-def _op_for(q: torch.Tensor, layout: str) -> Any:
-    """The op for q's dtype and head dim; errors name the argument, as validate_inputs does."""
+def _op_for(q: torch.Tensor, layout: str, backend: str = "triton") -> Any:
+    """The op for q's dtype and head dim; errors name the argument, as validate_inputs does.
+    The gradient path (the train and backward ops) asks for the Triton family by name: it is
+    the family with backward kernels."""
     _tensor("q", q)
-    key = (q.dtype, q.shape[-1] if q.dim() else 0, layout)
+    key = (q.dtype, q.shape[-1] if q.dim() else 0, layout, backend)
     op = _ops.get(key)
     if op is not None:
         return op
@@ -126,7 +128,7 @@ def _op_for(q: torch.Tensor, layout: str) -> Any:
         raise ValueError(f"q must be 4-D {layout.upper()} with head dim 64 or 128, "
                          f"got shape {tuple(q.shape)}")
     spec = Spec(head_dim=q.shape[-1], dtype=SPEC_DTYPES[q.dtype], layout=layout)
-    op = _ops[key] = load(spec)
+    op = _ops[key] = load(spec, backend=backend)
     return op
 
 
@@ -177,8 +179,8 @@ def _block_sparse_attention_backward(
     sm_scale: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of `tilegen::block_sparse_attention` (the op's backward kernels)."""
-    return _op_for(q, layout).backward(do, q, k, v, o, lse, topk_idx, vbs, counts,
-                                       sm_scale=sm_scale, dlse=dlse)
+    return _op_for(q, layout, "triton").backward(do, q, k, v, o, lse, topk_idx, vbs, counts,
+                                                 sm_scale=sm_scale, dlse=dlse)
 
 
 @_block_sparse_attention_backward.register_fake
@@ -225,8 +227,8 @@ def _block_sparse_attention_train(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward of a call that needs gradients: (o, lse, o_acc), o_acc the fp32 output the
     backward's delta is computed from (`BlockSparseAttention.forward_for_grad`)."""
-    return _op_for(q, layout).forward_for_grad(q, k, v, topk_idx, vbs, counts,
-                                               sm_scale=sm_scale)
+    return _op_for(q, layout, "triton").forward_for_grad(q, k, v, topk_idx, vbs, counts,
+                                                         sm_scale=sm_scale)
 
 
 @_block_sparse_attention_train.register_fake

@@ -42,8 +42,21 @@ FASTVIDEO_BWD_MS = 28.9  # FastVideo's Triton backward on the H200 (issue #10)
 REQUIRED_MS, AIM_MS = 24.0, 19.0
 
 
+JSON_PATH: list[Path] = []  # set by main(); the JSON is rewritten after every stage
+
+
+def _dump() -> None:
+    if JSON_PATH:
+        try:
+            JSON_PATH[0].parent.mkdir(parents=True, exist_ok=True)
+            JSON_PATH[0].write_text(json.dumps(RESULTS, indent=2, default=str) + "\n")
+        except OSError as exc:
+            print(f"could not write {JSON_PATH[0]}: {exc}", file=sys.stderr)
+
+
 def stage(name):
-    """Run a stage, recording its result or its traceback; never raises."""
+    """Run a stage, recording its result or its traceback; never raises. The JSON is written
+    after each stage, so a run killed by a time limit keeps what it measured."""
     def wrap(fn):
         def run(*a, **kw):
             t0 = time.time()
@@ -51,12 +64,14 @@ def stage(name):
             try:
                 out = fn(*a, **kw)
                 RESULTS["stages"][name] = {"ok": True, "s": round(time.time() - t0, 1)}
+                _dump()
                 return out
             except Exception as exc:  # noqa: BLE001 - a stage's failure is data
                 RESULTS["stages"][name] = {"ok": False, "s": round(time.time() - t0, 1)}
                 RESULTS["errors"][name] = f"{type(exc).__name__}: {exc}"[:2000]
                 traceback.print_exc()
                 torch.cuda.empty_cache()
+                _dump()
                 return None
         return run
     return wrap
@@ -357,6 +372,7 @@ def main() -> int:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     out_path = Path(args.json or Path(os.environ.get("OUT", ".")) / "h200_backward.json")
+    JSON_PATH.append(out_path)
     cap = setup(args.seed)
     if cap is not None:
         RESULTS["flops"] = flops(cap)
@@ -371,11 +387,7 @@ def main() -> int:
             flex(cap)
     text = table()
     RESULTS["table"] = text
-    try:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(RESULTS, indent=2, default=str) + "\n")
-    except OSError as exc:
-        print(f"could not write {out_path}: {exc}", file=sys.stderr)
+    _dump()
     print(text, flush=True)
     print(f"\n(JSON: {out_path})")
     return 0 if not RESULTS["errors"] else 1

@@ -37,8 +37,9 @@ class PlannedSource:
 
 def plan(spec: Spec, target: Target, config: KernelConfig | None = None,
          backends: tuple[str, ...] | None = None) -> list[PlannedSource]:
-    """What a build of `target` renders: one source per backend of the target (registry order),
-    for `config` or each backend's default. Invalid configs raise before anything renders."""
+    """What a build of `target` renders: each backend's `sources()` (registry order; the Triton
+    family's forward and backward), for `config` or each backend's default. Invalid configs
+    raise before anything renders."""
     chosen = backends or target.backends
     unknown = [b for b in chosen if b not in target.backends]
     if unknown:
@@ -50,7 +51,7 @@ def plan(spec: Spec, target: Target, config: KernelConfig | None = None,
             continue
         cfg = config or impl.default_config(spec, target)
         impl.check(spec, target, cfg)
-        items.append(PlannedSource(impl.name, cfg, impl.render(spec, cfg, target)))
+        items.extend(PlannedSource(impl.name, cfg, src) for src in impl.sources(spec, cfg, target))
     return items
 
 
@@ -102,17 +103,18 @@ def _build_into(out_dir: Path, items: list[PlannedSource], spec: Spec, target: T
         src_path = cache.atomic_write(out_dir / item.source.name, item.source.text)
         progress(f"[{target.name}] {item.backend}: compiling {item.source.name}")
         impl = registry.get(item.backend)
-        art = impl.compile(spec, item.config, target, item.source, out_dir)
-        art.source = src_path
-        art.source_sha256 = item.source.sha256
-        art.config = item.config.name
-        if art.occupancy is None:
-            art.occupancy = target.occupancy(art.registers, art.threads, art.shared_bytes,
-                                             art.agprs)
+        compiled = impl.compile(spec, item.config, target, item.source, out_dir)
         key = impl.variant_key(spec, item.config, target, item.source)
-        progress(f"[{target.name}] {item.backend}: {art.path.name} regs={art.registers} "
-                 f"shared={art.shared_bytes} spills={art.spill_bytes}")
-        artifacts.append((art, key))
+        for art in compiled if isinstance(compiled, list) else [compiled]:
+            art.source = src_path
+            art.source_sha256 = item.source.sha256
+            art.config = item.config.name
+            if art.occupancy is None:
+                art.occupancy = target.occupancy(art.registers, art.threads, art.shared_bytes,
+                                                 art.agprs)
+            progress(f"[{target.name}] {item.backend}: {art.path.name} regs={art.registers} "
+                     f"shared={art.shared_bytes} spills={art.spill_bytes}")
+            artifacts.append((art, key))
     manifest = {
         "tilegen": __version__,
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),

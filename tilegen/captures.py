@@ -173,6 +173,58 @@ def score(o: torch.Tensor, o_ref: torch.Tensor, *, layout: str = "bshd") -> Scor
     )
 
 
+GRAD_COS_MIN = 0.9999  # per-head cosine of a gradient, min over (b, h)
+GRAD_MAX_REL = 1e-2  # max |g - g_ref| <= GRAD_MAX_REL * max |g_ref| (of that tensor)
+
+
+@dataclass(frozen=True)
+class GradScore:
+    """Result of :func:`grad_score` for one gradient tensor (dq, dk or dv)."""
+
+    finite: bool
+    min_head_cos: float
+    max_abs: float
+    ref_max: float
+    passed: bool
+
+    @property
+    def max_rel(self) -> float:
+        return self.max_abs / self.ref_max if self.ref_max > 0 else float(self.max_abs > 0)
+
+    def __str__(self) -> str:
+        verdict = "PASS" if self.passed else "FAIL"
+        return (f"finite={self.finite} min_head_cos={self.min_head_cos:.6f} "
+                f"max|Δ|={self.max_abs:.2e} ({self.max_rel:.1e} of max|ref|={self.ref_max:.2e}) "
+                f"-> {verdict}")
+
+
+def grad_score(g: torch.Tensor, g_ref: torch.Tensor, *, layout: str = "bshd") -> GradScore:
+    """Score a gradient (dq, dk or dv) against the fp32 autograd reference: the backward's rule.
+
+    A gradient passes iff
+      1. every element is finite;
+      2. ``min over (b, h)`` of the per-head cosine (as :func:`score`: fp64, one head at a time,
+         flattened over tokens and head dim) is ``>= GRAD_COS_MIN`` (0.9999); a head whose
+         reference and candidate are both all zero counts as cosine 1;
+      3. ``max|g - g_ref| <= GRAD_MAX_REL * max|g_ref|`` (1e-2 of the tensor's own scale:
+         gradients have no fixed scale, unlike outputs).
+    The reference is :func:`tilegen.reference.attention_grads_fp32` (autograd through the fp32
+    reference, padded query rows of dO masked).
+    """
+    s = score(g, g_ref, layout=layout)
+    ref = g_ref.detach().to(g.device)
+    heads = (ref.permute(0, 2, 1, 3) if layout == "bshd" else ref)
+    cand = (g.detach().permute(0, 2, 1, 3) if layout == "bshd" else g.detach())
+    zero = (heads.flatten(2).abs().amax(-1) == 0) & (cand.flatten(2).abs().amax(-1) == 0)
+    head_cos = torch.where(zero.cpu(), 1.0, s.head_cos)
+    cos_min = float(head_cos.min()) if head_cos.numel() else float("nan")
+    ref_max = float(ref.abs().max()) if ref.numel() else 0.0
+    passed = (s.finite and cos_min >= GRAD_COS_MIN
+              and s.max_abs <= GRAD_MAX_REL * ref_max)
+    return GradScore(finite=s.finite, min_head_cos=cos_min, max_abs=s.max_abs, ref_max=ref_max,
+                     passed=passed)
+
+
 # ============================================================================ load / save
 
 

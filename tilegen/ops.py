@@ -133,13 +133,15 @@ def load(spec: Spec | None = None, config: KernelConfig | None = None, *,
 
 # -- torch.library custom op --------------------------------------------------------------------
 #: one loaded op per (dtype, head dim, layout), looked up without building a Spec per call
-_ops: dict[tuple[torch.dtype, int, str], Any] = {}
+_ops: dict[tuple[torch.dtype, int, str, str], Any] = {}
 
 
-def _op_for(q: torch.Tensor, layout: str) -> Any:
-    """The op for q's dtype and head dim; errors name the argument, as validate_inputs does."""
+def _op_for(q: torch.Tensor, layout: str, backend: str = "triton") -> Any:
+    """The op for q's dtype and head dim; errors name the argument, as validate_inputs does.
+    The gradient path (the train and backward ops) asks for the Triton family by name: it is
+    the family with backward kernels."""
     _tensor("q", q)
-    key = (q.dtype, q.shape[-1] if q.dim() else 0, layout)
+    key = (q.dtype, q.shape[-1] if q.dim() else 0, layout, backend)
     op = _ops.get(key)
     if op is not None:
         return op
@@ -152,7 +154,7 @@ def _op_for(q: torch.Tensor, layout: str) -> Any:
         raise ValueError(f"q must be 4-D {layout.upper()} with head dim 64 or 128, "
                          f"got shape {tuple(q.shape)}")
     spec = Spec(head_dim=q.shape[-1], dtype=SPEC_DTYPES[q.dtype], layout=layout)
-    op = _ops[key] = load(spec)
+    op = _ops[key] = load(spec, backend=backend)
     return op
 
 
@@ -187,6 +189,99 @@ def _block_sparse_attention_fake(q, k, v, topk_idx, vbs, counts, layout, sm_scal
     return torch.empty_like(q), q.new_empty((B, H, S), dtype=torch.float32)
 
 
+@torch.library.custom_op("tilegen::block_sparse_attention_backward", mutates_args=())
+def _block_sparse_attention_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    topk_idx: torch.Tensor,
+    vbs: torch.Tensor,
+    counts: torch.Tensor | None,
+    dlse: torch.Tensor | None,
+    layout: str,
+    sm_scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `tilegen::block_sparse_attention` (the op's backward kernels)."""
+    return _op_for(q, layout, "triton").backward(do, q, k, v, o, lse, topk_idx, vbs, counts,
+                                                 sm_scale=sm_scale, dlse=dlse)
+
+
+@_block_sparse_attention_backward.register_fake
+def _block_sparse_attention_backward_fake(do, q, k, v, o, lse, topk_idx, vbs, counts, dlse,
+                                          layout, sm_scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, topk_idx, vbs, counts, layout, sm_scale, return_lse = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, topk_idx, vbs, counts)
+    ctx.layout, ctx.sm_scale, ctx.return_lse = layout, sm_scale, return_lse
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, topk_idx, vbs, counts = ctx.saved_tensors
+    if not ctx.return_lse:
+        # called directly with return_lse=False (the wrapper never does when grad is needed):
+        # lse was not computed; run the forward again for it
+        _, lse = torch.ops.tilegen.block_sparse_attention(q, k, v, topk_idx, vbs, counts,
+                                                          ctx.layout, ctx.sm_scale, True)
+        dlse = None
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = torch.ops.tilegen.block_sparse_attention_backward(
+        do, q, k, v, o, lse, topk_idx, vbs, counts, dlse, ctx.layout, ctx.sm_scale)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_block_sparse_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("tilegen::block_sparse_attention_train", mutates_args=())
+def _block_sparse_attention_train(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    topk_idx: torch.Tensor,
+    vbs: torch.Tensor,
+    counts: torch.Tensor | None,
+    layout: str,
+    sm_scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward of a call that needs gradients: (o, lse, o_acc), o_acc the fp32 output the
+    backward's delta is computed from (`BlockSparseAttention.forward_for_grad`)."""
+    return _op_for(q, layout, "triton").forward_for_grad(q, k, v, topk_idx, vbs, counts,
+                                                         sm_scale=sm_scale)
+
+
+@_block_sparse_attention_train.register_fake
+def _block_sparse_attention_train_fake(q, k, v, topk_idx, vbs, counts, layout, sm_scale):
+    if layout == "bshd":
+        B, S, H, _ = q.shape
+    else:
+        B, H, S, _ = q.shape
+    return (torch.empty_like(q), q.new_empty((B, H, S), dtype=torch.float32),
+            torch.empty_like(q, dtype=torch.float32))
+
+
+def _setup_context_train(ctx, inputs, output):
+    q, k, v, topk_idx, vbs, counts, layout, sm_scale = inputs
+    _, lse, o_acc = output
+    ctx.save_for_backward(q, k, v, o_acc, lse, topk_idx, vbs, counts)
+    ctx.layout, ctx.sm_scale, ctx.return_lse = layout, sm_scale, True
+
+
+def _backward_train(ctx, do, dlse, _do_acc):
+    return _backward(ctx, do, dlse)
+
+
+_block_sparse_attention_train.register_autograd(_backward_train,
+                                                setup_context=_setup_context_train)
+
+
 def block_sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -202,16 +297,19 @@ def block_sparse_attention(
     """Block-sparse attention with the default spec for q's dtype and head dim.
 
     A `torch.library` custom op (``torch.ops.tilegen.block_sparse_attention``) with a fake
-    implementation, so ``torch.compile(fullgraph=True)`` traces models that call it. lse is
-    computed only when ``return_lse=True``. On the CPU PyTorch path (no interpreter) a call
-    that needs gradients runs the differentiable fp32 path directly; on GPUs such a call raises
-    until the backward kernels exist.
+    implementation and a registered backward (``torch.ops.tilegen.block_sparse_attention_backward``,
+    the Triton backward kernels; autograd through the fp32 reference on the CPU PyTorch path),
+    so ``torch.compile(fullgraph=True)`` traces forward and backward of models that call it.
+    Differentiable in q, k and v (and through lse when returned); topk_idx, vbs and counts get
+    no gradient. A call that needs gradients goes through
+    ``torch.ops.tilegen.block_sparse_attention_train``, which also computes lse and keeps the
+    fp32 output for the backward's delta (see `BlockSparseAttention.forward_for_grad`).
     """
-    if (torch.is_grad_enabled() and isinstance(q, torch.Tensor)
-            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))):
-        out = _op_for(q, layout)(q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale,
-                                 return_lse=return_lse)
-        return out
-    o, lse = torch.ops.tilegen.block_sparse_attention(q, k, v, topk_idx, vbs, counts, layout,
-                                                      sm_scale, return_lse)
+    if torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
+        o, lse, _ = torch.ops.tilegen.block_sparse_attention_train(q, k, v, topk_idx, vbs,
+                                                                   counts, layout, sm_scale)
+    else:
+        o, lse = torch.ops.tilegen.block_sparse_attention(q, k, v, topk_idx, vbs, counts,
+                                                          layout, sm_scale, return_lse)
     return (o, lse) if return_lse else o

@@ -49,16 +49,23 @@ def environment() -> jinja2.Environment:
     )
 
 
-def template_set_hash(backend: str | None = None) -> str:
+def template_set_hash(backend: str | None = None, *, backward: bool = False) -> str:
     """sha256 over the template files (path and bytes) of one backend (`templates/<backend>/`),
     or of every backend when None. Tuned winners of the Triton op are keyed by the Triton set, so
-    an edit to a Triton template marks them stale while C++ template work does not."""
+    an edit to a Triton template marks them stale while C++ template work does not.
+
+    Within one backend, the backward kernels' templates (file names containing "backward") are
+    a set of their own: the forward's winners do not depend on them. ``backward=True`` hashes
+    that set instead of the forward one."""
     h = hashlib.sha256()
     root = TEMPLATES_DIR / backend if backend else TEMPLATES_DIR
     for path in sorted(root.rglob("*")):
-        if path.is_file():
-            h.update(str(path.relative_to(TEMPLATES_DIR)).encode() + b"\0")
-            h.update(path.read_bytes() + b"\0")
+        if not path.is_file():
+            continue
+        if backend and ("backward" in path.name) != backward:
+            continue
+        h.update(str(path.relative_to(TEMPLATES_DIR)).encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
     return h.hexdigest()
 
 

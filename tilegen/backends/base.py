@@ -68,6 +68,12 @@ class Backend(ABC):
     def render(self, spec: Spec, cfg: KernelConfig, target: Target) -> Source:
         """The kernel source for (spec, config) on `target`; deterministic."""
 
+    def sources(self, spec: Spec, cfg: KernelConfig, target: Target) -> list[Source]:
+        """Every source a build of (spec, config) on `target` renders and compiles, and `tilegen
+        check` keeps committed: the forward kernel, plus whatever else the family generates
+        (the Triton family adds its backward kernels)."""
+        return [self.render(spec, cfg, target)]
+
     @abstractmethod
     def toolchain(self, target: Target) -> str:
         """Which compiler turns the source into machine code, e.g. ``"triton=3.6.0"``."""
@@ -87,8 +93,9 @@ class Backend(ABC):
     # -- compile and run ---------------------------------------------------------------------
     @abstractmethod
     def compile(self, spec: Spec, cfg: KernelConfig, target: Target, source: Source,
-                out_dir: Path) -> Artifact:
-        """Compile ahead of time (no GPU) into `out_dir`; return the artifact with resources."""
+                out_dir: Path) -> Artifact | list[Artifact]:
+        """Compile `source` (one of `sources()`) ahead of time (no GPU) into `out_dir`; return
+        its artifact with resources, or one per kernel when the source holds several."""
 
     @abstractmethod
     def make_op(self, spec: Spec, cfg: KernelConfig, target: Target | None,

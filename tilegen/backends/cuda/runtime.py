@@ -244,10 +244,11 @@ class CudaBlockSparseAttention:
                  return_lse: bool = True):
         """Validate (`tilegen.ops.validate_inputs`), then launch. Returns (o, lse), or o when
         return_lse=False (the same call as the Triton op)."""
-        from tilegen.inputs import check_sm_scale, validate_inputs
+        from tilegen.inputs import check_sm_scale, require_no_grad, validate_inputs
 
         shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts)
         check_sm_scale(sm_scale)
+        require_no_grad(q, k, v, backend="cuda")
         if q.device.type != "cuda":
             raise ValueError(f"q is on {q.device}; the CUDA backend needs CUDA tensors")
         o, lse = self.launch(q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale,

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from tilegen.backends.triton.op import require_no_grad
 from tilegen.config import KernelConfig
-from tilegen.inputs import DeviceErrorFlag, Shapes, check_sm_scale, validate_inputs
+from tilegen.inputs import (
+    DeviceErrorFlag,
+    Shapes,
+    check_sm_scale,
+    require_no_grad,
+    validate_inputs,
+)
 from tilegen.spec import Spec
 from tilegen.targets import Target
 
@@ -60,7 +65,7 @@ class GluonBlockSparseAttention:
         if q.device.type != "cuda":
             raise ValueError(f"q is on {q.device}; the gluon backend runs on CUDA devices with "
                              "wgmma (sm_90)")
-        require_no_grad(q, k, v)
+        require_no_grad(q, k, v, backend="gluon")
         self.errors.raise_pending(q.device)
         o, lse = self.launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
                              store_lse=return_lse)

@@ -20,7 +20,7 @@ import torch
 from tilegen.backends.hip.plan import HIP_KERNEL_NAME, HipPlan, plan_for
 from tilegen.compile import Artifact
 from tilegen.config import KernelConfig
-from tilegen.inputs import Shapes, check_sm_scale, validate_inputs
+from tilegen.inputs import Shapes, check_sm_scale, require_no_grad, validate_inputs
 from tilegen.reference import LOG2E
 from tilegen.spec import Spec
 from tilegen.targets import Target
@@ -161,6 +161,7 @@ class HipBlockSparseAttention:
         """Validate (as `tilegen.ops` does), then launch; (o, lse), or o when return_lse=False."""
         shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts)
         check_sm_scale(sm_scale)
+        require_no_grad(q, k, v, backend="hip")
         if q.device.type != "cuda" or not getattr(torch.version, "hip", None):
             raise ValueError(f"the HIP backend runs on ROCm devices; q is on {q.device}")
         check_alignment(q=q, k=k, v=v)

@@ -28,15 +28,24 @@ class TritonBackend(Backend):
 
         return render_triton(spec, cfg, target)
 
+    def sources(self, spec: Spec, cfg: KernelConfig, target: Target) -> list[Source]:
+        """The forward kernel and the backward module (preprocess, dQ, dK/dV)."""
+        from tilegen.backends.triton.backward import render_triton_backward
+
+        return [self.render(spec, cfg, target), render_triton_backward(spec, cfg, target)]
+
     def toolchain(self, target: Target | None = None) -> str:
         import triton
 
         return f"triton={triton.__version__}"
 
     def compile(self, spec: Spec, cfg: KernelConfig, target: Target, source: Source,
-                out_dir: Path) -> Artifact:
-        from tilegen.backends.triton.aot import compile_triton
+                out_dir: Path) -> Artifact | list[Artifact]:
+        from tilegen.backends.triton.aot import compile_triton, compile_triton_backward
+        from tilegen.backends.triton.backward import is_backward
 
+        if is_backward(source):
+            return compile_triton_backward(spec, cfg, target, out_dir, source)
         return compile_triton(spec, cfg, target, out_dir, source)
 
     def make_op(self, spec: Spec, cfg: KernelConfig, target: Target | None,

@@ -16,6 +16,11 @@ import sys
 from pathlib import Path
 
 from tilegen import cache
+from tilegen.backends.triton.backward import (
+    BACKWARD_KERNELS,
+    BackwardConfig,
+    render_triton_backward,
+)
 from tilegen.backends.triton.jit import load_triton, triton_imported_interpreted
 from tilegen.backends.triton.render import TRITON_KERNEL_NAME, render_triton
 from tilegen.compile import Artifact, CompileError
@@ -90,34 +95,89 @@ def _require_compiled_mode() -> None:
 def compile_triton(spec: Spec, cfg: KernelConfig, target: Target, out_dir: Path,
                    source: Source | None = None) -> Artifact:
     """Compile the generated Triton kernel for `target` into `out_dir`; return its Artifact."""
+    source = source or render_triton(spec, cfg, target)
+    constexprs = {"HAS_COUNTS": False, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}
+    stem = f"triton_{source.name.removesuffix('.py')}_{cfg.launch_name}"
+    return _compile_kernel(source, TRITON_KERNEL_NAME, signature(spec), constexprs,
+                           len(_PTR_ARGS), cfg.launch, target, out_dir, stem, cfg.name)
+
+
+def backward_signatures(spec: Spec) -> dict[str, dict[str, str]]:
+    """Triton signatures (runtime arguments, then constexprs) of the backward module's kernels
+    (see lut_backward.py.j2). O is the forward's fp32 output (`forward_for_grad`)."""
+    elem = {"bf16": "*bf16", "fp16": "*fp16"}[spec.dtype]
+    f32, i32 = "*fp32", "*i32"
+    return {
+        "preprocess": {"O": f32, "DO": elem, "DELTA": f32, "VBS": i32,
+                       "seq_len": "i32", "num_heads": "i32", "BLOCK_M": "constexpr"},
+        "dq": {"Q": elem, "K": elem, "V": elem, "DO": elem, "LSE": f32, "DELTA": f32,
+               "DSUM": f32, "LUT": i32, "COUNTS": i32, "VBS": i32, "DQ": elem, "ERR": i32,
+               "seq_len": "i32", "num_heads": "i32", "num_q_blocks": "i32",
+               "num_kv_blocks": "i32", "topk": "i32", "qk_scale": "fp32", "sm_scale": "fp32",
+               "HAS_COUNTS": "constexpr", "HAS_DSUM": "constexpr", "BLOCK_M": "constexpr",
+               "BLOCK_N": "constexpr"},
+        "dkdv": {"Q": elem, "K": elem, "V": elem, "DO": elem, "LSE": f32, "DELTA": f32,
+                 "KV_OFFSETS": i32, "KV_QCUBES": i32, "VBS": i32, "DK": elem, "DV": elem,
+                 "DQ_ACC": f32, "DS_SUM": f32, "ERR": i32, "seq_len": "i32", "num_heads": "i32",
+                 "num_kv_blocks": "i32",
+                 "qk_scale": "fp32", "sm_scale": "fp32", "ATOMIC_DQ": "constexpr",
+                 "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
+    }
+
+
+def compile_triton_backward(spec: Spec, cfg: KernelConfig, target: Target, out_dir: Path,
+                            source: Source | None = None,
+                            bwd: BackwardConfig | None = None) -> list[Artifact]:
+    """Compile every kernel of the backward module (preprocess, dQ, dK/dV) for `target`, with
+    the target's default `BackwardConfig` (fitted to the spec); one Artifact per kernel."""
+    source = source or render_triton_backward(spec, cfg, target)
+    bwd = (bwd or BackwardConfig.default_for(target)).fit(spec)
+    arts = []
+    for kernel, sig in backward_signatures(spec).items():
+        consts, launch = bwd.kernel_launch(kernel)
+        if kernel == "dq":
+            consts = {"HAS_COUNTS": False, "HAS_DSUM": False, **consts}
+        if kernel == "dkdv":
+            consts = {"ATOMIC_DQ": bwd.dq_atomic, **consts}
+        n_ptr = sum(1 for t in sig.values() if t.startswith("*"))
+        shape = "_".join(f"{k[6:].lower() or 'm'}{v}" for k, v in consts.items()
+                         if k.startswith("BLOCK"))
+        stem = (f"triton_{source.name.removesuffix('.py')}_{kernel}_{shape}"
+                f"_w{launch['num_warps']}_s{launch['num_stages']}")
+        arts.append(_compile_kernel(source, BACKWARD_KERNELS[kernel], sig, consts, n_ptr, launch,
+                                    target, out_dir, stem, bwd.name))
+    return arts
+
+
+def _compile_kernel(source: Source, kernel: str, sig: dict[str, str], constexprs: dict,
+                    n_ptr: int, launch: dict[str, int], target: Target, out_dir: Path,
+                    stem: str, config_name: str) -> Artifact:
+    """triton.compile one @triton.jit kernel of `source` (pointer arguments first in `sig`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    source = source or render_triton(spec, cfg, target)
     _require_compiled_mode()
     # The AOT path must never run under the interpreter (it would hand back a Python function).
     saved = os.environ.pop("TRITON_INTERPRET", None)
     try:
-        fn = load_triton(source)
-        constexprs = {"HAS_COUNTS": False, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}
+        fn = load_triton(source, kernel)
         # Pointers are 16-byte aligned (torch allocations) and the sizes are multiples of 16
         # for every spec we accept (S = cubes * block, H*D, topk is not: no hint there).
-        attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(_PTR_ARGS))}
-        src = ASTSource(fn=fn, signature=signature(spec), constexprs=constexprs, attrs=attrs)
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(n_ptr)}
+        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
         gpu = GPUTarget(target.triton_backend, target.triton_arch,
                         target.warp_size)
         try:
-            compiled = triton.compile(src, target=gpu, options=cfg.launch)
+            compiled = triton.compile(src, target=gpu, options=launch)
         except Exception as exc:  # triton raises several exception types for bad kernels
-            raise CompileError(f"triton.compile failed for {target.name} {cfg.name}: "
-                               f"{type(exc).__name__}: {exc}") from exc
+            raise CompileError(f"triton.compile failed for {target.name} {kernel} "
+                               f"{config_name}: {type(exc).__name__}: {exc}") from exc
     finally:
         if saved is not None:
             os.environ["TRITON_INTERPRET"] = saved
     asm = compiled.asm
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"triton_{source.name.removesuffix('.py')}_{cfg.launch_name}"
     meta = compiled.metadata
     if target.triton_backend == "cuda":
         binary, kind = asm["cubin"], "cubin"
@@ -140,15 +200,14 @@ def compile_triton(spec: Spec, cfg: KernelConfig, target: Target, out_dir: Path,
         spills = _amd_field(amdgcn, "private_segment_fixed_size")
         stack = spills
         compiler = {"triton": triton.__version__, "llvm": "bundled with triton"}
-    arch = target.arch
     return Artifact(
-        path=path, kind=kind, backend="triton", target=target.name, arch=arch,
-        kernel_name=meta.name if hasattr(meta, "name") else TRITON_KERNEL_NAME,
-        source_sha256=source.sha256, config=cfg.name, registers=registers, agprs=agprs,
+        path=path, kind=kind, backend="triton", target=target.name, arch=target.arch,
+        kernel_name=meta.name if hasattr(meta, "name") else kernel,
+        source_sha256=source.sha256, config=config_name, registers=registers, agprs=agprs,
         shared_bytes=int(meta.shared), spill_bytes=spills, stack_bytes=stack,
-        threads=cfg.num_warps * target.warp_size, compiler=compiler,
-        command=[sys.executable, "-c", f"triton.compile(ASTSource(...), target={gpu!r}, "
-                 f"options={cfg.launch!r})"],
+        threads=launch["num_warps"] * target.warp_size, compiler=compiler,
+        command=[sys.executable, "-c", f"triton.compile(ASTSource({kernel}), target={gpu!r}, "
+                 f"options={launch!r})"],
     )
 
 

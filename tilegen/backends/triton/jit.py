@@ -50,8 +50,9 @@ def check_interpreter_mode() -> None:
             "before starting Python (or before the first `import triton`).")
 
 
-def load_triton(source: Source):
-    """Import the kernel function of `source` (cached per source hash and interpreter mode)."""
+def load_triton(source: Source, kernel: str = TRITON_KERNEL_NAME):
+    """Import the kernel function `kernel` of `source` (the module is cached per source hash and
+    interpreter mode)."""
     check_interpreter_mode()
     key = (source.sha256, interpreting())
     with _lock:
@@ -67,4 +68,4 @@ def load_triton(source: Source):
             sys.modules[mod_name] = module
             spec.loader.exec_module(module)
             _modules[key] = module
-    return getattr(module, TRITON_KERNEL_NAME)
+    return getattr(module, kernel)

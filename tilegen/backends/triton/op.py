@@ -10,8 +10,15 @@ Execution paths:
   Triton 3.6's interpreter computes bf16 ``tl.dot`` wrongly (it multiplies raw bits) and
   truncates fp32 -> bf16 casts, so for bf16 the kernel is rendered with the ``interp_bf16``
   option (see `KernelConfig`); the op says so once in the log. fp16 runs the GPU text unchanged.
-- CPU tensors otherwise: the fp32 PyTorch path (`tilegen.reference`), cast to the input dtype;
-  it is differentiable.
+- CPU tensors otherwise: the fp32 PyTorch path (`tilegen.reference`), cast to the input dtype.
+
+Gradients flow to q, k and v on every path (`_Attention`, a `torch.autograd.Function`): the
+backward kernels (`tilegen.backends.triton.backward`: delta preprocess, dQ over the LUT, dK/dV
+over the inverse map) on GPUs and under the interpreter; the fp32 reference backward
+(`tilegen.reference.attention_backward_fp32`, the same function as autograd through
+`attention_fp32`) on the CPU PyTorch path. Padded query rows (past
+vbs of their cube) are masked in the backward: garbage there in q, k, v or dO never reaches a
+real gradient.
 
 On the CPU the values are always checked eagerly.
 """
@@ -22,11 +29,25 @@ import logging
 
 import torch
 
+from tilegen.backends.triton.backward import (
+    BACKWARD_KERNELS,
+    BackwardConfig,
+    finish_atomic_dq,
+    inverse_map,
+    render_triton_backward,
+)
 from tilegen.backends.triton.jit import interpreting, load_triton
 from tilegen.backends.triton.render import render_triton
 from tilegen.config import KernelConfig
-from tilegen.inputs import DeviceErrorFlag, Shapes, check_sm_scale, validate_inputs
-from tilegen.reference import LOG2E, attention_fp32
+from tilegen.inputs import (  # noqa: F401  (require_no_grad: re-exported for the families)
+    DeviceErrorFlag,
+    Shapes,
+    check_sm_scale,
+    needs_grad,
+    require_no_grad,
+    validate_inputs,
+)
+from tilegen.reference import LOG2E, attention_backward_fp32, attention_fp32
 from tilegen.spec import Spec
 from tilegen.targets import Target
 
@@ -41,14 +62,27 @@ def note_once(message: str, level: int = logging.INFO) -> None:
         log.log(level, message)
 
 
-def require_no_grad(*tensors: torch.Tensor) -> None:
-    """The GPU kernels have no backward yet: refuse a call whose output would need a gradient
-    rather than hand back a detached tensor."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise RuntimeError(
-            "block-sparse attention on the GPU has no backward pass yet (the backward kernels "
-            "are tracked as issue #10): call it under torch.no_grad() or on tensors that do not "
-            "require grad; the CPU path (PyTorch) is differentiable")
+class _Attention(torch.autograd.Function):
+    """Forward launch saving (o, lse) and the backward kernels: o and lse are differentiable
+    outputs (a gradient of lse folds into delta); topk_idx, vbs and counts get none."""
+
+    @staticmethod
+    def forward(ctx, op, q, k, v, topk_idx, vbs, counts, sm_scale, shapes):
+        o, lse, o_acc = op.forward_for_grad(q, k, v, topk_idx, vbs, counts, shapes=shapes,
+                                            sm_scale=sm_scale)
+        ctx.save_for_backward(q, k, v, o_acc, lse, topk_idx, vbs, counts)
+        ctx.op, ctx.sm_scale = op, sm_scale
+        ctx.set_materialize_grads(False)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, topk_idx, vbs, counts = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv = ctx.op.backward(do, q, k, v, o, lse, topk_idx, vbs, counts,
+                                     sm_scale=ctx.sm_scale, dlse=dlse)
+        return None, dq, dk, dv, None, None, None, None, None
 
 
 class BlockSparseAttention:
@@ -67,6 +101,9 @@ class BlockSparseAttention:
         # rendered and imported once per render-time variant: rendering on every call would
         # cost the op milliseconds of host time
         self._kernels: dict[KernelConfig, object] = {}
+        self._bwd_kernels: dict[KernelConfig, dict[str, object]] = {}
+        #: launch parameters of the backward kernels (`BackwardConfig`)
+        self.backward_config = BackwardConfig.default_for(target).fit(spec)
 
     def __repr__(self) -> str:
         where = self.target.name if self.target else "cpu"
@@ -93,17 +130,137 @@ class BlockSparseAttention:
         shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
                                  check_values=check_values or on_cpu)
         check_sm_scale(sm_scale)
-        if on_cpu and not interpreting():
+        if needs_grad(q, k, v):  # lse is computed (and saved) whatever return_lse says
+            o, lse = _Attention.apply(self, q, k, v, topk_idx, vbs, counts, sm_scale, shapes)
+        else:
+            o, lse = self._forward(q, k, v, topk_idx, vbs, counts, shapes, sm_scale, return_lse)
+        return (o, lse) if return_lse else o
+
+    def _pytorch_path(self, device: torch.device) -> bool:
+        return device.type == "cpu" and not interpreting()
+
+    def _forward(self, q, k, v, topk_idx, vbs, counts, shapes, sm_scale, store_lse):
+        if self._pytorch_path(q.device):
             o, lse = attention_fp32(
                 q, k, v, topk_idx, vbs if self.spec.variable_block_sizes else None, counts,
                 layout=self.spec.layout, block=self.spec.block_kv, sm_scale=sm_scale)
-            o = o.to(q.dtype)
+            return o.to(q.dtype), lse
+        self.errors.raise_pending(q.device)
+        return self.launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
+                           store_lse=store_lse)
+
+    def forward_for_grad(self, q, k, v, topk_idx, vbs, counts=None, *,
+                         shapes: Shapes | None = None, sm_scale: float | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The forward of a call that needs gradients: (o, lse, o_acc), o_acc being o before
+        its rounding to the input dtype (fp32), which the backward's delta = rowsum(dO * O)
+        needs: with the rounded o, delta is off by ~2^-9 |dO||O| per row, and on a head whose
+        softmax is nearly one-hot (the outlier head) dS = P (dP - delta) cancels to the size of
+        that error (dQ's per-head cosine drops to ~0.998). The kernel writes fp32 directly
+        (Triton specialises the store on the output pointer's dtype); o is its rounding."""
+        if shapes is None:
+            shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
+                                     check_values=False)
+        if self._pytorch_path(q.device):
+            o_acc, lse = attention_fp32(
+                q, k, v, topk_idx, vbs if self.spec.variable_block_sizes else None, counts,
+                layout=self.spec.layout, block=self.spec.block_kv, sm_scale=sm_scale)
         else:
-            require_no_grad(q, k, v)
             self.errors.raise_pending(q.device)
-            o, lse = self.launch(q, k, v, topk_idx, vbs, counts, shapes=shapes,
-                                 sm_scale=sm_scale, store_lse=return_lse)
-        return (o, lse) if return_lse else o
+            o_acc = torch.empty_like(q, dtype=torch.float32)
+            lse = torch.empty((shapes.batch, shapes.heads, shapes.seq_len),
+                              dtype=torch.float32, device=q.device)
+            self.launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
+                        out=(o_acc, lse))
+        return o_acc.to(q.dtype), lse, o_acc
+
+    def backward(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, lse: torch.Tensor, topk_idx: torch.Tensor, vbs: torch.Tensor,
+                 counts: torch.Tensor | None = None, *, sm_scale: float | None = None,
+                 dlse: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dq, dk, dv) given dO (and optionally d lse), from the forward's o and base-2 lse.
+        ``o`` is best the fp32 ``o_acc`` of `forward_for_grad` (any float dtype is taken).
+
+        No input checks (the forward did them). Padded slots of dq, dk and dv come out zero.
+        On the CPU PyTorch path: the fp32 reference backward (`attention_backward_fp32`)."""
+        if self._pytorch_path(q.device):
+            dq, dk, dv = attention_backward_fp32(
+                q, k, v, topk_idx, vbs if self.spec.variable_block_sizes else None, counts,
+                do, dlse, layout=self.spec.layout, block=self.spec.block_kv, sm_scale=sm_scale)
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        self.errors.raise_pending(q.device)
+        return self.launch_backward(do, q, k, v, o, lse, topk_idx, vbs, counts,
+                                    sm_scale=sm_scale, dlse=dlse)
+
+    def backward_kernels(self, device: torch.device) -> dict[str, object]:
+        """The three backward kernels for `device` (rendered and imported once)."""
+        cfg = self.kernel_config(device)
+        kernels = self._bwd_kernels.get(cfg)
+        if kernels is None:
+            src = render_triton_backward(self.spec, cfg, self.target)
+            kernels = self._bwd_kernels[cfg] = {
+                k: load_triton(src, name) for k, name in BACKWARD_KERNELS.items()}
+        return kernels
+
+    def launch_backward(self, do, q, k, v, o, lse, topk_idx, vbs, counts=None, *,
+                        sm_scale: float | None = None, dlse: torch.Tensor | None = None,
+                        inverse: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        config: BackwardConfig | None = None):
+        """Launch preprocess, dQ and dK/dV with no input checks; returns (dq, dk, dv).
+        ``inverse`` passes a prebuilt `inverse_map` (e.g. shared by the layers of a step)."""
+        spec = self.spec
+        cfg = self.kernel_config(q.device)
+        bcfg = (config or self.backward_config).fit(spec)
+        kernels = self.backward_kernels(q.device)
+        if spec.layout == "bshd":
+            B, S, H, _ = q.shape
+        else:
+            B, H, S, _ = q.shape
+        nq = S // spec.block_q
+        nkv = S // spec.block_kv
+        topk = topk_idx.shape[-1]
+        do = do.contiguous()
+        if do.dtype != q.dtype:
+            do = do.to(q.dtype)
+        scale = sm_scale if sm_scale is not None else spec.sm_scale
+        err = self.errors.buffer(q.device)
+        delta = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
+        consts, opts = bcfg.kernel_launch("preprocess")
+        kernels["preprocess"][(S // consts["BLOCK_M"], B * H)](
+            o, do, delta, vbs, S, H, **consts, **opts)
+        dsum = None
+        if dlse is not None:  # d lse_2 / d s = log2(e) * P: fold it into delta
+            dsum = dlse.to(torch.float32) * LOG2E  # = sum_j dS_ij, the dQ kernel's centring
+            delta = delta - dsum
+        offsets, qcubes = inverse if inverse is not None else inverse_map(topk_idx, counts, nkv)
+        buf = torch.float32 if cfg.interp_bf16 else q.dtype
+        dk = torch.empty_like(k, dtype=buf)
+        dv = torch.empty_like(v, dtype=buf)
+        if bcfg.dq_atomic:
+            dq_acc = torch.zeros_like(q, dtype=torch.float32)
+            ds_sum = torch.zeros((B, H, S), dtype=torch.float32, device=q.device)
+        else:
+            dq = torch.empty_like(q, dtype=buf)
+            dq_acc = ds_sum = delta  # not touched
+            consts, opts = bcfg.kernel_launch("dq")
+            kernels["dq"][(nq * (spec.block_q // consts["BLOCK_M"]), B * H)](
+                q, k, v, do, lse, delta, dsum if dsum is not None else delta, topk_idx,
+                counts if counts is not None else topk_idx, vbs, dq, err,
+                S, H, nq, nkv, topk, scale * LOG2E, scale,
+                HAS_COUNTS=counts is not None, HAS_DSUM=dsum is not None, **consts, **opts)
+        consts, opts = bcfg.kernel_launch("dkdv")
+        kernels["dkdv"][(nkv * (spec.block_kv // consts["BLOCK_N"]), B * H)](
+            q, k, v, do, lse, delta, offsets, qcubes, vbs, dk, dv, dq_acc, ds_sum, err,
+            S, H, nkv, scale * LOG2E, scale, ATOMIC_DQ=bcfg.dq_atomic, **consts, **opts)
+        self.errors.after_launch(q.device)
+        if bcfg.dq_atomic:
+            dq = finish_atomic_dq(dq_acc, ds_sum, dsum, k, topk_idx,
+                                  vbs if spec.variable_block_sizes else None, buf, spec.layout,
+                                  spec.block_kv, scale)
+        if cfg.interp_bf16:
+            dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return dq, dk, dv
 
     def check(self) -> None:
         """Wait for this op's launches and raise ValueError if any met a bad index, vbs or

@@ -136,10 +136,11 @@ def load(spec: Spec | None = None, config: KernelConfig | None = None, *,
 _ops: dict[tuple[torch.dtype, int, str, str], Any] = {}
 
 
-def _op_for(q: torch.Tensor, layout: str, backend: str = "triton") -> Any:
+def _op_for(q: torch.Tensor, layout: str, backend: str | None = None) -> Any:
     """The op for q's dtype and head dim; errors name the argument, as validate_inputs does.
-    The gradient path (the train and backward ops) asks for the Triton family by name: it is
-    the family with backward kernels."""
+    With no backend, the fastest tuned family for the device (`load`); the gradient path (the
+    train and backward ops) asks for the Triton family by name: it is the family with backward
+    kernels."""
     _tensor("q", q)
     key = (q.dtype, q.shape[-1] if q.dim() else 0, layout, backend)
     op = _ops.get(key)

@@ -54,7 +54,7 @@ class BackwardConfig:
     dq_stages: int = 2
     dkdv_block_n: int = 64
     dkdv_block_m: int = 64
-    dkdv_warps: int = 8
+    dkdv_warps: int = 4  # the H200 sweep's best (bench/RESULTS.md): 29.0 ms against 48.1 at 8
     dkdv_stages: int = 2
     pre_block_m: int = 64
     dq_atomic: bool = False

@@ -127,3 +127,25 @@ def test_backend_selection():
     except ImportError:
         with pytest.raises(RuntimeError, match="hip-python"):
             tilegen.load(Spec(), backend="hip")
+
+
+def test_custom_op_takes_the_fastest_family_unless_grad_is_needed(monkeypatch):
+    """A no-grad `block_sparse_attention` loads the device's fastest tuned family (backend
+    None); the gradient path asks for the Triton family, the one with backward kernels."""
+    import torch
+
+    from tilegen import ops
+
+    asked = []
+    real = ops.load
+
+    def spy(spec=None, config=None, **kw):
+        asked.append(kw.get("backend"))
+        return real(spec, config, **kw)
+
+    monkeypatch.setattr(ops, "load", spy)
+    monkeypatch.setattr(ops, "_ops", {})
+    q = torch.zeros(1, 64, 1, 64, dtype=torch.bfloat16)
+    ops._op_for(q, "bshd")
+    ops._op_for(q, "bshd", "triton")
+    assert asked == [None, "triton"]

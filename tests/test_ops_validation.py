@@ -149,3 +149,63 @@ def test_custom_op_takes_the_fastest_family_unless_grad_is_needed(monkeypatch):
     ops._op_for(q, "bshd")
     ops._op_for(q, "bshd", "triton")
     assert asked == [None, "triton"]
+
+
+def test_duplicate_indices_are_rejected_when_values_are_checked():
+    """Indices in a row must be distinct (the contract); value checks (always on the CPU,
+    `check_values=True` on GPUs) reject a repeat, naming the row; slots past a row's count are
+    never read, so a repeat there is fine."""
+    args = inputs()
+    dup = args["topk_idx"].clone()
+    dup[0, 1, 2] = torch.tensor([3, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"row \(b, h, q\) = \(0, 1, 2\) holds index 3 more"):
+        call(topk_idx=dup)
+    counts = torch.full((1, 2, 4), 2, dtype=torch.int32)
+    counts[0, 1, 2] = 1
+    call(topk_idx=dup, counts=counts)
+
+
+def test_nan_rows_give_nan_on_every_path(monkeypatch):
+    """A NaN in q makes that row's o and lse NaN, on the kernel path (under the interpreter)
+    and on the PyTorch path alike; lse = -inf stays reserved for empty rows."""
+    args = inputs()
+    q = args["q"].clone()
+    q[0, 70, 1, 5] = float("nan")  # query cube 1, head 1
+    op = tilegen.load(SPEC, target=None)
+    rest = (args["k"], args["v"], args["topk_idx"], args["vbs"])
+    for interp in ("1", "0"):
+        monkeypatch.setenv("TRITON_INTERPRET", interp)
+        o, lse = op(q, *rest)
+        assert torch.isnan(o[0, 70, 1]).all() and torch.isnan(lse[0, 1, 70])
+        assert torch.isfinite(o[0, 64:70, 1]).all() and torch.isfinite(lse[0, 0]).all()
+
+
+def test_kernel_guards_bad_values_without_reading_out_of_bounds(monkeypatch):
+    """The no-sync path: the kernel itself meets a bad index / vbs / count (no eager check, as
+    on a GPU), never loads out of bounds, writes NaN into the rows it touched and sets the
+    device error word; the other rows are untouched."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    args = inputs()
+    op = tilegen.load(SPEC, target=None)
+    rest = (args["q"], args["k"], args["v"])
+    good, _ = op.launch(*rest, args["topk_idx"], args["vbs"])
+    cases = []
+    bad_idx = args["topk_idx"].clone()
+    bad_idx[0, 0, 3, 1] = 10**6
+    cases.append((bad_idx, args["vbs"], None, (0, 3)))
+    bad_vbs = args["vbs"].clone()
+    bad_vbs[2] = 0  # cube 2 is read by query cubes 1 and 2
+    cases.append((args["topk_idx"], bad_vbs, None, (None, 1)))
+    counts = torch.full((1, 2, 4), 2, dtype=torch.int32)
+    counts[0, 1, 0] = 7
+    cases.append((args["topk_idx"], args["vbs"], counts, (1, 0)))
+    for idx, vbs, cnt, (head, cube) in cases:
+        op.errors.buffer(torch.device("cpu")).zero_()
+        o, _ = op.launch(*rest, idx, vbs, cnt)
+        rows = slice(cube * 64, (cube + 1) * 64)
+        heads = [head] if head is not None else [0, 1]
+        for h in heads:
+            assert torch.isnan(o[0, rows, h]).all()
+        assert torch.equal(o[0, 3 * 64:, 1 - heads[0]] if head is not None else o[0, :64],
+                           good[0, 3 * 64:, 1 - heads[0]] if head is not None else good[0, :64])
+        assert int(op.errors.buffer(torch.device("cpu"))) == 1

@@ -43,8 +43,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     out = Path(args.out or f"build/{target.name}")
     backends = tuple(args.backend) if args.backend else None
     t0 = time.perf_counter()
-    manifest = build(spec, target, out, _config(args), backends,
-                     progress=lambda msg: print(msg, file=sys.stderr))
+    with _build_progress() as progress:
+        manifest = build(spec, target, out, _config(args), backends, progress=progress)
     print(f"built {len(manifest['artifacts'])} artifact(s) for {target.name} "
           f"(spec {spec.short_hash}) in {time.perf_counter() - t0:.1f}s -> {out}")
     for art in manifest["artifacts"]:
@@ -52,6 +52,34 @@ def cmd_build(args: argparse.Namespace) -> int:
               f"shared={art['shared_bytes']} spills={art['spill_bytes']}")
     print(f"  manifest: {out / 'manifest.json'}")
     return 0
+
+
+class _build_progress:  # noqa: N801 - used as a context manager, reads like a function
+    """Progress of `tilegen build`: a rich status line on a terminal, plain lines on stderr
+    otherwise (logs, CI)."""
+
+    def __enter__(self):
+        self._status = None
+        if sys.stderr.isatty():
+            try:
+                from rich.console import Console
+
+                self._status = Console(stderr=True).status("building")
+                self._status.__enter__()
+            except ImportError:
+                self._status = None
+        return self
+
+    def __call__(self, message: str) -> None:
+        if self._status is not None:
+            self._status.update(message)
+            self._status.console.log(message)
+        else:
+            print(message, file=sys.stderr)
+
+    def __exit__(self, *exc) -> None:
+        if self._status is not None:
+            self._status.__exit__(*exc)
 
 
 def _positive_int(text: str) -> int:

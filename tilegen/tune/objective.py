@@ -369,7 +369,11 @@ class _WorkerState:
         if not paths:
             raise WorkerSetupError(f"no capture .pt files in {self.setup.captures}")
         for path in paths:
-            yield path.name, captures.for_spec(captures.load(path, device=self.device), self.spec)
+            try:
+                cap = captures.load(path, device=self.device)
+            except ValueError as exc:  # a damaged capture: one clear line, no traceback
+                raise WorkerSetupError(str(exc)) from exc
+            yield path.name, captures.for_spec(cap, self.spec)
 
     def _reference(self, name: str, cap: dict) -> tuple[Any, str, str]:
         """The output a candidate is scored against, computed once per capture, and its check

@@ -27,7 +27,7 @@ from tilegen.db import (
     env_key,
     resolve_db_path,
 )
-from tilegen.db.exchange import merge_export_file, read_export
+from tilegen.db.exchange import read_export
 from tilegen.db.migrations import upgrade
 from tilegen.db.models import (
     Candidate,
@@ -38,6 +38,7 @@ from tilegen.db.models import (
     Workload,
     utcnow,
 )
+from tilegen.db.records import merge_export_file
 from tilegen.identity import VariantKey
 
 H200 = {"device_name": "NVIDIA H200", "arch": "sm_90", "driver": "570.86", "torch": "2.13.0",

@@ -47,7 +47,7 @@ _EXPORTS = {
     "env_key": "records",
     "normalize_env": "records",
     "variant_digest": "records",
-    "merge_export_file": "exchange",
+    "merge_export_file": "records",
     "read_export": "exchange",
 }
 

@@ -173,7 +173,7 @@ def _export(db: Any, args: argparse.Namespace) -> int:
     note = (f"; left out {left} winner(s) timed by a test-only timer (--include-fake exports "
             "them)") if left else ""
     if args.out and args.merge and Path(args.out).exists():
-        from tilegen.db.exchange import merge_export_file
+        from tilegen.db.records import merge_export_file
         from tilegen.winners import variant_currency
 
         rep = merge_export_file(args.out, doc, currency=variant_currency)

@@ -89,7 +89,7 @@ def inspect_file(path: Path) -> None:
         raise TuningDBError(path, f"truncated SQLite file ({size} bytes, shorter than its "
                                   "100-byte header); left untouched")
     page = int.from_bytes(head[16:18], "big")
-    page = 65536 if page == 1 else page
+    page = 65536 if page == 1 else page  # SQLite's encoding; not a hardware fact
     if page < 512 or page & (page - 1):
         raise TuningDBError(path, f"damaged SQLite header (page size {page}); left untouched")
     pages = int.from_bytes(head[28:32], "big")

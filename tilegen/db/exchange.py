@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -36,7 +35,6 @@ from sqlalchemy.orm import Session
 
 from tilegen.cache import atomic_write
 from tilegen.db import policy
-from tilegen.db.engine import DB_FILENAME
 from tilegen.db.errors import ConflictError, ExportFormatError
 from tilegen.db.models import (
     ENV_FIELDS,
@@ -46,7 +44,7 @@ from tilegen.db.models import (
     Winner,
     Workload,
 )
-from tilegen.db.records import (
+from tilegen.db.rows import (
     VARIANT_FIELDS,
     Currency,
     ImportReport,
@@ -493,32 +491,6 @@ def load_doc(conn: Connection, doc: Mapping[str, Any]) -> None:
         s.flush()
 
 
-def merge_export_file(dest: str | os.PathLike[str], doc: Mapping[str, Any], *,
-                      currency: Currency | None = None) -> ImportReport | None:
-    """Write the export ``doc`` to the file ``dest``, merged with the export already there.
-
-    When ``dest`` does not exist, ``doc`` is written as is and None is returned. Otherwise the
-    existing file and then ``doc`` are imported into a throwaway DB and the union is exported
-    over ``dest`` (atomically, sorted, deterministic): winner conflicts follow ``import``'s
-    rules (``doc`` is the import). Merging the same ``doc`` again gives the same bytes.
-    Test-only-timer winners already in the file stay. An existing file that is not an export
-    raises ``ExportFormatError`` naming it, and is left as it was.
-    """
-    from tilegen.db.records import TuningDB
-
-    out = Path(dest)
-    if not out.exists():
-        write_export(doc, out)
-        return None
-    existing = read_export(out)
-    with tempfile.TemporaryDirectory(prefix="tilegen-merge-") as tmp:
-        with TuningDB.open(Path(tmp) / DB_FILENAME) as db:
-            db.import_json(existing)
-            report = db.import_json(read_export(doc, "the new export"), currency=currency)
-            db.export_json(out, include_fake=True)
-    return report
-
-
 __all__ = [
     "EXPORT_FORMAT",
     "VARIANT_FIELDS",
@@ -527,7 +499,6 @@ __all__ = [
     "export_dict",
     "import_doc",
     "load_doc",
-    "merge_export_file",
     "read_export",
     "upgrade_doc",
     "write_export",

@@ -854,12 +854,12 @@ def export_spec(db: Any, spec: Spec, dest: str | Path, out: IO[str]) -> None:
     """``--export``: write the spec's workload, candidates and (real-timer) winners to `dest`.
 
     An existing export at `dest` is merged with, not overwritten
-    (`tilegen.db.exchange.merge_export_file`), so that exporting a second spec to
+    (`tilegen.db.records.merge_export_file`), so that exporting a second spec to
     ``tuning_db/winners.json`` keeps the winners already shipped there. The tuning results are
     in the DB before this runs; a file that cannot be merged is a `SessionError` naming it.
     """
     from tilegen.db.errors import ExportFormatError
-    from tilegen.db.exchange import merge_export_file
+    from tilegen.db.records import merge_export_file
     from tilegen.winners import variant_currency
 
     doc = db.export_dict(spec_hash=spec.hash)

@@ -23,6 +23,7 @@ from tilegen.backends.gluon import render as _render
 from tilegen.backends.gluon.prepass import prepass_buffers, run_prepass
 from tilegen.reference import LOG2E
 from tilegen.render import Source
+from tilegen.targets import Target
 
 _lock = threading.Lock()
 _modules: dict[str, Any] = {}
@@ -58,12 +59,13 @@ PACKED_BOXES = (32, 16, 8)
 class GluonLaunch:
     """One rendered variant, launchable on CUDA tensors of a target with wgmma."""
 
-    def __init__(self, source: Source, opts: dict[str, Any], head_dim: int) -> None:
+    def __init__(self, source: Source, opts: dict[str, Any], head_dim: int,
+                 target: Target) -> None:
         self.source = source
         self.cfg = opts
         self.kernel = load_kernel(source)
-        self.maxnreg = _render.maxnreg_for(opts)
-        self.num_warps = 4
+        self.maxnreg = _render.maxnreg_for(opts, target)
+        self.num_warps = target.fact("warps_per_warpgroup")  # the default partition: a consumer
         self.head_dim = head_dim
         self._bufs: dict = {}
         self._descs: dict = {}
@@ -144,7 +146,7 @@ def signature(opts: dict, head_dim: int, dtype: str) -> tuple[dict, dict]:
     return sig, {"ZERO_PAD_ROWS": False}
 
 
-def compile_offline(source: Source, opts: dict, head_dim: int, dtype: str, arch: int):
+def compile_offline(source: Source, opts: dict, head_dim: int, dtype: str, target: Target):
     """Compile for the target here (no GPU needed): Triton's CompiledKernel (asm: ttgir, llir,
     ptx, cubin)."""
     import triton
@@ -154,5 +156,7 @@ def compile_offline(source: Source, opts: dict, head_dim: int, dtype: str, arch:
     fn = load_kernel(source)
     sig, consts = signature(opts, head_dim, dtype)
     src = GluonASTSource(fn, sig, consts)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": 4, "maxnreg": _render.maxnreg_for(opts)})
+    return triton.compile(src, target=GPUTarget(target.triton_backend, target.triton_arch,
+                                                target.warp_size),
+                          options={"num_warps": target.fact("warps_per_warpgroup"),
+                                   "maxnreg": _render.maxnreg_for(opts, target)})

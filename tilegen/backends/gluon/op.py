@@ -51,7 +51,7 @@ class GluonBlockSparseAttention:
 
             cfg = self.config.replace(store_lse=store_lse)
             run = GluonLaunch(BACKEND.render(self.spec, cfg, self.target), options_of(cfg),
-                              self.spec.head_dim)
+                              self.spec.head_dim, self.target)
             self._launches[store_lse] = run
         return run
 

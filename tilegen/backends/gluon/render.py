@@ -75,19 +75,23 @@ def smem_bytes(cfg: Mapping[str, Any], block: int = 64, head_dim: int = 128) -> 
     return cfg["num_consumers"] * per
 
 
-def launch_warps(cfg: Mapping[str, Any]) -> int:
-    """Warps the CTA launches: consumers x 4 plus one producer warp each, in whole warpgroups."""
+def launch_warps(cfg: Mapping[str, Any], target: Target) -> int:
+    """Warps the CTA launches: a warpgroup per consumer plus one producer warp each, rounded up
+    to whole warpgroups (target.toml warps_per_warpgroup)."""
     n = cfg["num_consumers"]
-    return 4 * (n + (n + 3) // 4)
+    wg = target.fact("warps_per_warpgroup")
+    return wg * (n + -(-n // wg))
 
 
-def maxnreg_for(cfg: Mapping[str, Any]) -> int:
+def maxnreg_for(cfg: Mapping[str, Any], target: Target) -> int:
     """The kernel-wide register cap that leaves each consumer warpgroup `consumer_regs` after the
     producer warpgroup(s) drop to `producer_regs` (setmaxnreg moves registers within the CTA)."""
     n = cfg["num_consumers"]
-    producer_wgs = (n + 3) // 4
-    total = n * 128 * cfg["consumer_regs"] + producer_wgs * 128 * cfg["producer_regs"]
-    per_thread = -(-total // (launch_warps(cfg) * 32))
+    wg = target.fact("warps_per_warpgroup")
+    wg_threads = wg * target.warp_size
+    producer_wgs = -(-n // wg)
+    total = n * wg_threads * cfg["consumer_regs"] + producer_wgs * wg_threads * cfg["producer_regs"]
+    per_thread = -(-total // (launch_warps(cfg, target) * target.warp_size))
     return -(-per_thread // 8) * 8
 
 
@@ -112,9 +116,9 @@ def check(spec: Any, cfg: Mapping[str, Any], target: Target | None = None) -> st
         if smem_bytes(cfg, 64, head_dim) > target.max_shared_bytes:
             return (f"shared memory {smem_bytes(cfg, 64, head_dim)} B over "
                     f"{target.max_shared_bytes}")
-        threads = launch_warps(cfg) * target.warp_size
-        if (maxnreg_for(cfg) * threads > target.registers_per_sm
-                or maxnreg_for(cfg) > target.max_registers_per_thread):
+        threads = launch_warps(cfg, target) * target.warp_size
+        if (maxnreg_for(cfg, target) * threads > target.registers_per_sm
+                or maxnreg_for(cfg, target) > target.max_registers_per_thread):
             return "consumer_regs do not fit the register file"
     return None
 

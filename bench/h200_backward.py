@@ -145,7 +145,7 @@ def timing(cap):
     from tilegen.ops import _op_for, block_sparse_attention
 
     idx, vbs, do = cap["topk_idx"], cap["vbs"], cap["do"]
-    op = _op_for(cap["q"], "bshd")
+    op = _op_for(cap["q"], "bshd", "triton")  # the family with backward kernels
     t = {}
     with torch.no_grad():
         t["forward (no grad)"] = bench_ms(

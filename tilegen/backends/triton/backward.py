@@ -51,7 +51,7 @@ class BackwardConfig:
     dq_block_m: int = 64
     dq_block_n: int = 64
     dq_warps: int = 4
-    dq_stages: int = 2
+    dq_stages: int = 3  # the H200 sweep's best with dK/dV at 4 warps: 28.5 ms against 29.0 at 2
     dkdv_block_n: int = 64
     dkdv_block_m: int = 64
     dkdv_warps: int = 4  # the H200 sweep's best (bench/RESULTS.md): 29.0 ms against 48.1 at 8

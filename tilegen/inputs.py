@@ -158,17 +158,6 @@ def needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def require_no_grad(*tensors: torch.Tensor, backend: str = "this") -> None:
-    """For kernel families with no backward kernels (gluon, cuda, hip): refuse a call whose
-    output would need a gradient rather than hand back a detached tensor."""
-    if needs_grad(*tensors):
-        raise RuntimeError(
-            f"the {backend} backend has no backward pass: call it under torch.no_grad() or on "
-            "tensors that do not require grad, or use the Triton family "
-            "(tilegen.load(spec, backend='triton'), the default, and "
-            "tilegen.ops.block_sparse_attention), whose op is differentiable in q, k and v")
-
-
 class DeviceErrorFlag:
     """An int32 error word the kernel sets on the device when it meets a bad index, vbs or count,
     read back without a host sync.

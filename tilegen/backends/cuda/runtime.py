@@ -244,11 +244,16 @@ class CudaBlockSparseAttention:
                  return_lse: bool = True):
         """Validate (`tilegen.ops.validate_inputs`), then launch. Returns (o, lse), or o when
         return_lse=False (the same call as the Triton op)."""
-        from tilegen.inputs import check_sm_scale, require_no_grad, validate_inputs
+        from tilegen.inputs import check_sm_scale, needs_grad, validate_inputs
 
         shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts)
         check_sm_scale(sm_scale)
-        require_no_grad(q, k, v, backend="cuda")
+        if needs_grad(q, k, v):
+            from tilegen.backends.triton.op import differentiable_op
+            from tilegen.targets import detect_target
+
+            return differentiable_op(self.spec, detect_target(), "cuda")(
+                q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale, return_lse=return_lse)
         if q.device.type != "cuda":
             raise ValueError(f"q is on {q.device}; the CUDA backend needs CUDA tensors")
         o, lse = self.launch(q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale,

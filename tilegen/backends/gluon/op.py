@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from tilegen.backends.triton.op import differentiable_op
 from tilegen.config import KernelConfig
 from tilegen.inputs import (
     DeviceErrorFlag,
     Shapes,
     check_sm_scale,
-    require_no_grad,
+    needs_grad,
     validate_inputs,
 )
 from tilegen.spec import Spec
@@ -65,7 +66,10 @@ class GluonBlockSparseAttention:
         if q.device.type != "cuda":
             raise ValueError(f"q is on {q.device}; the gluon backend runs on CUDA devices with "
                              "wgmma (sm_90)")
-        require_no_grad(q, k, v, backend="gluon")
+        if needs_grad(q, k, v):
+            return differentiable_op(self.spec, self.target, "gluon")(
+                q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale, return_lse=return_lse,
+                check_values=check_values)
         self.errors.raise_pending(q.device)
         o, lse = self.launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
                              store_lse=return_lse)

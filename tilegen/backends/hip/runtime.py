@@ -20,7 +20,7 @@ import torch
 from tilegen.backends.hip.plan import HIP_KERNEL_NAME, HipPlan, plan_for
 from tilegen.compile import Artifact
 from tilegen.config import KernelConfig
-from tilegen.inputs import Shapes, check_sm_scale, require_no_grad, validate_inputs
+from tilegen.inputs import Shapes, check_sm_scale, needs_grad, validate_inputs
 from tilegen.reference import LOG2E
 from tilegen.spec import Spec
 from tilegen.targets import Target
@@ -161,7 +161,11 @@ class HipBlockSparseAttention:
         """Validate (as `tilegen.ops` does), then launch; (o, lse), or o when return_lse=False."""
         shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts)
         check_sm_scale(sm_scale)
-        require_no_grad(q, k, v, backend="hip")
+        if needs_grad(q, k, v):
+            from tilegen.backends.triton.op import differentiable_op
+
+            return differentiable_op(self.spec, self.target, "hip")(
+                q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale, return_lse=return_lse)
         if q.device.type != "cuda" or not getattr(torch.version, "hip", None):
             raise ValueError(f"the HIP backend runs on ROCm devices; q is on {q.device}")
         check_alignment(q=q, k=k, v=v)

@@ -39,12 +39,11 @@ from tilegen.backends.triton.backward import (
 from tilegen.backends.triton.jit import interpreting, load_triton
 from tilegen.backends.triton.render import render_triton
 from tilegen.config import KernelConfig
-from tilegen.inputs import (  # noqa: F401  (require_no_grad: re-exported for the families)
+from tilegen.inputs import (
     DeviceErrorFlag,
     Shapes,
     check_sm_scale,
     needs_grad,
-    require_no_grad,
     validate_inputs,
 )
 from tilegen.reference import LOG2E, attention_backward_fp32, attention_fp32
@@ -313,3 +312,29 @@ class BlockSparseAttention:
         if cfg.interp_bf16 and out is None:
             o = o.to(q.dtype)
         return o, (lse if store_lse else None)
+
+
+_grad_ops: dict[tuple[Spec, str | None], BlockSparseAttention] = {}
+
+
+def differentiable_op(spec: Spec, target: Target | None, family: str) -> BlockSparseAttention:
+    """The Triton family's op for `spec`: the families with no backward kernels (gluon, cuda,
+    hip) hand it a call whose output needs gradients, so gradients flow on every path (the
+    contract); said once per family. Its config is the Triton family's tuned winner for the
+    device, else the target's default."""
+    key = (spec, target.name if target is not None else None)
+    op = _grad_ops.get(key)
+    if op is None:
+        from tilegen.backends import get
+        from tilegen.config import reference_config
+
+        triton = get("triton")
+        cfg = reference_config(spec)
+        if target is not None:
+            from tilegen.winners import lookup_config
+
+            cfg = lookup_config(spec, target) or triton.default_config(spec, target)
+        op = _grad_ops[key] = triton.make_op(spec, cfg, target, "gradients")
+    note_once(f"the {family} family has no backward kernels: calls that need gradients run "
+              f"the Triton family's op ({op.config.name}), forward and backward")
+    return op

@@ -344,3 +344,115 @@ def test_run_bench_end_to_end_on_the_cpu(tmp_path, interpreter):
     assert rows["sdpa-cudnn"]["error"] and rows["sdpa-cudnn"]["passed"] is None
     assert "tilegen bench plan" in out and "[1/7]" in out and "[7/7]" in out
     assert "json: wrote" in out
+
+
+# ---------------------------------------------------------------------------- --backward
+
+BWD_TINY = Spec(dtype="fp16", head_dim=64, grid=(4, 8, 8), num_heads=2, topk=2)  # 4 cubes
+
+
+def test_cli_backward_flag_reaches_the_plan(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(bench, "run_bench", lambda plan, **kw: seen.setdefault("plan", plan)
+                        and 0)
+    assert main(["bench", "--backward", "--topk", "78"]) == 0
+    assert seen["plan"].backward
+    seen.clear()
+    assert main(["bench", "--topk", "78"]) == 0
+    assert not seen["plan"].backward and seen["plan"].backward_variants == []
+
+
+def test_plan_lists_backward_rows_only_with_the_flag():
+    plain = bench.make_plan(Spec())
+    assert not plain.backward and "backward" not in plain.describe()
+    assert bench.steps_per_point(plain) == len(plain.variants) + 2
+    plan = bench.make_plan(Spec(), backward=True)
+    labels = [v.label for v in plan.backward_variants]
+    assert labels == ["fwd+bwd", "bwd kernels", "inverse map", "flex fwd+bwd"]
+    assert {v.kind for v in plan.backward_variants} == {"backward"}
+    assert bench.steps_per_point(plan) == len(plan.variants) + 2 + 4
+    text = plan.describe()
+    assert "launch_backward" in text and "inverse_map" in text and "2.5 * forward" in text
+    no_flex = bench.make_plan(Spec(), backward=True, flex=False)
+    assert [v.label for v in no_flex.backward_variants] == ["fwd+bwd", "bwd kernels",
+                                                             "inverse map"]
+
+
+def test_cli_dry_run_shows_the_backward_plan(capsys, monkeypatch):
+    def no_cuda(*a, **k):
+        raise AssertionError("--dry-run touched the GPU")
+
+    monkeypatch.setattr(torch.cuda, "is_available", no_cuda)
+    assert main(["bench", "--dry-run", "--backward", "--sweep"]) == 0
+    out = capsys.readouterr().out
+    assert "backward (4 rows" in out and "bwd kernels" in out and "flex fwd+bwd" in out
+    assert "+ 4 backward row(s)" in out
+
+
+def test_backward_flops_formula():
+    assert bench.backward_flops(10.0) == 25.0
+    assert bench.backward_flops(10.0, "bwd kernels") == 25.0
+    assert bench.backward_flops(10.0, "fwd+bwd") == 35.0
+    assert bench.backward_flops(10.0, "flex fwd+bwd") == 35.0
+    assert bench.backward_flops(10.0, "inverse map") is None
+    assert "2.5 * forward FLOPs" in bench.BACKWARD_FLOPS_FORMULA
+
+
+def test_backward_rows_exit_status_and_plot(tmp_path):
+    spec = BWD_TINY
+    pt = bench.Point("p", spec, seed=0)
+
+    def row(label, backend="triton", **kw):
+        r = bench._new_row(pt, spec, {}, label, "backward", backend)
+        for k, v in kw.items():
+            setattr(r, k, v)
+        return r
+
+    assert row("inverse map", ms_op=1.0).ok  # timed only
+    assert row("bwd kernels", passed=True).ok and not row("bwd kernels", passed=False).ok
+    failed = row("bwd kernels")
+    failed.fail("boom")
+    assert not failed.ok and failed.passed is False
+    flex = row("flex fwd+bwd", backend="flex")
+    flex.fail("NoValidChoicesError")
+    assert flex.ok and flex.passed is None  # a peer
+    assert bench.plot_series([row("bwd kernels", ms_op=1.0)]) == {}
+    assert bench.backward_heads(40, [17]) == [0, 17, 39]
+
+
+def test_run_bench_backward_end_to_end_on_the_cpu(tmp_path, interpreter):
+    """--backward at a tiny size: the Triton backward kernels under the interpreter, eager
+    FlexAttention's backward, the fp32 reference gradients, a fake timer."""
+    plan = bench.make_plan(BWD_TINY, topk=[2], dense=False, backward=True,
+                           json_path=tmp_path / "bench.json")
+    buf = io.StringIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rc = bench.run_bench(plan, command="test", device="cpu", timer=lambda fn: (fn(), 2.0)[1],
+                             file=buf)
+    out = buf.getvalue()
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert rc == 0, out
+    assert list(rows) == ["reference", "reference-vs-fp32", "default", "flex", "fwd+bwd",
+                          "bwd kernels", "inverse map", "flex fwd+bwd"]
+    assert doc["backward_flops_formula"] == bench.BACKWARD_FLOPS_FORMULA
+    fwd_flops = rows["reference"]["flops"]
+    for name in ("fwd+bwd", "bwd kernels"):
+        r = rows[name]
+        assert r["kind"] == "backward" and r["error"] is None, r
+        assert r["passed"] is True and r["min_head_cos"] >= 0.9999, r["score"]
+        assert r["heads_checked"] == [0, 1] and r["ms_op"] == 2.0 and r["speedup"] is None
+    assert rows["bwd kernels"]["flops"] == pytest.approx(2.5 * fwd_flops)
+    assert rows["fwd+bwd"]["flops"] == pytest.approx(3.5 * fwd_flops)
+    assert rows["bwd kernels"]["tflops"] == pytest.approx(2.5 * fwd_flops / 2.0 / 1e9)
+    assert rows["inverse map"]["ms_op"] == 2.0 and rows["inverse map"]["passed"] is None
+    flex = rows["flex fwd+bwd"]
+    assert flex["error"] or flex["passed"] is True, flex
+    assert "[9/9]" in out and "bwd kernels" in out
+
+
+def test_cli_backward_without_a_gpu_exits_2(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "--backward", "--topk", "78"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -38,6 +38,26 @@ stops the bench: its row carries the error and the bench goes on. The exit statu
 every tilegen row (and the fp32 check) passed, 1 otherwise, 2 without a CUDA GPU. Peers never
 change it.
 
+Backward (``--backward``; issue #10 item 5), on the same captures, after the forward variants,
+for the Triton family (the one with backward kernels); rows of ``kind`` "backward", dO random
+(seeded by the capture's seed), timed with the same timer:
+
+- ``fwd+bwd``: ``block_sparse_attention(q, k, v, idx, vbs)`` on requires_grad q, k, v, then
+  ``torch.autograd.grad(o, (q, k, v), dO)``: the whole training step of the op;
+- ``bwd kernels``: ``op.launch_backward(dO, q, k, v, o_acc, lse, idx, vbs, inverse=<prebuilt>,
+  config=op.backward_config)`` with ``op = tilegen.load(spec, backend="triton")`` and (o_acc,
+  lse) from ``op.forward_for_grad``: the three backward kernels alone;
+- ``inverse map``: ``inverse_map(idx, None, NKV)`` alone (torch; part of every real backward);
+- ``flex fwd+bwd`` (peer): the FlexAttention peer (same compiled function, same BlockMask) forward
+  plus ``torch.autograd.grad``; a compile failure is recorded in the row, never fatal.
+
+The dq, dk, dv of ``fwd+bwd``, ``bwd kernels`` (and flex) are scored with the gradient rule
+(`captures.grad_score`: finite, per-head cosine >= 0.9999, max|Δ| <= 1e-2 max|ref|) against the
+fp32 autograd reference (`tilegen.reference.attention_grads_fp32`) recomputed on the heads
+`backward_heads` picks (outlier head(s), first, last), one head at a time.
+FLOPs (`BACKWARD_FLOPS_FORMULA`): the backward is 2.5x the forward's real-key FLOPs, fwd+bwd
+3.5x. Backward rows are in the table and the JSON, not in the plot.
+
 The pure parts (argument parsing, FLOP counting, the BlockMask index tensors, rows, JSON, table,
 plot) run on the CPU and are tested in tests/test_bench.py; `run_points` takes the timer and the
 op loader as arguments so the whole loop runs on the CPU too.
@@ -72,6 +92,28 @@ FLOPS_FORMULA = ("FLOPs = 4 * D * sum over (b, h, query row) of the real keys th
                  "all S query rows count, padded ones included (the kernels compute them); the "
                  "real keys of KV cube c are vbs[c]. TFLOP/s = FLOPs / ms / 1e9. tflops_slots "
                  "counts every key slot multiplied instead (TOPK*block_kv per row; S for dense).")
+
+#: backward FLOPs per forward FLOP (5 matmuls against 2: FlashAttention's nominal count)
+BACKWARD_FLOPS_FACTOR = 2.5
+
+BACKWARD_FLOPS_FORMULA = (
+    "backward FLOPs = 2.5 * forward FLOPs (the forward's real-key count above: 5 matmuls "
+    "against 2, the nominal count; the split dQ | dK/dV kernels execute 7); fwd+bwd rows count "
+    "3.5 * forward FLOPs; the inverse map counts none. TFLOP/s = FLOPs / ms / 1e9.")
+
+#: the backward rows: label -> (FLOPs per forward FLOP or None, what is timed)
+BACKWARD_ROWS: dict[str, tuple[float | None, str]] = {
+    "fwd+bwd": (1.0 + BACKWARD_FLOPS_FACTOR,
+                "block_sparse_attention(q, k, v, idx, vbs) with requires_grad q/k/v, then "
+                "torch.autograd.grad(o, (q, k, v), dO); grads scored"),
+    "bwd kernels": (BACKWARD_FLOPS_FACTOR,
+                    "tilegen.load(spec, backend='triton').launch_backward(dO, ..., "
+                    "inverse=<prebuilt>, config=op.backward_config); grads scored"),
+    "inverse map": (None, "tilegen.backends.triton.backward.inverse_map(idx, None, NKV)"),
+    "flex fwd+bwd": (1.0 + BACKWARD_FLOPS_FACTOR,
+                     "the flex peer (same BlockMask, torch.compile) + torch.autograd.grad; "
+                     "a failure is recorded, not fatal"),
+}
 
 #: dense SDPA peers: label -> torch.nn.attention.SDPBackend member
 DENSE_PEERS: dict[str, str] = {"sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-flash": "FLASH_ATTENTION"}
@@ -192,6 +234,13 @@ def dense_flops(batch: int, heads: int, seq_len: int, head_dim: int, vbs: torch.
             4.0 * head_dim * rows * seq_len)
 
 
+def backward_flops(forward_flops: float, label: str = "bwd kernels") -> float | None:
+    """FLOPs of a backward row (`BACKWARD_ROWS`): 2.5x the forward's for the backward kernels,
+    3.5x for forward + backward, None for the inverse map."""
+    factor = BACKWARD_ROWS[label][0]
+    return None if factor is None else factor * forward_flops
+
+
 def flops_of(cap: dict, spec: Spec) -> float:
     """Real-key FLOPs of a capture (`real_key_flops`); kept for `tilegen.tune`."""
     return real_key_flops(cap["topk_idx"], cap["vbs"], spec.block_q, spec.head_dim)
@@ -272,6 +321,7 @@ class FlexPeer:
     def __init__(self, compile: bool = True) -> None:
         self.compile = compile
         self.failed: str | None = None
+        self.failed_backward: str | None = None
         self._fn: Callable | None = None
         self._mask_mods: dict[tuple, tuple[torch.Tensor, Callable]] = {}
 
@@ -330,6 +380,11 @@ class Plan:
     plot_path: Path = Path("bench_results.png")
     warmup_ms: int = DEFAULT_WARMUP_MS
     rep_ms: int = DEFAULT_REP_MS
+    backward_variants: list[Variant] = field(default_factory=list)  # empty: no --backward
+
+    @property
+    def backward(self) -> bool:
+        return bool(self.backward_variants)
 
     @property
     def synthetic(self) -> bool:
@@ -355,12 +410,24 @@ class Plan:
             lines.append(f"    {v.label:18s} {v.kind:8s} {v.calls}")
         lines.append("  check: reference variant vs the fp32 oracle on a subset of heads "
                      "(outlier head included)")
+        if self.backward:
+            lines.append(f"  backward ({len(self.backward_variants)} rows, Triton family, random "
+                         "dO seeded per capture):")
+            for v in self.backward_variants:
+                lines.append(f"    {v.label:18s} {v.kind:8s} {v.calls}")
+            lines.append("  backward check: dq, dk, dv vs tilegen.reference.attention_grads_fp32 "
+                         "on the outlier head(s), the first and the last head (grad_score: "
+                         "finite, cos >= 0.9999, max|d| <= 1e-2 max|ref|)")
         n_points = (len(self.topks) * self.seeds if self.synthetic
                     else len(list(Path(self.captures).glob("*.pt"))))
-        lines.append(f"  runs: {n_points} capture(s) x {len(self.variants)} variant(s); "
+        extra = (f" + {len(self.backward_variants)} backward row(s)" if self.backward
+                 else "")
+        lines.append(f"  runs: {n_points} capture(s) x {len(self.variants)} variant(s){extra}; "
                      f"do_bench warmup {self.warmup_ms} ms, rep {self.rep_ms} ms, median")
         lines.append(f"  writes: {self.json_path}, {self.plot_path}")
         lines.append(f"  {FLOPS_FORMULA}")
+        if self.backward:
+            lines.append(f"  {BACKWARD_FLOPS_FORMULA}")
         return "\n".join(lines)
 
 
@@ -373,7 +440,8 @@ def make_plan(spec: Spec, captures_dir: str = "synthetic", *, seeds: int = 1,
               sweep: bool = False, grid: Sequence[int] | None = None, heads: int | None = None,
               backends: Sequence[str] = (), flex: bool = True, dense: bool = True,
               json_path: str | Path = "bench_results.json", plot_path: str | Path | None = None,
-              warmup_ms: int = DEFAULT_WARMUP_MS, rep_ms: int = DEFAULT_REP_MS) -> Plan:
+              warmup_ms: int = DEFAULT_WARMUP_MS, rep_ms: int = DEFAULT_REP_MS,
+              backward: bool = False) -> Plan:
     """Check the options and list what will run (no GPU needed)."""
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
@@ -408,11 +476,19 @@ def make_plan(spec: Spec, captures_dir: str = "synthetic", *, seeds: int = 1,
             variants.append(Variant(label, "peer", label.split("-")[1],
                                     f"dense scaled_dot_product_attention (BHSD) under "
                                     f"sdpa_kernel(SDPBackend.{member}); timed, not scored"))
+    backward_variants = []
+    if backward:
+        for label, (_, calls) in BACKWARD_ROWS.items():
+            if label == "flex fwd+bwd" and not flex:
+                continue
+            backward_variants.append(Variant(label, "backward",
+                                             "flex" if label.startswith("flex") else "triton",
+                                             calls))
     json_path = Path(json_path)
     return Plan(spec=spec, captures=captures_dir, seeds=seeds, topks=topks, dropped_topks=dropped,
                 variants=variants, config=config, json_path=json_path,
                 plot_path=Path(plot_path) if plot_path else default_plot_path(json_path),
-                warmup_ms=warmup_ms, rep_ms=rep_ms)
+                warmup_ms=warmup_ms, rep_ms=rep_ms, backward_variants=backward_variants)
 
 
 # ============================================================================ rows
@@ -424,7 +500,7 @@ class Row:
 
     capture: str
     variant: str
-    kind: str  # "tilegen", "peer" or "oracle"
+    kind: str  # "tilegen", "peer", "oracle" or "backward"
     backend: str
     config: str
     topk: int
@@ -490,13 +566,24 @@ class Row:
         text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
         text = " ".join(text.split())[:2000]
         self.error = text if self.error is None else f"{self.error}; {text}"
-        if self.kind != "peer" or self.passed is not None:
+        if not self.is_peer or self.passed is not None:
             self.passed = False
 
     @property
+    def is_peer(self) -> bool:
+        """Peers (forward, and the backward's flex row) never change the exit status."""
+        return self.kind == "peer" or (self.kind == "backward" and self.backend == "flex")
+
+    @property
     def ok(self) -> bool:
-        """Counts toward the exit status: tilegen and oracle rows must pass, with no error."""
-        return self.kind == "peer" or (self.passed is True and self.error is None)
+        """Counts toward the exit status: tilegen and oracle rows must pass, with no error;
+        backward rows must have no error and not fail their score (the inverse map and a
+        ``fwd+bwd`` that could not run this spec's kernel are timed only)."""
+        if self.is_peer:
+            return True
+        if self.kind == "backward":
+            return self.error is None and self.passed is not False
+        return self.passed is True and self.error is None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -506,6 +593,8 @@ def fill_speedups(rows: list[Row]) -> None:
     """speedup = the reference variant's ms / this row's ms, per capture (op and bare)."""
     refs = {r.capture: r for r in rows if r.variant == "reference" and r.kind == "tilegen"}
     for r in rows:
+        if r.kind == "backward":
+            continue  # the forward reference is no base for a backward timing
         ref = refs.get(r.capture)
         if ref is None:
             continue
@@ -533,7 +622,7 @@ def environment() -> dict[str, str]:
 def results_json(plan: Plan, rows: list[Row], env: dict[str, str],
                  command: str | None = None) -> dict[str, Any]:
     """The JSON document `tilegen bench` writes (schema "tilegen.bench/1")."""
-    return {
+    doc = {
         "schema": "tilegen.bench/1",
         "date": env.get("date"),
         "command": command,
@@ -552,6 +641,10 @@ def results_json(plan: Plan, rows: list[Row], env: dict[str, str],
         "passed": all(r.ok for r in rows),
         "rows": [r.to_dict() for r in rows],
     }
+    if plan.backward:  # only with --backward: the JSON without it is unchanged
+        doc["backward_flops_formula"] = BACKWARD_FLOPS_FORMULA
+        doc["backward_variants"] = [dataclasses.asdict(v) for v in plan.backward_variants]
+    return doc
 
 
 def write_json(path: str | Path, doc: dict[str, Any]) -> Path:
@@ -620,17 +713,26 @@ TABLE_FOOTNOTE = ("ms op: the op as users call it (default: block_sparse_attenti
                   "x ref: the reference variant's ms op / this ms op; TFLOP/s on real keys")
 
 
+BACKWARD_FOOTNOTE = ("backward rows: ms op is the timed call (fwd+bwd: the whole step; bwd "
+                     "kernels: launch_backward, inverse map prebuilt), TFLOP/s nominal (2.5x the "
+                     "forward's FLOPs per backward), result the grad rule on dq, dk, dv")
+
+
 def print_table(rows: list[Row], file=None) -> None:
     file = file or sys.stdout
+    backward = any(r.kind == "backward" for r in rows)
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
         print(format_table(rows), file=file)
         print(TABLE_FOOTNOTE, file=file)
+        if backward:
+            print(BACKWARD_FOOTNOTE, file=file)
         return
     console = Console(file=file, width=None if file.isatty() else 200)
-    table = Table(*TABLE_COLUMNS, title="tilegen bench", caption=TABLE_FOOTNOTE)
+    table = Table(*TABLE_COLUMNS, title="tilegen bench",
+                  caption=TABLE_FOOTNOTE + ("; " + BACKWARD_FOOTNOTE if backward else ""))
     for c in table_cells(rows):
         style = ("red" if c[-1].startswith(("FAIL", "ERROR")) else
                  "green" if c[-1] == "PASS" else None)
@@ -640,10 +742,10 @@ def print_table(rows: list[Row], file=None) -> None:
 
 def plot_series(rows: list[Row]) -> dict[str, list[tuple[float, float, float | None]]]:
     """Per variant: sorted (sparsity %, median ms_op, median TFLOP/s) over the captures of each
-    TOPK (rows with a timing only)."""
+    TOPK (rows with a timing only; backward rows are left out of the plot)."""
     groups: dict[str, dict[float, list[Row]]] = {}
     for r in rows:
-        if r.ms_op is None:
+        if r.ms_op is None or r.kind == "backward":
             continue
         groups.setdefault(r.variant, {}).setdefault(round(100 * r.sparsity, 3), []).append(r)
     out = {}
@@ -672,7 +774,8 @@ def plot(rows: list[Row], path: str | Path, title: str = "") -> str:
         from matplotlib.ticker import ScalarFormatter
     except ImportError:
         return "plot: skipped (matplotlib is not installed; pip install matplotlib)"
-    ticks = {round(100 * r.sparsity, 3): r.topk for r in rows if r.ms_op is not None}
+    ticks = {round(100 * r.sparsity, 3): r.topk for r in rows
+             if r.ms_op is not None and r.kind != "backward"}
     fig, (ax_ms, ax_tf) = plt.subplots(1, 2, figsize=(13, 5))
     for variant, pts in series.items():
         style = "-" if variant in ("default", "config", "reference") else "--"
@@ -840,8 +943,9 @@ def _from_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def steps_per_point(plan: Plan) -> int:
-    """Progress units per capture: the capture, each variant, the fp32 check."""
-    return len(plan.variants) + 2
+    """Progress units per capture: the capture, each variant, the fp32 check, each backward
+    row."""
+    return len(plan.variants) + 2 + len(plan.backward_variants)
 
 
 def run_points(plan: Plan, *, device: str = "cuda", timer: Callable | None = None,
@@ -905,6 +1009,10 @@ def _run_point(plan: Plan, point: Point, device: str, timer: Callable, loader: C
         row = _new_row(point, point.spec, env, "reference-vs-fp32", "oracle", "fp32")
         row.fail(f"capture: {type(exc).__name__}: {exc}")
         finish(row)
+        for v in plan.backward_variants:
+            row = _new_row(point, point.spec, env, v.label, v.kind, v.backend)
+            row.fail(f"capture: {type(exc).__name__}: {exc}")
+            finish(row)
         _free(device)
         return rows
     reporter.step(f"{point.name}: capture ready in {time.perf_counter() - t0:.1f}s "
@@ -960,6 +1068,14 @@ def _run_point(plan: Plan, point: Point, device: str, timer: Callable, loader: C
                 oracle = _new_row(point, spec, env, "reference-vs-fp32", "oracle", "fp32")
                 oracle.fail("not run: the reference variant failed")
             finish(oracle)
+    if plan.backward_variants:
+        del peer_inputs
+        _free(device)
+        for row in _run_backward(plan, point, spec, cap, args, sparse_flops, device, timer,
+                                 loader, flex, reporter, env):
+            finish(row)
+        del cap, args, o_ref
+        return rows
     del cap, args, o_ref, peer_inputs
     return rows
 
@@ -1115,6 +1231,206 @@ def _run_dense(spec: Spec, variant: Variant, peer_inputs: tuple, timer: Callable
         row.ms_op = timer(call)
 
 
+# ============================================================================ backward
+
+
+def backward_heads(heads: int, outlier_heads: Sequence[int] = ()) -> list[int]:
+    """Heads the backward check recomputes fp32 gradients on: the outlier head(s), the first
+    and the last."""
+    return sorted({*(h for h in outlier_heads if 0 <= h < heads), 0, heads - 1})
+
+
+def backward_do(q: torch.Tensor, seed: int | None) -> torch.Tensor:
+    """The incoming gradient dO: standard normal, like q, seeded by the capture's seed."""
+    g = torch.Generator(device=q.device).manual_seed(1_000_003 + (seed or 0))
+    return torch.randn(q.shape, generator=g, device=q.device).to(q.dtype)
+
+
+def _head_dim(layout: str) -> int:
+    return 2 if layout == "bshd" else 1
+
+
+def grad_reference(spec: Spec, args: tuple, do: torch.Tensor, heads: Sequence[int]
+                   ) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) of the fp32 autograd reference on `heads` only (the heads selected with
+    index_select, in the spec's layout), computed one head at a time to bound memory."""
+    from tilegen.reference import attention_grads_fp32
+
+    layout, dim = spec.layout, _head_dim(spec.layout)
+    vbs = args[4] if spec.variable_block_sizes else None
+    parts = []
+    for h in heads:
+        sel = torch.tensor([h], device=args[0].device)
+        q, k, v, d = (t.index_select(dim, sel).contiguous() for t in (*args[:3], do))
+        idx = args[3].index_select(1, sel).contiguous()
+        parts.append(attention_grads_fp32(q, k, v, idx, vbs, None, d, layout=layout,
+                                          block=spec.block_kv, sm_scale=spec.sm_scale))
+        del q, k, v, d
+    return tuple(torch.cat([p[i] for p in parts], dim=dim) for i in range(3))
+
+
+def set_grad_score(row: Row, grads: Sequence[torch.Tensor], ref: Sequence[torch.Tensor],
+                   layout: str, heads: list[int]) -> None:
+    """Score (dq, dk, dv), restricted to `heads`, against the reference on those heads with
+    `captures.grad_score`; the row passes iff all three pass."""
+    sel = torch.tensor(heads, device=grads[0].device)
+    scores = [captures.grad_score(g.index_select(_head_dim(layout), sel), r, layout=layout)
+              for g, r in zip(grads, ref, strict=True)]
+    row.passed = all(s.passed for s in scores)
+    row.finite = all(s.finite for s in scores)
+    row.min_head_cos = min(s.min_head_cos for s in scores)
+    row.max_abs = max(s.max_abs for s in scores)
+    row.score = "; ".join(f"{n}: {s}" for n, s in zip(("dq", "dk", "dv"), scores, strict=True))
+    row.scored_against = f"fp32 autograd reference (attention_grads_fp32), heads {heads}"
+    row.heads_checked = list(heads)
+
+
+def _run_backward(plan: Plan, point: Point, spec: Spec, cap: dict, args: tuple,
+                  sparse_flops: tuple[float, float], device: str, timer: Callable,
+                  loader: Callable, flex: FlexPeer, reporter: Reporter,
+                  env: dict[str, str]) -> list[Row]:
+    """The backward rows of one capture (`BACKWARD_ROWS`); failures are recorded per row."""
+    heads = backward_heads(spec.num_heads, cap.get("outlier_heads") or ())
+    ref: tuple[torch.Tensor, ...] | None = None
+    ref_error: str | None = None
+    reporter.status(f"{point.name}: fp32 reference gradients on heads {heads}")
+    try:
+        do = backward_do(args[0], point.seed)
+        with torch.enable_grad():
+            ref = grad_reference(spec, args, do, heads)
+    except Exception as exc:  # noqa: BLE001 - the timings stand without the check
+        ref_error = f"{type(exc).__name__}: {exc}"
+        do = backward_do(args[0], point.seed)
+        _free(device)
+    runners = {"fwd+bwd": _bwd_custom_op, "bwd kernels": _bwd_kernels,
+               "inverse map": _bwd_inverse_map, "flex fwd+bwd": _bwd_flex}
+    rows = []
+    for variant in plan.backward_variants:
+        reporter.status(f"{point.name}: backward, {variant.label}")
+        row = _new_row(point, spec, env, variant.label, variant.kind, variant.backend)
+        factor = BACKWARD_ROWS[variant.label][0]
+        if factor is not None:
+            row.set_flops(factor * sparse_flops[0], factor * sparse_flops[1])
+        try:
+            with torch.enable_grad():
+                grads = runners[variant.label](spec, args, do, timer, row, device,
+                                               loader=loader, flex=flex)
+            if grads is not None:
+                if ref is None:
+                    row.fail(f"not scored: the fp32 reference gradients failed ({ref_error})")
+                else:
+                    set_grad_score(row, grads, ref, spec.layout, heads)
+            del grads
+        except Exception as exc:  # noqa: BLE001 - a failing row must not stop the bench
+            row.fail(exc)
+            if isinstance(exc, torch.cuda.OutOfMemoryError):
+                row.add_note("out of memory")
+            _free(device)
+        rows.append(row)
+    del ref, do
+    return rows
+
+
+def _first_call(fn: Callable, row: Row, device: str) -> Any:
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    row.first_call_s = time.perf_counter() - t0
+    return out
+
+
+def _bwd_custom_op(spec: Spec, args: tuple, do: torch.Tensor, timer: Callable, row: Row,
+                   device: str, **_: Any) -> tuple[torch.Tensor, ...] | None:
+    """fwd+bwd: the custom op on requires_grad leaves, then torch.autograd.grad."""
+    from tilegen.ops import _op_for, block_sparse_attention
+
+    plain = Spec(head_dim=spec.head_dim, dtype=spec.dtype, layout=spec.layout)
+    if plain.kernel_dict() != spec.kernel_dict():
+        row.add_note("not run: block_sparse_attention runs the default kernel fields, not this "
+                     "spec's (the bwd kernels row runs this spec's)")
+        return None
+    q, k, v = (t.detach().requires_grad_(True) for t in args[:3])
+    idx, vbs = args[3], args[4]
+
+    def step() -> tuple[torch.Tensor, ...]:
+        o = block_sparse_attention(q, k, v, idx, vbs, layout=spec.layout, sm_scale=spec.sm_scale)
+        return torch.autograd.grad(o, (q, k, v), do)
+
+    grads = _first_call(step, row, device)
+    row.config = _op_for(args[0], spec.layout, "triton").backward_config.name
+    row.ms_op = timer(step)
+    return grads
+
+
+def _bwd_kernels(spec: Spec, args: tuple, do: torch.Tensor, timer: Callable, row: Row,
+                 device: str, *, loader: Callable, **_: Any) -> tuple[torch.Tensor, ...]:
+    """bwd kernels: op.launch_backward with the inverse map prebuilt (o_acc, lse from
+    forward_for_grad, outside the timing)."""
+    from tilegen.backends.triton.backward import inverse_map
+
+    op = loader(spec, backend="triton")
+    row.backend = getattr(op, "backend", "triton")
+    q, k, v, idx, vbs = args
+    _, lse, o_acc = op.forward_for_grad(q, k, v, idx, vbs)
+    inv = inverse_map(idx, None, vbs.shape[0])
+    cfg = op.backward_config
+    row.config = cfg.name
+    bargs = (do, q, k, v, o_acc, lse, idx, vbs)
+
+    def call() -> tuple[torch.Tensor, ...]:
+        return op.launch_backward(*bargs, inverse=inv, config=cfg)
+
+    grads = _first_call(call, row, device)
+    row.ms_op = timer(call)
+    if hasattr(op, "check"):
+        op.check()
+    return grads
+
+
+def _bwd_inverse_map(spec: Spec, args: tuple, do: torch.Tensor, timer: Callable, row: Row,
+                     device: str, **_: Any) -> None:
+    """inverse map: the CSR map of query cubes per KV cube, alone (timed, not scored)."""
+    from tilegen.backends.triton.backward import inverse_map
+
+    idx, nkv = args[3], args[4].shape[0]
+    row.config = "torch: stable sort + bincount"
+    _first_call(lambda: inverse_map(idx, None, nkv), row, device)
+    row.ms_op = timer(lambda: inverse_map(idx, None, nkv))
+    return None
+
+
+def _bwd_flex(spec: Spec, args: tuple, do: torch.Tensor, timer: Callable, row: Row,
+              device: str, *, flex: FlexPeer, **_: Any) -> tuple[torch.Tensor, ...] | None:
+    """flex fwd+bwd: the flex peer's compiled function and BlockMask, forward + autograd.grad
+    (BHSD leaves copied outside the timing); gradients returned in the spec's layout."""
+    layout, block = spec.layout, spec.block_kv
+    row.config = (f"BlockMask {spec.block_q}x{block}, "
+                  + ("torch.compile" if flex.compile else "eager"))
+    if flex.failed:
+        row.fail(f"skipped: FlexAttention failed earlier ({flex.failed[:300]})")
+        return None
+    if flex.failed_backward:
+        row.fail(f"skipped: FlexAttention's backward failed earlier "
+                 f"({flex.failed_backward[:300]})")
+        return None
+    bm = flex.block_mask(args[3], args[4], block)
+    q, k, v = (_to_bhsd(t, layout).detach().clone().requires_grad_(True) for t in args[:3])
+    dob = _to_bhsd(do, layout)
+
+    def step() -> tuple[torch.Tensor, ...]:
+        o = flex.call(q, k, v, bm, spec.sm_scale, block)
+        return torch.autograd.grad(o, (q, k, v), dob)
+
+    try:
+        grads = _first_call(step, row, device)
+    except Exception as exc:
+        if not isinstance(exc, torch.cuda.OutOfMemoryError):
+            flex.failed_backward = f"{type(exc).__name__}: {exc}"
+        raise
+    row.ms_op = timer(step)
+    return tuple(_from_bhsd(g, layout) for g in grads)
+
+
 def run_bench(plan: Plan, *, command: str | None = None, device: str = "cuda",
               timer: Callable | None = None, file=None) -> int:
     """The `tilegen bench` command: run, print the table, write the JSON and the plot. Exit
@@ -1135,6 +1451,8 @@ def run_bench(plan: Plan, *, command: str | None = None, device: str = "cuda",
     print(f"\nbench finished in {time.perf_counter() - t0:.0f}s", file=file, flush=True)
     print_table(rows, file=file)
     print(FLOPS_FORMULA, file=file)
+    if plan.backward:
+        print(BACKWARD_FLOPS_FORMULA, file=file)
     doc = results_json(plan, rows, env, command)
     print(f"json: wrote {write_json(plan.json_path, doc)}", file=file)
     s = plan.spec

@@ -209,7 +209,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _spec(args), args.captures, seeds=args.seeds, config=_config(args), topk=args.topk,
         sweep=args.sweep, grid=args.grid, heads=args.heads, backends=args.backends or (),
         flex=not args.no_flex, dense=not args.no_dense, json_path=args.json,
-        plot_path=args.plot, warmup_ms=args.warmup, rep_ms=args.rep)
+        plot_path=args.plot, warmup_ms=args.warmup, rep_ms=args.rep, backward=args.backward)
     if args.dry_run:
         print(plan.describe())
         return 0
@@ -293,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "  tilegen bench --sweep --backends gluon  # TOPK 31,78,125,187,312, + the Gluon family\n"
         "  tilegen bench --grid 21,30,52 --heads 12 --topk 78\n"
         "  tilegen bench --captures caps/ --no-flex\n"
+        "  tilegen bench --backward                # + the backward rows (issue #10)\n"
         "  tilegen bench --sweep --dry-run         # print the plan, touch no GPU")
     p.add_argument("--spec", help="spec file (.toml or .json); default: the Wan2.2 workload spec")
     p.add_argument("--captures", default="synthetic",
@@ -309,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, metavar="N", help="number of heads (overrides the spec)")
     p.add_argument("--backends", type=_bench_type("parse_backends"), metavar="NAME[,NAME...]",
                    help="also bench these kernel families' defaults, e.g. triton,gluon,cuda")
+    p.add_argument("--backward", action="store_true",
+                   help="also time and check the backward (Triton family): fwd+bwd through "
+                   "block_sparse_attention, the backward kernels, the inverse map, FlexAttention "
+                   "fwd+bwd; gradients scored against the fp32 reference")
     p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer")
     p.add_argument("--no-dense", action="store_true", help="skip the dense SDPA peers")
     p.add_argument("--json", default="bench_results.json",

@@ -100,7 +100,7 @@ FAULT_SPACE = {"block_m": (64,), "block_n": (32, 64), "num_warps": (4,),
                "num_stages": (1, 2, 3, 4)}
 
 
-def faulty_op(spec: Spec, cfg: KernelConfig):
+def faulty_op(spec: Spec, cfg: KernelConfig, backend: str = "triton"):
     """Fault by (block_n, num_stages), see FAULTS; else the real op."""
     from triton.runtime.errors import OutOfResources
 
@@ -147,7 +147,7 @@ class _OutOfBounds:
         return self.op.launch(*args, **kwargs)
 
 
-def gpu_fault_op(spec: Spec, cfg: KernelConfig):
+def gpu_fault_op(spec: Spec, cfg: KernelConfig, backend: str = "triton"):
     """For a GPU check of worker isolation (bench/tune_h200.sh's neighbour, not a CPU test):
     num_stages=2 reads far out of bounds; everything else is the real op."""
     from tilegen.ops import load
@@ -156,7 +156,7 @@ def gpu_fault_op(spec: Spec, cfg: KernelConfig):
     return _OutOfBounds(op) if cfg.num_stages == 2 else op
 
 
-def slow_op(spec: Spec, cfg: KernelConfig):
+def slow_op(spec: Spec, cfg: KernelConfig, backend: str = "triton"):
     """The real op, 0.4 s slower to build: a kill lands in the middle of a trial."""
     from tilegen.ops import load
 
@@ -173,7 +173,7 @@ def _fastest_feasible(spec: Spec) -> KernelConfig:
     return min(space.feasible(), key=lambda c: fake_deterministic_ms(c.name))
 
 
-def wrong_for_fastest(spec: Spec, cfg: KernelConfig):
+def wrong_for_fastest(spec: Spec, cfg: KernelConfig, backend: str = "triton"):
     """Breaks the output of exactly the config the fake timer ranks fastest."""
     from tilegen.ops import load
 

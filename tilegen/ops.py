@@ -116,7 +116,7 @@ def load(spec: Spec | None = None, config: KernelConfig | None = None, *,
     tgt = _target_for(impl, target)
     if config is not None:
         source = "explicit"
-    elif tgt is None and backend not in (None, "triton"):
+    elif tgt is None and not impl.runs_on_cpu:
         return impl.make_op(spec, None, None, "default")  # resolved at the first call
     else:
         backend, config, source = resolve_config(spec, tgt, backend)

@@ -441,8 +441,7 @@ class _WorkerState:
         cfg = KernelConfig.from_dict(req.config)
         res = TrialResult(req.number, cfg.name, "runtime_error", timer=self.setup.timer)
         try:
-            op = (self.factory(self.spec, cfg) if self.setup.backend == "triton"
-                  else self.factory(self.spec, cfg, backend=self.setup.backend))
+            op = self.factory(self.spec, cfg, backend=self.setup.backend)
             rows: list[dict[str, Any]] = []
             for i, ((name, cap), ref) in enumerate(zip(self.caps, self.refs, strict=True)):
                 tc = time.perf_counter()

@@ -179,8 +179,8 @@ def default_study_name(spec: Spec, target: Target, device_name: str, sources: st
     """One study per (spec, backend, target, device, rendered sources, timer): trials of another
     source or timer are not comparable, so they never share a study. ``sources`` is a digest
     of the sha256s of the sources the space renders (`sources_digest`)."""
-    name = (f"tilegen-{spec.short_hash}-{target.name}-{_slug(device_name)}"
-            + ("" if backend == "triton" else f"-{backend}") + f"-s{sources[:8]}")
+    name = (f"tilegen-{spec.short_hash}-{target.name}-{_slug(device_name)}-{backend}"
+            f"-s{sources[:8]}")
     return name if timer == "do_bench" else f"{name}-{_slug(timer)}"
 
 

@@ -49,14 +49,6 @@ DEFAULTS: dict[str, Any] = {
 GL_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
-def _spec_value(spec: Any, name: str, default: Any) -> Any:
-    if spec is None:
-        return default
-    if isinstance(spec, Mapping):
-        return spec.get(name, default)
-    return getattr(spec, name, default)
-
-
 def resolve(cfg: Mapping[str, Any] | None) -> dict[str, Any]:
     """`cfg` over the defaults; unknown keys are an error (a typo must not pass silently)."""
     cfg = dict(cfg or {})
@@ -95,20 +87,20 @@ def maxnreg_for(cfg: Mapping[str, Any], target: Target) -> int:
     return -(-per_thread // 8) * 8
 
 
-def check(spec: Any, cfg: Mapping[str, Any], target: Target | None = None) -> str | None:
+def check(spec: Spec, cfg: Mapping[str, Any], target: Target | None = None) -> str | None:
     """Why this spec/config cannot be rendered or launched, or None."""
-    block_q = _spec_value(spec, "block_q", 64)
-    block_kv = _spec_value(spec, "block_kv", 64)
-    head_dim = _spec_value(spec, "head_dim", 128)
+    block_q = spec.block_q
+    block_kv = spec.block_kv
+    head_dim = spec.head_dim
     if block_q != 64 or block_kv != 64:
         return "the Gluon kernel takes 64-token query and KV cubes only"
     if head_dim not in (64, 128):
         return f"head_dim {head_dim}: the Gluon kernel takes 64 or 128"
-    if _spec_value(spec, "dtype", "bf16") not in GL_DTYPES:
+    if spec.dtype not in GL_DTYPES:
         return "dtype must be bf16 or fp16"
-    if _spec_value(spec, "layout", "bshd") != "bshd":
+    if spec.layout != "bshd":
         return "the Gluon kernel reads BSHD only (TMA boxes over the (B*S, H*D) view)"
-    if _spec_value(spec, "encoding", "lut") != "lut":
+    if spec.encoding != "lut":
         return "the Gluon kernel implements the LUT encoding only"
     if cfg["num_consumers"] not in (1, 2, 3):
         return "num_consumers must be 1, 2 or 3"
@@ -142,12 +134,3 @@ def render_gluon(spec: Spec, cfg: KernelConfig, target: Target) -> Source:
 def options_of(cfg: KernelConfig) -> dict[str, Any]:
     """The Gluon knobs of a KernelConfig: its `options` over `DEFAULTS`, plus store_lse."""
     return resolve({**dict(cfg.options), "store_lse": cfg.store_lse})
-
-
-def variant_name(cfg: Mapping[str, Any]) -> str:
-    c = resolve(cfg)
-    return (f"c{c['num_consumers']}_k{c['k_stages']}v{c['v_stages']}"
-            f"{'_pack' if c['pack_partials'] else ''}{'_qreg' if c['q_in_regs'] else ''}"
-            f"{'_ahead' if c['qk_ahead'] else ''}{'_fw' if c['fence_wait'] else ''}"
-            f"{'_lse' if c['store_lse'] else ''}_r{c['consumer_regs']}"
-            f"{'_' + c['debug'] if c['debug'] else ''}")

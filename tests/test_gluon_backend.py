@@ -17,7 +17,12 @@ import pytest
 import torch
 
 from tilegen import Spec, backends
-from tilegen.backends.gluon.prepass import prepass_buffers, run_prepass
+from tilegen.backends.gluon.prepass import (
+    pair_prepass_buffers,
+    prepass_buffers,
+    run_pair_prepass,
+    run_prepass,
+)
 from tilegen.config import KernelConfig
 from tilegen.targets import get_target
 
@@ -117,6 +122,110 @@ def test_prepass_tiles_give_the_rows_attention(interpreter, pack, sizes):
             assert bufs["meta"][:, 0].float().mean() < topk
 
 
+def _tile_kv(k, v, vbs, sidx_row, tinfo_row, t, n_big, b, h):
+    """K/V of tile t as the producer loads it: one cube, or packed 32/16/8 boxes; and its fill."""
+    D = k.shape[-1]
+    kt, vt = torch.full((64, D), float("nan")), torch.zeros(64, D)
+    info = int(tinfo_row[t])
+    first, fill = info & 0xFFFF, info >> 16
+    if t < n_big:
+        c = int(sidx_row[first])
+        kt[:], vt[:] = k[b, c * 64:(c + 1) * 64, h], v[b, c * 64:(c + 1) * 64, h]
+        assert fill == int(vbs[c])
+        return kt, vt, fill
+    off = 0
+    for i in range(first, int(tinfo_row[t + 1]) & 0xFFFF):
+        c = int(sidx_row[i])
+        size = int(vbs[c])
+        assert size in (32, 16, 8) and off % size == 0 and off + size <= 64
+        kt[off:off + size] = k[b, c * 64:c * 64 + size, h]
+        vt[off:off + size] = v[b, c * 64:c * 64 + size, h]
+        off += size
+    assert off == fill
+    return kt, vt, fill
+
+
+def _pair_tiles_attention(q, k, v, vbs, bufs, scale):
+    """Attention from the pair pre-pass's union stream, walked as each of the two consumers walks
+    it: the tiles with a segment of its own, keys masked to its segments and the fill."""
+    B, S, H, D = q.shape
+    nq = S // 64
+    n_pairs = (nq + 1) // 2
+    o = torch.zeros(B, S, H, D)
+    col = torch.arange(64)
+    for b in range(B):
+        for h in range(H):
+            for p in range(n_pairs):
+                pair = (b * H + h) * n_pairs + p
+                n_tiles, n_big = int(bufs["meta"][pair, 0]), int(bufs["meta"][pair, 1])
+                tiles = [_tile_kv(k, v, vbs, bufs["sidx"][pair], bufs["tinfo"][pair], t, n_big,
+                                  b, h) for t in range(n_tiles)]
+                for c in range(2):
+                    qc = 2 * p + c
+                    if qc >= nq:
+                        continue
+                    rows = slice(qc * 64, (qc + 1) * 64)
+                    if int(bufs["meta"][pair, 2 + c]):
+                        o[b, rows, h] = float("nan")
+                        continue
+                    mine = [(kt, vt, (col < fill) & (((seg >> (col // 8)) & 1) == 1))
+                            for t, (kt, vt, fill) in enumerate(tiles)
+                            if (seg := (int(bufs["tmask"][pair, t]) >> (8 * c)) & 0xFF)]
+                    if not mine:
+                        continue
+                    s = q[b, rows, h] @ torch.cat([m[0] for m in mine]).T * scale
+                    s[:, ~torch.cat([m[2] for m in mine])] = float("-inf")
+                    o[b, rows, h] = torch.softmax(s, -1) @ torch.cat([m[1] for m in mine])
+    return o
+
+
+@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("nq", [12, 11])
+def test_pair_prepass_union_gives_each_rows_attention(interpreter, pack, nq):
+    """share_kv: one tile stream for query cubes (2p, 2p+1); a cube both rows chose is one tile,
+    and each consumer's segments and fill give exactly its own row's keys (odd NQ included)."""
+    gen = torch.Generator().manual_seed(nq + pack)
+    B, H, D, topk = 1, 2, 16, 7
+    sizes = (64, 33, 20, 8, 1, 16, 32, 63, 64, 32, 16, 8)
+    q, k, v = (torch.randn(B, nq * 64, H, D, generator=gen) for _ in range(3))
+    vbs = torch.tensor([sizes[i] for i in torch.randperm(nq, generator=gen).tolist()],
+                       dtype=torch.int32)
+    # neighbouring rows share most cubes, as real selections do: row 2p+1 takes a window of the
+    # same permutation shifted by 3, each row in its own order
+    idx = torch.empty(B, H, nq, topk, dtype=torch.int32)
+    for h in range(H):
+        for p in range(0, nq, 2):
+            perm = torch.randperm(nq, generator=gen)
+            for r in range(p, min(p + 2, nq)):
+                row = perm[3 * (r - p):3 * (r - p) + topk]
+                idx[0, h, r] = row[torch.randperm(topk, generator=gen)]
+    counts = torch.randint(0, topk + 1, (B, H, nq), dtype=torch.int32, generator=gen)
+    pairs = B * H * ((nq + 1) // 2)
+    for cnt in (None, counts):
+        bufs = pair_prepass_buffers("cpu", pairs, topk)
+        err = torch.zeros(1, dtype=torch.int32)
+        run_pair_prepass(idx, vbs, cnt, bufs, pairs, nq, nq, topk, err, pack=pack)
+        assert int(err) == 0
+        got = _pair_tiles_attention(q, k, v, vbs, bufs, D ** -0.5)
+        want = _row_attention(q, k, v, idx, vbs, cnt, D ** -0.5)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        if cnt is None:  # shared cubes are loaded once
+            assert bufs["meta"][:, 0].sum() < 2 * topk * pairs
+
+
+def test_pair_prepass_flags_bad_values_and_poisons_only_that_row(interpreter):
+    gen = torch.Generator().manual_seed(1)
+    B, H, nq, topk = 1, 1, 6, 3
+    idx = _lut(gen, B, H, nq, topk)
+    idx[0, 0, 3, 1] = -1
+    vbs = torch.full((nq,), 64, dtype=torch.int32)
+    bufs = pair_prepass_buffers("cpu", 3, topk)
+    err = torch.zeros(1, dtype=torch.int32)
+    run_pair_prepass(idx, vbs, None, bufs, 3, nq, nq, topk, err)
+    assert int(err) == 1
+    assert bufs["meta"][:, 2:].tolist() == [[0, 0], [0, 1], [0, 0]]
+
+
 def test_prepass_flags_bad_values_and_poisons_their_rows(interpreter):
     gen = torch.Generator().manual_seed(0)
     B, H, nq, topk = 1, 2, 12, 7
@@ -189,7 +298,9 @@ def test_tuning_space_of_the_family():
     pinned = dict(parse_space_override(t) for t in (
         "num_consumers=1", "q_in_regs=true", "qk_ahead=true", "fence_wait=true"))
     space = SearchSpace.from_target(Spec(), SM90, pinned, "gluon")
-    assert space.size == 12 and len(space.feasible()) == 12
+    # 3 K depths x 2 V depths x packing x share_kv; share_kv needs two consumers
+    assert space.size == 24 and len(space.feasible()) == 12
+    assert all(not c.option("share_kv") for c in space.feasible())
     for cfg in space.configs():
         assert space.contains(cfg) and cfg.option("num_consumers") == 1
     three = SearchSpace.from_target(Spec(), SM90, dict([parse_space_override(

@@ -20,7 +20,12 @@ from typing import Any
 
 from tilegen import cache
 from tilegen.backends.gluon import render as _render
-from tilegen.backends.gluon.prepass import prepass_buffers, run_prepass
+from tilegen.backends.gluon.prepass import (
+    pair_prepass_buffers,
+    prepass_buffers,
+    run_pair_prepass,
+    run_prepass,
+)
 from tilegen.reference import LOG2E
 from tilegen.render import Source
 from tilegen.targets import Target
@@ -74,46 +79,50 @@ class GluonLaunch:
         key = (str(device), rows, topk)
         b = self._bufs.get(key)
         if b is None:
-            b = self._bufs[key] = prepass_buffers(device, rows, topk)
+            make = pair_prepass_buffers if self.cfg["share_kv"] else prepass_buffers
+            b = self._bufs[key] = make(device, rows, topk)
         return b
 
     def _desc(self, t, rows: int):
-        """A TMA descriptor over the (B*S, H*D) view with a (rows, D) box, cached per tensor
-        storage and shape (building one costs host time on every call otherwise)."""
-        key = (t.data_ptr(), tuple(t.shape), t.dtype, rows)
-        d = self._descs.get(key)
-        if d is None:
-            from triton.experimental.gluon import language as gl
-            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        """A TMA descriptor over the (B*S, H*D) view with a (rows, D) box. Built per call: a
+        cached descriptor would keep the caller's tensor alive (the shared layout is cached)."""
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-            B, S, H, D = t.shape
+        B, S, H, D = t.shape
+        key = (t.dtype, rows, D)
+        layout = self._descs.get(key)
+        if layout is None:
+            from triton.experimental.gluon import language as gl
+
             gdt = gl.bfloat16 if str(t.dtype) == "torch.bfloat16" else gl.float16
-            d = TensorDescriptor(t.view(B * S, H * D), [B * S, H * D], [H * D, 1], [rows, D],
-                                 _layout(rows, D, gdt))
-            if len(self._descs) > 64:
-                self._descs.clear()
-            self._descs[key] = d
-        return d
+            layout = self._descs[key] = _layout(rows, D, gdt)
+        return TensorDescriptor(t.view(B * S, H * D), [B * S, H * D], [H * D, 1], [rows, D],
+                                layout)
 
     def __call__(self, q, k, v, topk_idx, vbs, counts, o, lse, err, sm_scale: float,
                  zero_pad_rows: bool = False) -> None:
         """Pre-pass and kernel on validated inputs (`tilegen.inputs.validate_inputs`)."""
         B, S, H, D = q.shape
         nq, nkv, topk = S // 64, vbs.shape[0], topk_idx.shape[3]
-        rows = B * H * nq
+        share = self.cfg["share_kv"]
+        nc = self.cfg["num_consumers"]
+        rows = B * H * (-(-nq // nc) if share else nq)
         bufs = self._buffers(q.device, rows, topk)
-        run_prepass(topk_idx, vbs, counts, bufs, rows, nkv, topk, err,
-                    pack=self.cfg["pack_partials"])
+        if share:
+            run_pair_prepass(topk_idx, vbs, counts, bufs, rows, nq, nkv, topk, err,
+                             pack=self.cfg["pack_partials"])
+        else:
+            run_prepass(topk_idx, vbs, counts, bufs, rows, nkv, topk, err,
+                        pack=self.cfg["pack_partials"])
         kd = [self._desc(k, 64)]
         vd = [self._desc(v, 64)]
         if self.cfg["pack_partials"]:
             kd += [self._desc(k, r) for r in PACKED_BOXES]
             vd += [self._desc(v, r) for r in PACKED_BOXES]
-        nc = self.cfg["num_consumers"]
         grid = (-(-nq // nc), B * H)
         self.kernel[grid](
             self._desc(q, 64), *kd, *vd, self._desc(o, 64),
-            bufs["sidx"], bufs["tinfo"], bufs["meta"], vbs,
+            bufs["sidx"], bufs["tinfo"], *([bufs["tmask"]] if share else []), bufs["meta"], vbs,
             lse if lse is not None else bufs["meta"],
             S, H, nq, topk, float(sm_scale) * LOG2E,
             ZERO_PAD_ROWS=bool(zero_pad_rows) and nkv == nq,
@@ -139,7 +148,10 @@ def signature(opts: dict, head_dim: int, dtype: str) -> tuple[dict, dict]:
     sig["v_full"] = td(64)
     if opts["pack_partials"]:
         sig.update({"v_half": td(32), "v_quarter": td(16), "v_eighth": td(8)})
-    sig.update({"o_desc": td(64), "sidx_ptr": "*i32", "tinfo_ptr": "*i32", "meta_ptr": "*i32",
+    sig.update({"o_desc": td(64), "sidx_ptr": "*i32", "tinfo_ptr": "*i32"})
+    if opts["share_kv"]:
+        sig["tmask_ptr"] = "*i32"
+    sig.update({"meta_ptr": "*i32",
                 "vbs_ptr": "*i32", "lse_ptr": "*fp32", "seq_len": "i32", "num_heads": "i32",
                 "num_q_blocks": "i32", "topk": "i32", "qk_scale": "fp32",
                 "ZERO_PAD_ROWS": "constexpr"})

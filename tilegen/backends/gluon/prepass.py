@@ -23,15 +23,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _gluon_lut_prepass(LUT, COUNTS, VBS, SIDX, TINFO, META, ERR, NKV, TOPK,
-                       HAS_COUNTS: tl.constexpr, PACK: tl.constexpr, BLOCK_T: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _row_entries(LUT, COUNTS, VBS, row, row_live, NKV, TOPK, HAS_COUNTS: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
+    """Load and check the first n entries of one LUT row: (cube, vbs, live, error bits).
+    No address is formed from an unchecked value."""
     offs = tl.arange(0, BLOCK_T)
     if HAS_COUNTS:
-        n = tl.load(COUNTS + row)
+        n = tl.load(COUNTS + row, mask=row_live, other=0)
     else:
-        n = TOPK
+        n = tl.where(row_live, TOPK, 0)
     bad_n = (n < 0) | (n > TOPK)
     n = tl.where(bad_n, 0, n)
     live = offs < n
@@ -42,6 +42,17 @@ def _gluon_lut_prepass(LUT, COUNTS, VBS, SIDX, TINFO, META, ERR, NKV, TOPK,
     bad_v = live & ((v < 1) | (v > BLOCK))
     err = (tl.max(bad_i.to(tl.int32), 0) | (tl.max(bad_v.to(tl.int32), 0) * 2)
            | (bad_n.to(tl.int32) * 4))
+    return cube, v, live, err
+
+
+@triton.jit
+def _gluon_lut_prepass(LUT, COUNTS, VBS, SIDX, TINFO, META, ERR, NKV, TOPK,
+                       HAS_COUNTS: tl.constexpr, PACK: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cube, v, live, err = _row_entries(LUT, COUNTS, VBS, row, True, NKV, TOPK, HAS_COUNTS,
+                                      BLOCK_T, BLOCK)
+    n = tl.sum(live.to(tl.int32), 0)
 
     if PACK:
         rank = tl.where(v == BLOCK, 0,
@@ -92,6 +103,118 @@ def _gluon_lut_prepass(LUT, COUNTS, VBS, SIDX, TINFO, META, ERR, NKV, TOPK,
     tl.atomic_or(ERR, err, mask=bad)
 
 
+@triton.jit
+def _rank_pos(is_a, is_b, base):
+    """Positions of rank members, the first row's (a) before the second's (b), from `base`."""
+    ca = tl.sum(is_a.to(tl.int32), 0)
+    cb = tl.sum(is_b.to(tl.int32), 0)
+    return (base + tl.cumsum(is_a.to(tl.int32), 0) - 1,
+            base + ca + tl.cumsum(is_b.to(tl.int32), 0) - 1, ca + cb)
+
+
+@triton.jit
+def _gluon_pair_prepass(LUT, COUNTS, VBS, SIDX, TINFO, TMASK, META, ERR, NKV, TOPK, NQ,
+                        HAS_COUNTS: tl.constexpr, PACK: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """One program per pair of neighbouring query cubes (2p, 2p+1) of one (b, h): the union of
+    their LUT rows as one tile stream that a shared K/V ring loads once (share_kv)."""
+    pair = tl.program_id(0).to(tl.int64)
+    n_pairs = (NQ + 1) // 2
+    bh = pair // n_pairs
+    qa = (pair - bh * n_pairs) * 2
+    row_a = bh * NQ + qa
+    b_live = qa + 1 < NQ
+    ca, va, la, err_a = _row_entries(LUT, COUNTS, VBS, row_a, True, NKV, TOPK, HAS_COUNTS,
+                                     BLOCK_T, BLOCK)
+    cb, vb, lb, err_b = _row_entries(LUT, COUNTS, VBS, row_a + 1, b_live, NKV, TOPK,
+                                     HAS_COUNTS, BLOCK_T, BLOCK)
+    # a row with a bad value contributes nothing (its consumer writes NaN)
+    la = la & (err_a == 0)
+    lb = lb & (err_b == 0)
+    both = (ca[:, None] == cb[None, :]) & la[:, None] & lb[None, :]
+    a_shared = tl.max(both.to(tl.int32), 1) != 0
+    b_shared = tl.max(both.to(tl.int32), 0) != 0
+    lb = lb & ~b_shared  # the union: all of a's cubes, then b's that a lacks
+    full = BLOCK
+    if PACK:
+        small_a = (va == full // 2) | (va == full // 4) | (va == full // 8)
+        small_b = (vb == full // 2) | (vb == full // 4) | (vb == full // 8)
+    else:
+        small_a = va < 0
+        small_b = vb < 0
+    # ranks: 0 full cubes of both rows, 1 full cubes of one row (interleaved a/b so the two
+    # consumers take turns), 2 other sizes (own tile, masked), 3/4/5 packed halves/quarters/eighths
+    no_b = lb & (vb < 0)  # b's full cubes shared with a were dropped from lb
+    pa0, pb0, c0 = _rank_pos(la & a_shared & (va == full), no_b, 0)
+    ia1 = la & ~a_shared & (va == full)
+    ib1 = lb & (vb == full)
+    na1 = tl.sum(ia1.to(tl.int32), 0)
+    nb1 = tl.sum(ib1.to(tl.int32), 0)
+    mn = tl.minimum(na1, nb1)
+    ka1 = tl.cumsum(ia1.to(tl.int32), 0) - 1
+    kb1 = tl.cumsum(ib1.to(tl.int32), 0) - 1
+    pa1 = c0 + tl.where(ka1 < mn, 2 * ka1, mn + ka1)
+    pb1 = c0 + tl.where(kb1 < mn, 2 * kb1 + 1, mn + kb1)
+    c1 = na1 + nb1
+    pa2, pb2, c2 = _rank_pos(la & (va != full) & ~small_a, lb & (vb != full) & ~small_b, c0 + c1)
+    n_big = c0 + c1 + c2
+    pa3, pb3, c3 = _rank_pos(la & small_a & (va == full // 2), lb & small_b & (vb == full // 2),
+                             n_big)
+    pa4, pb4, c4 = _rank_pos(la & small_a & (va == full // 4), lb & small_b & (vb == full // 4),
+                             n_big + c3)
+    pa5, pb5, c5 = _rank_pos(la & small_a & (va == full // 8), lb & small_b & (vb == full // 8),
+                             n_big + c3 + c4)
+    packed_rows = (full // 2) * c3 + (full // 4) * c4 + (full // 8) * c5
+    n_tiles = n_big + (packed_rows + full - 1) // full
+    n_ent = n_big + c3 + c4 + c5
+
+    ent = 2 * TOPK
+    sidx_row = SIDX + pair * ent
+    tinfo_row = TINFO + pair * (ent + 1)
+    tmask_row = TMASK + pair * (ent + 1)
+    # packed tiles' consumer masks are ORed together below: clear them first
+    offs2 = tl.arange(0, 2 * BLOCK_T)
+    tl.store(tmask_row + n_big + offs2, 0, mask=offs2 < n_tiles - n_big)
+    tl.debug_barrier()
+    for second in tl.static_range(2):
+        if second == 0:
+            cube, v, live, shared, small = ca, va, la, a_shared, small_a
+            p0, p1, p2, p3, p4, p5 = pa0, pa1, pa2, pa3, pa4, pa5
+        else:
+            cube, v, live, shared, small = cb, vb, lb, no_b, small_b
+            p0, p1, p2, p3, p4, p5 = pb0, pb1, pb2, pb3, pb4, pb5
+        one_cube = live & ~small
+        pos = tl.where(v == full, tl.where(shared, p0, p1),
+                       tl.where(~small, p2,
+                                tl.where(v == full // 2, p3, tl.where(v == full // 4, p4, p5))))
+        # consumer masks: 8 bits per consumer, one per 8-key segment of the tile
+        if second == 0:
+            who = tl.where(shared, 0xFFFF, 0xFF)
+        else:
+            who = tl.full([BLOCK_T], 0xFF00, tl.int32)
+        tl.store(sidx_row + pos, cube, mask=live)
+        tl.store(tinfo_row + pos, pos | (v << 16), mask=one_cube)
+        tl.store(tmask_row + pos, who, mask=one_cube)
+        # packed stream: rows before this cube (halves, then quarters, then eighths)
+        k = pos - n_big
+        off = tl.where(v == full // 2, (full // 2) * (k),
+                       tl.where(v == full // 4, (full // 2) * c3 + (full // 4) * (k - c3),
+                                (full // 2) * c3 + (full // 4) * c4 + (full // 8) * (k - c3 - c4)))
+        packed = live & small
+        fill = tl.minimum(packed_rows - off, full)
+        tl.store(tinfo_row + n_big + off // full, pos | (fill << 16),
+                 mask=packed & ((off % full) == 0))
+        segs = ((1 << (v // 8)) - 1) << ((off % full) // 8)
+        tl.atomic_or(tmask_row + n_big + off // full, (segs | (segs << 8)) & who, mask=packed)
+    tl.store(tinfo_row + n_tiles, n_ent)
+    tl.store(META + pair * 4, n_tiles)
+    tl.store(META + pair * 4 + 1, n_big)
+    tl.store(META + pair * 4 + 2, (err_a != 0).to(tl.int32))
+    tl.store(META + pair * 4 + 3, (err_b != 0).to(tl.int32))
+    err = err_a | err_b
+    tl.atomic_or(ERR, err, mask=err != 0)
+
+
 def prepass_buffers(device, rows: int, topk: int) -> dict:
     import torch
 
@@ -110,4 +233,30 @@ def run_prepass(idx, vbs, counts, bufs: dict, rows: int, nkv: int, topk: int, er
         bufs["meta"], err, nkv, topk,
         HAS_COUNTS=counts is not None, PACK=pack, BLOCK_T=block_t, BLOCK=block,
         num_warps=1 if block_t <= 128 else 4,
+    )
+
+
+def pair_prepass_buffers(device, pairs: int, topk: int) -> dict:
+    """Tile plans of query-cube pairs: sidx (cubes of the union, tile order), tinfo (first |
+    fill << 16 per tile, sentinel = entry count), tmask (consumer 0's 8-key segments in bits
+    0-7, consumer 1's in 8-15) and meta (n_tiles, one-cube tiles, row 0 bad, row 1 bad)."""
+    import torch
+
+    ent = 2 * topk
+    return {
+        "sidx": torch.empty((pairs, ent), device=device, dtype=torch.int32),
+        "tinfo": torch.empty((pairs, ent + 1), device=device, dtype=torch.int32),
+        "tmask": torch.empty((pairs, ent + 1), device=device, dtype=torch.int32),
+        "meta": torch.empty((pairs, 4), device=device, dtype=torch.int32),
+    }
+
+
+def run_pair_prepass(idx, vbs, counts, bufs: dict, pairs: int, nq: int, nkv: int, topk: int,
+                     err, pack: bool = True, block: int = 64, num_warps: int = 4) -> None:
+    block_t = max(16, triton.next_power_of_2(topk))
+    _gluon_pair_prepass[(pairs,)](
+        idx, counts if counts is not None else bufs["meta"], vbs, bufs["sidx"], bufs["tinfo"],
+        bufs["tmask"], bufs["meta"], err, nkv, topk, nq,
+        HAS_COUNTS=counts is not None, PACK=pack, BLOCK_T=block_t, BLOCK=block,
+        num_warps=num_warps,
     )

@@ -12,6 +12,9 @@ taken from the KernelConfig's `options` (`options_of`):
     fence_wait      put the P.V wait behind an (always true) branch so ptxas keeps it after
                     the softmax instead of hoisting it to the top of the block
     store_lse       write the base-2 log-sum-exp
+    share_kv        two consumers on neighbouring query cubes share one K/V ring that walks the
+                    union of their LUT rows (a cube both chose is loaded once); needs
+                    num_consumers 2
     consumer_regs   setmaxnreg of the consumer warpgroups (the launch's maxnreg must fit them)
     debug           "" (real kernel), or a timing experiment with garbage results:
                     "no_loads" (producer issues no TMA) / "no_mma" (consumer does no math)
@@ -42,6 +45,7 @@ DEFAULTS: dict[str, Any] = {
     "qk_ahead": True,
     "fence_wait": True,
     "store_lse": False,
+    "share_kv": False,
     "consumer_regs": 232,
     "producer_regs": 24,
     "debug": "",
@@ -64,6 +68,8 @@ def smem_bytes(cfg: Mapping[str, Any], block: int = 64, head_dim: int = 128) -> 
     tile = block * head_dim * 2
     rings = cfg["k_stages"] + cfg["v_stages"]
     per = tile * (1 + rings) + 8 * (1 + 2 * rings)  # Q + K/V rings, and their mbarriers
+    if cfg.get("share_kv"):  # two Q tiles, one K ring and one V ring for both consumers
+        return per + tile + 8
     return cfg["num_consumers"] * per
 
 
@@ -104,6 +110,8 @@ def check(spec: Spec, cfg: Mapping[str, Any], target: Target | None = None) -> s
         return "the Gluon kernel implements the LUT encoding only"
     if cfg["num_consumers"] not in (1, 2, 3):
         return "num_consumers must be 1, 2 or 3"
+    if cfg["share_kv"] and cfg["num_consumers"] != 2:
+        return "share_kv pairs two query cubes: it needs num_consumers 2"
     if target is not None:
         if smem_bytes(cfg, 64, head_dim) > target.max_shared_bytes:
             return (f"shared memory {smem_bytes(cfg, 64, head_dim)} B over "

@@ -1481,3 +1481,8 @@ def time_op(op: Any, cap: dict, *, store_lse: bool = True, warmup: int = 100,
                        device=cap["q"].device))
     timer = do_bench_timer(warmup, rep)
     return timer(lambda: op.launch(*args, shapes=shapes, out=out, store_lse=store_lse))
+
+
+def time_fn(fn: Callable[[], Any], *, warmup: int = 100, rep: int = 500) -> float:
+    """Median ms of `fn` (`do_bench`, warmed), as `tilegen.tune` times a backward trial."""
+    return do_bench_timer(warmup, rep)(fn)

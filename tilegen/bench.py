@@ -1364,16 +1364,16 @@ def _bwd_custom_op(spec: Spec, args: tuple, do: torch.Tensor, timer: Callable, r
 
 def _bwd_kernels(spec: Spec, args: tuple, do: torch.Tensor, timer: Callable, row: Row,
                  device: str, *, loader: Callable, **_: Any) -> tuple[torch.Tensor, ...]:
-    """bwd kernels: op.launch_backward with the inverse map prebuilt (o_acc, lse from
-    forward_for_grad, outside the timing)."""
-    from tilegen.backends.triton.backward import inverse_map
+    """bwd kernels: op.launch_backward with the maps prebuilt (the inverse map, and the packed
+    tiles of a config that packs; o_acc, lse from forward_for_grad, outside the timing)."""
+    from tilegen.backends.triton.backward import backward_maps
 
     op = loader(spec, backend="triton")
     row.backend = getattr(op, "backend", "triton")
     q, k, v, idx, vbs = args
     _, lse, o_acc = op.forward_for_grad(q, k, v, idx, vbs)
-    inv = inverse_map(idx, None, vbs.shape[0])
     cfg = op.backward_config
+    inv = backward_maps(idx, None, vbs, vbs.shape[0], spec.block_kv, cfg)
     row.config = cfg.name
     bargs = (do, q, k, v, o_acc, lse, idx, vbs)
 

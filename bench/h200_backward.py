@@ -141,7 +141,7 @@ def correctness(cap, heads):
 
 @stage("timing")
 def timing(cap):
-    from tilegen.backends.triton.backward import inverse_map
+    from tilegen.backends.triton.backward import backward_maps, inverse_map
     from tilegen.ops import _op_for, block_sparse_attention
 
     idx, vbs, do = cap["topk_idx"], cap["vbs"], cap["do"]
@@ -166,7 +166,7 @@ def timing(cap):
     t["backward (autograd, incl. delta + inverse map)"] = bench_ms(bwd)
     o2, lse, o_acc = op.forward_for_grad(cap["q"], cap["k"], cap["v"], idx, vbs)
     nkv = idx.shape[2]
-    inv = inverse_map(idx, None, nkv)
+    inv = backward_maps(idx, None, vbs, nkv, 64, op.backward_config)  # what its config walks
     t["inverse map (torch)"] = bench_ms(lambda: inverse_map(idx, None, nkv))
     args = (do, cap["q"], cap["k"], cap["v"], o_acc, lse, idx, vbs)
     t["backward kernels (inverse prebuilt)"] = bench_ms(
@@ -197,8 +197,12 @@ def timing(cap):
 @stage("config sweep")
 def sweep(cap, op, args, inv, heads):
     from tilegen import captures
-    from tilegen.backends.triton.backward import BackwardConfig
+    from tilegen.backends.triton.backward import BackwardConfig, backward_maps
     from tilegen.reference import attention_grads_fp32
+
+    idx, vbs = cap["topk_idx"], cap["vbs"]
+    # the sweep's configs pack nothing: one inverse map serves them all
+    inv = backward_maps(idx, None, vbs, idx.shape[2], 64, BackwardConfig())
 
     variants = [BackwardConfig()]
     for dq_w, dq_s in ((4, 3), (8, 2)):

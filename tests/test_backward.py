@@ -94,6 +94,10 @@ CASES = [  # (seed, head_dim, dtype, layout, backward config)
     # the variant whose dK/dV kernel also adds dQ atomically (no dQ kernel)
     (7, 64, "bf16", "bshd", BackwardConfig(dq_atomic=True)),
     (8, 128, "fp16", "bhsd", BackwardConfig(dq_atomic=True, dkdv_block_n=32, dkdv_block_m=32)),
+    # packed tiles: partial cubes of one size class share a tile (dQ's keys, dK/dV's queries)
+    (4, 64, "bf16", "bshd", BackwardConfig(dq_pack=True, dkdv_pack=True)),
+    (5, 128, "fp16", "bhsd", BackwardConfig(dkdv_pack=True, dq_atomic=True, dq_block_m=32)),
+    (6, 64, "bf16", "bhsd", BackwardConfig(dq_pack=True, dkdv_block_n=32)),
 ]
 
 
@@ -256,3 +260,37 @@ def test_backward_ops_are_registered_with_fakes(monkeypatch):
     o, _ = torch.ops.tilegen.block_sparse_attention(q, *base[1:], "bshd", None, False)
     o.backward(cap["do"])
     assert captures.grad_score(q.grad, _reference(cap, "bshd")[0]).passed
+
+
+def test_packed_tiles_hold_every_entry_once_and_save_tiles():
+    """`packed_inverse_map` / `packed_lut`: the tiles of each owner cover its cubes exactly once,
+    cubes of one size class share a tile, and a bad index gives the row count -1."""
+    from tilegen.backends.triton.backward import packed_inverse_map, packed_lut
+
+    cap = _case(0, 64, "bf16", "bshd")
+    idx, vbs, counts = cap["topk_idx"], cap["vbs"], cap["counts"]
+    n_tiles = n_cubes = 0
+    for packed, lists in (
+            (packed_inverse_map(idx, counts, vbs, NCUBES, 64),
+             [[qc for qc in range(NCUBES) if c in idx[0, h, qc, :counts[0, h, qc]].tolist()]
+              for h in range(HEADS) for c in range(NCUBES)]),
+            (packed_lut(idx, counts, vbs, NCUBES, 64),
+             [idx[0, h, qc, :counts[0, h, qc]].tolist()
+              for h in range(HEADS) for qc in range(NCUBES)])):
+        for o, want in enumerate(lists):
+            first = int(packed.offsets[o])
+            seen = []
+            for t in range(first, first + int(packed.count[o])):
+                start, meta = int(packed.tile_start[t]), int(packed.tile_meta[t])
+                lg, n = meta & 255, meta >> 8
+                cubes = packed.items[start:start + n].tolist()
+                assert n * (1 << lg) <= 64 and all(int(vbs[c]) <= 1 << lg for c in cubes)
+                seen += cubes
+            assert sorted(seen) == sorted(want)
+        n_tiles += int(packed.count.sum())
+        n_cubes += sum(len(w) for w in lists)
+    assert n_tiles < n_cubes  # partial cubes shared tiles
+    bad = idx.clone()
+    bad[0, 1, 4, 0] = NCUBES  # out of range
+    lut = packed_lut(bad, None, vbs, NCUBES, 64)
+    assert int(lut.count[NCUBES + 4]) == -1 and int(lut.count[4]) >= 0

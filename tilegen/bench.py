@@ -1364,16 +1364,16 @@ def _bwd_custom_op(spec: Spec, args: tuple, do: torch.Tensor, timer: Callable, r
 
 def _bwd_kernels(spec: Spec, args: tuple, do: torch.Tensor, timer: Callable, row: Row,
                  device: str, *, loader: Callable, **_: Any) -> tuple[torch.Tensor, ...]:
-    """bwd kernels: op.launch_backward with the inverse map prebuilt (o_acc, lse from
-    forward_for_grad, outside the timing)."""
-    from tilegen.backends.triton.backward import inverse_map
+    """bwd kernels: op.launch_backward with the maps prebuilt (the inverse map, and the packed
+    tiles of a config that packs; o_acc, lse from forward_for_grad, outside the timing)."""
+    from tilegen.backends.triton.backward import backward_maps
 
     op = loader(spec, backend="triton")
     row.backend = getattr(op, "backend", "triton")
     q, k, v, idx, vbs = args
     _, lse, o_acc = op.forward_for_grad(q, k, v, idx, vbs)
-    inv = inverse_map(idx, None, vbs.shape[0])
     cfg = op.backward_config
+    inv = backward_maps(idx, None, vbs, vbs.shape[0], spec.block_kv, cfg)
     row.config = cfg.name
     bargs = (do, q, k, v, o_acc, lse, idx, vbs)
 
@@ -1481,3 +1481,8 @@ def time_op(op: Any, cap: dict, *, store_lse: bool = True, warmup: int = 100,
                        device=cap["q"].device))
     timer = do_bench_timer(warmup, rep)
     return timer(lambda: op.launch(*args, shapes=shapes, out=out, store_lse=store_lse))
+
+
+def time_fn(fn: Callable[[], Any], *, warmup: int = 100, rep: int = 500) -> float:
+    """Median ms of `fn` (`do_bench`, warmed), as `tilegen.tune` times a backward trial."""
+    return do_bench_timer(warmup, rep)(fn)

@@ -113,9 +113,11 @@ def current_toolchain(backend: str = "triton", target: Target | None = None) -> 
 def current_template_set_hash(backend: str = "triton") -> str:
     """The hash of ``templates/<backend>/`` (informational: recorded with an environment; it
     decides nothing, the variant key does)."""
+    from tilegen import backends
     from tilegen.render import template_set_hash
 
-    return template_set_hash(backend)
+    impl = backends.get(backend)
+    return template_set_hash(impl.templates or impl.name, backward=impl.gradients)
 
 
 def variant_currency(variant: Mapping[str, Any], config: Mapping[str, Any],

@@ -20,6 +20,13 @@ BACKEND_MODULES: dict[str, str] = {
     "gluon": "tilegen.backends.gluon",
 }
 
+#: name -> module of kernel sets tuned on their own that are not families: the backward kernels
+#: of a family (`Backend.backward`). `get` finds them; `names` and `for_target` do not list them
+#: (no forward op, no build of their own).
+TUNED_ONLY_MODULES: dict[str, str] = {
+    "triton_bwd": "tilegen.backends.triton.gradient",
+}
+
 _loaded: dict[str, Backend] = {}
 
 
@@ -29,11 +36,12 @@ def names() -> tuple[str, ...]:
 
 def get(name: str) -> Backend:
     """The backend called `name`; unknown names raise ValueError listing the known ones."""
-    if name not in BACKEND_MODULES:
-        raise ValueError(f"backend={name!r} is not allowed; allowed values: {list(names())}")
+    modules = {**BACKEND_MODULES, **TUNED_ONLY_MODULES}
+    if name not in modules:
+        raise ValueError(f"backend={name!r} is not allowed; allowed values: {list(modules)}")
     backend = _loaded.get(name)
     if backend is None:
-        backend = _loaded[name] = importlib.import_module(BACKEND_MODULES[name]).BACKEND
+        backend = _loaded[name] = importlib.import_module(modules[name]).BACKEND
     return backend
 
 
@@ -42,4 +50,4 @@ def for_target(target: Target) -> list[Backend]:
     return [get(n) for n in names() if n in target.backends]
 
 
-__all__ = ["BACKEND_MODULES", "Backend", "for_target", "get", "names"]
+__all__ = ["BACKEND_MODULES", "TUNED_ONLY_MODULES", "Backend", "for_target", "get", "names"]

@@ -29,6 +29,13 @@ class Backend(ABC):
     name: ClassVar[str]
     #: whether the op runs on this machine without the backend's GPU (interpreter / CPU path)
     runs_on_cpu: ClassVar[bool] = False
+    #: True for a backward kernel set tuned on its own (`tilegen tune --backward`): the tuner's
+    #: gate scores dQ/dK/dV and times the backward (`tilegen.tune.objective`)
+    gradients: ClassVar[bool] = False
+    #: the `templates/<folder>/` its sources come from (default: its name)
+    templates: ClassVar[str] = ""
+    #: the registry name of the backward kernel set of this family, if it has one
+    backward: ClassVar[str | None] = None
 
     # -- what it accepts ---------------------------------------------------------------------
     def spec_violations(self, spec: Spec, target: Target) -> list[str]:

@@ -45,8 +45,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
     for text in args.space or []:
         name, values = parse_space_override(text)
         space[name] = values
+    backend = args.backend
+    if args.backward:
+        from tilegen import backends
+
+        backend = backends.get(args.backend).backward
+        if backend is None:
+            print(f"tilegen tune: error: the {args.backend} family has no backward kernels "
+                  "(--backward tunes the triton family's)", file=sys.stderr)
+            return 2
     opts = TuneOptions(
-        spec=_spec(args), target=args.target, backend=args.backend, captures=args.captures,
+        spec=_spec(args), target=args.target, backend=backend, captures=args.captures,
         seeds=args.seeds, heartbeat_s=args.heartbeat, oracle_check=args.oracle_check,
         trials=args.trials, storage=args.storage, study=args.study, workers=args.workers,
         timeout_s=args.timeout, setup_timeout_s=args.setup_timeout, timer=args.timer,
@@ -86,6 +95,10 @@ def add_tune_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                    help="target (default: the GPU's; required under the CPU interpreter)")
     p.add_argument("--backend", default="triton",
                    help="kernel family to tune (tilegen.backends; default triton)")
+    p.add_argument("--backward", action="store_true",
+                   help="tune the family's backward kernels (BackwardConfig, [tunable.triton_bwd]) "
+                   "with its forward fixed; the gate scores dq/dk/dv with the gradient rule "
+                   "against the fp32 reference; the winner is what the op's backward uses")
     p.add_argument("--captures", default="synthetic",
                    help="directory of capture .pt files, or 'synthetic' (default); a synthetic "
                    "outlier capture is added when none of the set has an outlier head")

@@ -28,6 +28,17 @@ A trial (`TrialRequest` -> `TrialResult`):
    do_bench``: warmed, kernel-only, median of CUDA-event timings); the objective is the mean of
    the per-capture medians.
 
+A backward kernel set (``tilegen tune --backward``: a backend with ``gradients``, e.g.
+``triton_bwd``) is gated and timed on its gradients instead: at setup the fp32 autograd
+reference gradients (`tilegen.bench.grad_reference`: `tilegen.reference.attention_grads_fp32`
+one head at a time) are computed once per capture on the outlier head(s), the first and the
+last head (`tilegen.bench.backward_heads`), for a seeded dO (`tilegen.bench.backward_do`); a
+trial runs the op's forward for gradients (fp32 O and lse) and its backward with the trial's
+config, and each of dq, dk, dv must pass the gradient rule (`tilegen.captures.grad_score`) on
+those heads of every capture. The time is that of ``op.launch_backward`` as the autograd
+backward calls it (delta, the maps built from the LUT, and the kernels); FLOPs are the
+backward's nominal 2.5x the forward's (`tilegen.bench.backward_flops`).
+
 Exceptions are mapped to a failure class by `classify`.
 """
 
@@ -329,6 +340,9 @@ class _WorkerState:
             device_name = "cpu"
             detected = None
         self.factory = _resolve(setup.op_factory)
+        from tilegen import backends
+
+        self.gradients = backends.get(setup.backend).gradients
         self.caps: list[tuple[str, dict]] = []
         self.refs: list[Any] = []
         self.infos: list[CaptureInfo] = []
@@ -375,6 +389,22 @@ class _WorkerState:
                 raise WorkerSetupError(str(exc)) from exc
             yield path.name, captures.for_spec(cap, self.spec)
 
+    def _grad_reference(self, name: str, cap: dict) -> tuple[Any, str, str]:
+        """For a backward kernel set: (dO, the heads scored, fp32 reference (dq, dk, dv) on
+        them), computed once per capture (see the module docstring)."""
+        from tilegen import bench
+        from tilegen.inputs import validate_inputs
+
+        args = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"])
+        try:
+            validate_inputs(self.spec, *args)
+        except (TypeError, ValueError) as exc:
+            raise WorkerSetupError(f"capture {name} does not fit the spec: {exc}") from exc
+        heads = bench.backward_heads(self.spec.num_heads, cap.get("outlier_heads") or ())
+        do = bench.backward_do(cap["q"], cap.get("seed"))
+        ref = bench.grad_reference(self.spec, args, do, heads)
+        return (do, heads, ref), "fp32 autograd reference", f"heads {heads}"
+
     def _reference(self, name: str, cap: dict) -> tuple[Any, str, str]:
         """The output a candidate is scored against, computed once per capture, and its check
         against the fp32 oracle (`tilegen.reference.attention_fp32`).
@@ -391,6 +421,8 @@ class _WorkerState:
         from tilegen.reference import attention_fp32
 
         args = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"])
+        if self.gradients:
+            return self._grad_reference(name, cap)
         try:
             validate_inputs(self.spec, *args)
         except (TypeError, ValueError) as exc:
@@ -429,6 +461,31 @@ class _WorkerState:
             self.notes.append(f"{text} (--oracle-check report: not enforced)")
         return o, "reference variant", str(s)
 
+    def _gate_gradients(self, op: Any, name: str, cap: dict, ref: Any
+                        ) -> tuple[dict[str, Any], Callable[[], Any]]:
+        """Score the op's dq, dk, dv on one capture (the gradient rule on the reference's heads)
+        and return the row and the call to time (its backward as autograd runs it)."""
+        from tilegen import captures
+
+        do, heads, (rq, rk, rv) = ref
+        args = (cap["q"], cap["k"], cap["v"])
+        lut = (cap["topk_idx"], cap["vbs"])
+        _o, lse, o_acc = op.forward_for_grad(*args, *lut)
+        grads = op.backward(do, *args, o_acc, lse, *lut)
+        self._sync()
+        dim = 2 if self.spec.layout == "bshd" else 1
+        sel = self.torch.tensor(heads, device=do.device)
+        scores = [captures.grad_score(g.index_select(dim, sel), r, layout=self.spec.layout)
+                  for g, r in zip(grads, (rq, rk, rv), strict=True)]
+        del grads
+        text = "; ".join(f"{n}: {s}" for n, s in zip(("dq", "dk", "dv"), scores, strict=True))
+        row = {"capture": name, "passed": all(s.passed for s in scores),
+               "finite": all(s.finite for s in scores),
+               "min_head_cos": min(s.min_head_cos for s in scores),
+               "max_abs": max(s.max_abs for s in scores), "mean_abs": None,
+               "score": f"heads {heads}: {text}"}
+        return row, lambda: op.backward(do, *args, o_acc, lse, *lut)
+
     def _sync(self) -> None:
         if self.device == "cuda":
             self.torch.cuda.synchronize()
@@ -443,8 +500,16 @@ class _WorkerState:
         try:
             op = self.factory(self.spec, cfg, backend=self.setup.backend)
             rows: list[dict[str, Any]] = []
+            timed: list[Callable[[], Any]] = []
             for i, ((name, cap), ref) in enumerate(zip(self.caps, self.refs, strict=True)):
                 tc = time.perf_counter()
+                if self.gradients:
+                    row, call = self._gate_gradients(op, name, cap, ref)
+                    rows.append(row)
+                    timed.append(call)
+                    if i == 0:
+                        res.compile_s = time.perf_counter() - tc
+                    continue
                 o, _ = op(cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"])
                 self._sync()
                 if i == 0:
@@ -463,14 +528,18 @@ class _WorkerState:
             else:
                 total_ms = 0.0
                 total_flops = 0.0
-                for row, (_name, cap), info in zip(rows, self.caps, self.infos, strict=True):
-                    if self.setup.timer == "do_bench":
-                        ms = bench.time_op(op, cap)
-                    else:
+                for j, (row, (_name, cap), info) in enumerate(
+                        zip(rows, self.caps, self.infos, strict=True)):
+                    if self.setup.timer != "do_bench":
                         ms = fake_deterministic_ms(cfg.name)
+                    elif self.gradients:
+                        ms = bench.time_fn(timed[j])
+                    else:
+                        ms = bench.time_op(op, cap)
                     row["ms"] = ms
                     total_ms += ms
-                    total_flops += info.flops
+                    total_flops += (bench.backward_flops(info.flops) or 0.0
+                                    if self.gradients else info.flops)
                 res.status = "pass"
                 res.median_ms = total_ms / len(rows)
                 res.tflops = total_flops / total_ms / 1e9 if total_ms > 0 else None

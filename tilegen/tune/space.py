@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from tilegen.config import KernelConfig, default_config, reference_config
+from tilegen.config import KernelConfig, reference_config
 from tilegen.spec import Spec
 from tilegen.targets import Target
 
@@ -153,7 +153,7 @@ class SearchSpace:
 
         base = backends.get(backend).default_config(spec, target)
         types = {**_field_types(), **{k: type(v) for k, v in base.options}}
-        ranges: dict[str, Sequence[Value]] = dict(target.tunable_for(backend))
+        ranges: dict[str, Sequence[Value]] = dict(backends.get(backend).tunable(target))
         ranges.update(overrides or {})
         launch = [make_dim(n, ranges[n], types) for n in LAUNCH_FIELDS if n in ranges]
         render = [make_dim(n, ranges[n], types) for n in sorted(ranges)
@@ -246,7 +246,10 @@ def seed_configs(space: SearchSpace, known: Sequence[tuple[str, KernelConfig]] =
     `known` (e.g. a tuned winner, even a stale one). Configs outside the space are dropped (an
     Optuna parameter cannot take a value outside its choices); a repeated config keeps one
     entry whose label joins its roles."""
-    candidates = [("target default", default_config(space.target, space.spec)),
+    from tilegen import backends
+
+    candidates = [("target default",
+                   backends.get(space.backend).default_config(space.spec, space.target)),
                   ("reference", reference_config(space.spec)), *known]
     labels: dict[str, list[str]] = {}
     configs: dict[str, KernelConfig] = {}

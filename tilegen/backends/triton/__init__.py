@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 class TritonBackend(Backend):
     name = "triton"
     runs_on_cpu = True
+    backward = "triton_bwd"
 
     def config_violations(self, spec: Spec, target: Target, cfg: KernelConfig) -> list[str]:
         return []  # the generic predicates (tilegen.config) are the Triton kernel's rules
@@ -30,9 +31,10 @@ class TritonBackend(Backend):
 
     def sources(self, spec: Spec, cfg: KernelConfig, target: Target) -> list[Source]:
         """The forward kernel and the backward module (preprocess, dQ, dK/dV)."""
-        from tilegen.backends.triton.backward import render_triton_backward
+        from tilegen.backends.triton.backward import BackwardConfig, render_triton_backward
 
-        return [self.render(spec, cfg, target), render_triton_backward(spec, cfg, target)]
+        return [self.render(spec, cfg, target),
+                render_triton_backward(spec, cfg, target, BackwardConfig.default_for(target))]
 
     def toolchain(self, target: Target | None = None) -> str:
         import triton

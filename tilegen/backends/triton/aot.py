@@ -102,12 +102,14 @@ def compile_triton(spec: Spec, cfg: KernelConfig, target: Target, out_dir: Path,
                            len(_PTR_ARGS), cfg.launch, target, out_dir, stem, cfg.name)
 
 
-def backward_signatures(spec: Spec) -> dict[str, dict[str, str]]:
+def backward_signatures(spec: Spec, bwd: BackwardConfig | None = None
+                        ) -> dict[str, dict[str, str]]:
     """Triton signatures (runtime arguments, then constexprs) of the backward module's kernels
-    (see lut_backward.py.j2). O is the forward's fp32 output (`forward_for_grad`)."""
+    (see lut_backward.py.j2) for the template options of `bwd`. O is the forward's fp32 output
+    (`forward_for_grad`)."""
     elem = {"bf16": "*bf16", "fp16": "*fp16"}[spec.dtype]
     f32, i32 = "*fp32", "*i32"
-    return {
+    sigs = {
         "preprocess": {"O": f32, "DO": elem, "DELTA": f32, "VBS": i32,
                        "seq_len": "i32", "num_heads": "i32", "BLOCK_M": "constexpr"},
         "dq": {"Q": elem, "K": elem, "V": elem, "DO": elem, "LSE": f32, "DELTA": f32,
@@ -123,6 +125,17 @@ def backward_signatures(spec: Spec) -> dict[str, dict[str, str]]:
                  "qk_scale": "fp32", "sm_scale": "fp32", "ATOMIC_DQ": "constexpr",
                  "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
     }
+    # packed tiles (`PackedTiles`): pointers inserted after ERR, in the kernels' order
+    extra = {"dq": ("DQ_OFFSETS", "DQ_ITEMS", "DQ_TSTART", "DQ_TMETA", "DQ_TCOUNT")
+             if bwd is not None and bwd.dq_pack else (),
+             "dkdv": ("KV_TSTART", "KV_TMETA", "KV_TCOUNT")
+             if bwd is not None and bwd.dkdv_pack else ()}
+    for kernel, names in extra.items():
+        if names:
+            items = list(sigs[kernel].items())
+            at = [k for k, _ in items].index("ERR") + 1
+            sigs[kernel] = dict(items[:at] + [(n, i32) for n in names] + items[at:])
+    return sigs
 
 
 def compile_triton_backward(spec: Spec, cfg: KernelConfig, target: Target, out_dir: Path,
@@ -130,10 +143,10 @@ def compile_triton_backward(spec: Spec, cfg: KernelConfig, target: Target, out_d
                             bwd: BackwardConfig | None = None) -> list[Artifact]:
     """Compile every kernel of the backward module (preprocess, dQ, dK/dV) for `target`, with
     the target's default `BackwardConfig` (fitted to the spec); one Artifact per kernel."""
-    source = source or render_triton_backward(spec, cfg, target)
     bwd = (bwd or BackwardConfig.default_for(target)).fit(spec)
+    source = source or render_triton_backward(spec, cfg, target, bwd)
     arts = []
-    for kernel, sig in backward_signatures(spec).items():
+    for kernel, sig in backward_signatures(spec, bwd).items():
         consts, launch = bwd.kernel_launch(kernel)
         if kernel == "dq":
             consts = {"HAS_COUNTS": False, "HAS_DSUM": False, **consts}

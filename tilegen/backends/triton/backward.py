@@ -16,6 +16,7 @@ the render-time options come from the forward's `KernelConfig` (``interp_bf16`` 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ BACKWARD_KERNELS = {
 
 @dataclass(frozen=True)
 class BackwardConfig:
-    """Launch parameters of the three backward kernels.
+    """Launch parameters and render-time options of the three backward kernels.
 
     - ``dq_block_m`` / ``dq_block_n``: query rows per dQ program / keys per inner step (divide
       block_q / block_kv), ``dq_warps`` / ``dq_stages`` its launch options;
@@ -45,7 +46,13 @@ class BackwardConfig:
     - ``pre_block_m``: rows per preprocess program (divides block_q);
     - ``dq_atomic``: the dK/dV kernel also computes dQ (fp32 atomic adds; 5 matmuls per block
       pair instead of 7) and the dQ kernel is skipped: the variant that trades the S and dP
-      recomputation for atomics (`finish_atomic_dq` does the epilogue).
+      recomputation for atomics (`finish_atomic_dq` does the epilogue);
+    - ``dq_pack`` (render-time): the dQ kernel walks its LUT row in *packed* key tiles built on
+      the device (`pack_tiles`): a full KV cube is a tile of its own, partial cubes of one size
+      class (vbs rounded up to a power of two) share a tile (two of 32, four of 16, ...), so no
+      MMA work goes to key padding; needs ``dq_block_n == block_kv``;
+    - ``dkdv_pack`` (render-time): the same for the query cubes of the dK/dV kernel's inverse map
+      (query padding); needs ``dkdv_block_m == block_q``.
     """
 
     dq_block_m: int = 64
@@ -58,6 +65,16 @@ class BackwardConfig:
     dkdv_stages: int = 2
     pre_block_m: int = 64
     dq_atomic: bool = False
+    dq_pack: bool = False
+    dkdv_pack: bool = False
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            want = bool if f.type in ("bool", bool) else int
+            if type(value) is not want or (want is int and value < 1):
+                raise ValueError(f"BackwardConfig.{f.name} must be a "
+                                 f"{'bool' if want is bool else 'positive int'}, got {value!r}")
 
     @classmethod
     def default_for(cls, target: Target | None) -> BackwardConfig:
@@ -70,21 +87,69 @@ class BackwardConfig:
 
     def fit(self, spec: Spec) -> BackwardConfig:
         """Tiles shrunk to the spec's cube sizes where larger."""
-        return BackwardConfig(
-            dq_block_m=min(self.dq_block_m, spec.block_q),
+        return dataclasses.replace(
+            self, dq_block_m=min(self.dq_block_m, spec.block_q),
             dq_block_n=min(self.dq_block_n, spec.block_kv),
-            dq_warps=self.dq_warps, dq_stages=self.dq_stages,
             dkdv_block_n=min(self.dkdv_block_n, spec.block_kv),
             dkdv_block_m=min(self.dkdv_block_m, spec.block_q),
-            dkdv_warps=self.dkdv_warps, dkdv_stages=self.dkdv_stages,
-            pre_block_m=min(self.pre_block_m, spec.block_q), dq_atomic=self.dq_atomic)
+            pre_block_m=min(self.pre_block_m, spec.block_q))
+
+    def violations(self, spec: Spec) -> list[str]:
+        """Why this config cannot run `spec` (empty when it can)."""
+        out = []
+        for name, cube in (("dq_block_m", spec.block_q), ("dq_block_n", spec.block_kv),
+                           ("dkdv_block_n", spec.block_kv), ("dkdv_block_m", spec.block_q),
+                           ("pre_block_m", spec.block_q)):
+            value = getattr(self, name)
+            if value & (value - 1) or cube % value:
+                out.append(f"{name}={value} must be a power of two dividing the cube ({cube}): "
+                           "tiles index a cube's slots")
+        if (self.dq_pack or self.dkdv_pack) and not spec.variable_block_sizes:
+            out.append("dq_pack/dkdv_pack pack partial cubes: the spec has no vbs (every cube "
+                       "is full)")
+        if self.dq_pack and self.dq_block_n != spec.block_kv:
+            out.append(f"dq_pack packs whole {spec.block_kv}-key tiles: needs dq_block_n="
+                       f"{spec.block_kv}, got {self.dq_block_n}")
+        if self.dq_pack and self.dq_atomic:
+            out.append("dq_pack packs the dQ kernel's tiles, which dq_atomic does not launch")
+        if self.dkdv_pack and self.dkdv_block_m != spec.block_q:
+            out.append(f"dkdv_pack packs whole {spec.block_q}-row query tiles: needs "
+                       f"dkdv_block_m={spec.block_q}, got {self.dkdv_block_m}")
+        return out
 
     @property
     def name(self) -> str:
         return (f"dq{self.dq_block_m}x{self.dq_block_n}w{self.dq_warps}s{self.dq_stages}_"
                 f"dkdv{self.dkdv_block_n}x{self.dkdv_block_m}w{self.dkdv_warps}"
                 f"s{self.dkdv_stages}_pre{self.pre_block_m}"
-                + ("_atomicdq" if self.dq_atomic else ""))
+                + ("_atomicdq" if self.dq_atomic else "")
+                + ("_dqpack" if self.dq_pack else "") + ("_dkdvpack" if self.dkdv_pack else ""))
+
+    @property
+    def render_name(self) -> str:
+        """The render-time options alone (part of the backward module's file name)."""
+        return "".join(f"_{n.replace('_', '')}" for n in RENDER_FIELDS if getattr(self, n))
+
+    def render_options(self) -> BackwardConfig:
+        """The render-time options alone, every launch parameter at its class default."""
+        return BackwardConfig(**{n: getattr(self, n) for n in RENDER_FIELDS})
+
+    # -- as a KernelConfig (the tuner's and the tuning DB's currency) -----------------------
+    def to_kernel_config(self, interp_bf16: bool = False) -> KernelConfig:
+        """This config as the `KernelConfig` of the ``triton_bwd`` tuning family: every field
+        an option (launch fields of the KernelConfig itself stay at their defaults)."""
+        return KernelConfig(interp_bf16=interp_bf16, options=dataclasses.asdict(self))
+
+    @classmethod
+    def from_kernel_config(cls, cfg: KernelConfig) -> BackwardConfig:
+        """Inverse of `to_kernel_config`; unknown option names raise ValueError naming them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        opts = dict(cfg.options)
+        unknown = sorted(set(opts) - known)
+        if unknown:
+            raise ValueError(f"options {unknown} are not BackwardConfig fields; known: "
+                             f"{sorted(known)}")
+        return cls(**opts)
 
     def kernel_launch(self, kernel: str) -> tuple[dict[str, int], dict[str, int]]:
         """(constexprs, launch options) of one kernel of the module (`BACKWARD_KERNELS` key)."""
@@ -100,17 +165,26 @@ class BackwardConfig:
                          f"{list(BACKWARD_KERNELS)}")
 
 
-def backward_render_name(cfg: KernelConfig) -> str:
-    """The render-time options the backward depends on (interp_bf16 only)."""
-    return "bwd_interpbf16" if cfg.interp_bf16 else "bwd"
+#: BackwardConfig fields that change the rendered source (template options)
+RENDER_FIELDS: tuple[str, ...] = ("dq_pack", "dkdv_pack")
 
 
-def render_triton_backward(spec: Spec, cfg: KernelConfig, target: Target | None) -> Source:
-    """The backward module's source for a spec and the config's render-time options."""
-    name = f"{spec_basename(spec)}_{backward_render_name(cfg)}.py"
+def backward_render_name(cfg: KernelConfig, bwd: BackwardConfig | None = None) -> str:
+    """The render-time options the backward depends on (the forward config's interp_bf16 and
+    the backward config's template options)."""
+    return ("bwd" + (bwd.render_name if bwd is not None else "")
+            + ("_interpbf16" if cfg.interp_bf16 else ""))
+
+
+def render_triton_backward(spec: Spec, cfg: KernelConfig, target: Target | None,
+                           bwd: BackwardConfig | None = None) -> Source:
+    """The backward module's source for a spec, the forward config's render-time options
+    (interp_bf16) and the backward config's template options (default: none)."""
+    bwd = (bwd or BackwardConfig()).render_options()
+    name = f"{spec_basename(spec)}_{backward_render_name(cfg, bwd)}.py"
     opts = KernelConfig(interp_bf16=cfg.interp_bf16)
     return render(TRITON_BACKWARD_TEMPLATE, "triton", spec, opts, name,
-                  BACKWARD_KERNELS["dq"], target, names=BACKWARD_KERNELS)
+                  BACKWARD_KERNELS["dq"], target, names=BACKWARD_KERNELS, bwd=bwd)
 
 
 def is_backward(source: Source) -> bool:
@@ -146,6 +220,141 @@ def inverse_map(topk_idx: torch.Tensor, counts: torch.Tensor | None, num_kv_bloc
     offsets = torch.zeros(sentinel + 1, dtype=torch.int32, device=dev)
     offsets[1:] = torch.cumsum(per_key, 0).to(torch.int32)
     return offsets, qcubes
+
+
+@dataclass(frozen=True)
+class PackedTiles:
+    """Lists of cubes per owner (CSR), each list cut into dense tiles of ``block`` rows.
+
+    ``offsets`` (int32, owners + 1) and ``items`` (int32): owner o's cubes are
+    ``items[offsets[o]:offsets[o+1]]``, grouped by size class (full cubes first). Tile t of
+    owner o (``t < count[o]``) is at slot ``offsets[o] + t`` of ``tile_start`` (its first
+    item's index in ``items``) and ``tile_meta`` (``lg | n << 8``: each of its ``n`` cubes
+    takes ``2**lg`` rows, vbs rounded up to a power of two, so tile row r belongs to item
+    ``r >> lg``, slot ``r & (2**lg - 1)``). ``count`` is -1 for an owner whose list holds a bad
+    index or vbs (the kernel poisons it with NaN and sets the error word).
+    """
+
+    offsets: torch.Tensor
+    items: torch.Tensor
+    tile_start: torch.Tensor
+    tile_meta: torch.Tensor
+    count: torch.Tensor
+
+
+def pack_tiles(owner: torch.Tensor, item: torch.Tensor, rows: torch.Tensor, n_owners: int,
+               block: int, bad: torch.Tensor | None = None) -> PackedTiles:
+    """Pack each owner's cubes into dense ``block``-row tiles, vectorized torch, no host sync.
+
+    ``owner`` (int64, N; ``n_owners`` for an entry to leave out), ``item`` (the cube id) and
+    ``rows`` (its real rows, clamped to 1..block) per entry; ``bad`` (bool, n_owners) marks
+    owners to poison. One stable sort on (owner, size class), three searchsorted and a cumsum:
+    cubes of one class are taken ``block >> lg`` to a tile in list order; the last tile of a
+    class may be partly filled (its missing items are masked)."""
+    dev = owner.device
+    n = owner.numel()
+    log_block = block.bit_length() - 1
+    lg = torch.ceil(torch.log2(rows.clamp(1, block).float())).long()  # rows <= 2**lg
+    rank = log_block - lg  # 0 for full cubes: they come first
+    key = owner * (log_block + 1) + rank
+    skey, order = torch.sort(key, stable=True)
+    s_owner = skey // (log_block + 1)
+    s_rank = skey % (log_block + 1)
+    kept = s_owner < n_owners
+    idx = torch.arange(n, device=dev)
+    group_first = torch.searchsorted(skey, skey)
+    group_end = torch.searchsorted(skey, skey, right=True)
+    per_tile = torch.bitwise_left_shift(torch.ones_like(s_rank), s_rank)
+    pos = idx - group_first
+    starts = kept & (pos % per_tile == 0)
+    n_items = torch.minimum(per_tile, group_end - idx)
+    cs = torch.cumsum(starts.long(), 0)  # inclusive
+    owner_first = torch.searchsorted(skey, s_owner * (log_block + 1))
+    before = cs[owner_first] - starts[owner_first].long()  # tiles of earlier owners
+    slot = owner_first + (cs - 1 - before)
+    # one scatter per array; entries that start no tile write a spare slot n, cut off after
+    dest = torch.where(starts, slot, n)
+    tile_start = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+    tile_start.scatter_(0, dest, idx.to(torch.int32))
+    meta = ((log_block - s_rank) | (n_items << 8)).to(torch.int32)
+    tile_meta = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+    tile_meta.scatter_(0, dest, meta)
+    tile_start, tile_meta = tile_start[:n], tile_meta[:n]
+    counts = torch.bincount(torch.where(starts, s_owner, n_owners), minlength=n_owners + 1)
+    count = counts[:n_owners].to(torch.int32)
+    if bad is not None:
+        count = torch.where(bad, -1, count)
+    per_owner = torch.bincount(torch.where(kept, s_owner, n_owners), minlength=n_owners + 1)
+    offsets = torch.zeros(n_owners + 1, dtype=torch.int32, device=dev)
+    offsets[1:] = torch.cumsum(per_owner[:n_owners], 0).to(torch.int32)
+    return PackedTiles(offsets, item[order].to(torch.int32), tile_start, tile_meta, count)
+
+
+def _entries(topk_idx: torch.Tensor, counts: torch.Tensor | None, num_kv_blocks: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(idx (BH, NQ, TOPK) int64, in-range mask, real-slot mask) of a LUT."""
+    B, H, NQ, TOPK = topk_idx.shape
+    idx = topk_idx.reshape(B * H, NQ, TOPK).long()
+    real = torch.ones_like(idx, dtype=torch.bool)
+    if counts is not None:
+        slot = torch.arange(TOPK, device=idx.device)
+        real = slot[None, None, :] < counts.reshape(B * H, NQ, 1).long()
+    return idx, (idx >= 0) & (idx < num_kv_blocks), real
+
+
+def packed_inverse_map(topk_idx: torch.Tensor, counts: torch.Tensor | None, vbs: torch.Tensor,
+                       num_kv_blocks: int, block: int) -> PackedTiles:
+    """The inverse map (`inverse_map`'s lists: for each (batch*head, KV cube) the query cubes
+    that chose it) packed into dense query tiles by the query cubes' vbs (`pack_tiles`), for
+    the dK/dV kernel with ``dkdv_pack``. Bad entries are left out (the dQ kernel flags them)."""
+    idx, ok, real = _entries(topk_idx, counts, num_kv_blocks)
+    BH, NQ, TOPK = idx.shape
+    bh = torch.arange(BH, device=idx.device).view(BH, 1, 1)
+    qc = torch.arange(NQ, device=idx.device).view(1, NQ, 1).expand(BH, NQ, TOPK)
+    owner = torch.where(ok & real, bh * num_kv_blocks + idx, BH * num_kv_blocks).reshape(-1)
+    rows = vbs.long()[:NQ].clamp(1, block)[qc].reshape(-1)
+    return pack_tiles(owner, qc.reshape(-1), rows, BH * num_kv_blocks, block)
+
+
+def packed_lut(topk_idx: torch.Tensor, counts: torch.Tensor | None, vbs: torch.Tensor,
+               num_kv_blocks: int, block: int) -> PackedTiles:
+    """Each LUT row's KV cubes packed into dense key tiles by vbs (`pack_tiles`), for the dQ
+    kernel with ``dq_pack``. A row with an index outside [0, NKV), a vbs outside 1..block or a
+    count outside 0..TOPK gets count -1 (NaN gradients and the error word, as unpacked)."""
+    idx, ok, real = _entries(topk_idx, counts, num_kv_blocks)
+    BH, NQ, TOPK = idx.shape
+    safe = torch.where(ok, idx, 0)
+    n_valid = vbs.long()[safe]
+    bad = (real & (~ok | (n_valid < 1) | (n_valid > block))).any(-1).reshape(-1)
+    if counts is not None:
+        c = counts.reshape(-1).long()
+        bad |= (c < 0) | (c > TOPK)
+    owner = torch.arange(BH * NQ, device=idx.device).view(BH, NQ, 1).expand(BH, NQ, TOPK)
+    owner = torch.where(ok & real, owner, BH * NQ).reshape(-1)
+    return pack_tiles(owner, safe.reshape(-1), n_valid.reshape(-1).clamp(1, block), BH * NQ,
+                      block, bad)
+
+
+@dataclass(frozen=True)
+class BackwardMaps:
+    """What the backward kernels walk besides the LUT, built on the device from it:
+    ``inverse`` (`inverse_map`'s (offsets, qcubes), or its `PackedTiles` with ``dkdv_pack``)
+    and ``lut`` (`packed_lut`, with ``dq_pack``; else None)."""
+
+    inverse: tuple[torch.Tensor, torch.Tensor] | PackedTiles
+    lut: PackedTiles | None = None
+
+
+def backward_maps(topk_idx: torch.Tensor, counts: torch.Tensor | None, vbs: torch.Tensor,
+                  num_kv_blocks: int, block: int, bwd: BackwardConfig) -> BackwardMaps:
+    """The maps `bwd` needs (prebuild them once to share them between calls)."""
+    if bwd.dkdv_pack:
+        inverse: tuple[torch.Tensor, torch.Tensor] | PackedTiles = packed_inverse_map(
+            topk_idx, counts, vbs, num_kv_blocks, block)
+    else:
+        inverse = inverse_map(topk_idx, counts, num_kv_blocks)
+    lut = packed_lut(topk_idx, counts, vbs, num_kv_blocks, block) if bwd.dq_pack else None
+    return BackwardMaps(inverse, lut)
 
 
 def finish_atomic_dq(dq_acc: torch.Tensor, ds_sum: torch.Tensor, dsum: torch.Tensor | None,

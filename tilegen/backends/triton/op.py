@@ -32,8 +32,10 @@ import torch
 from tilegen.backends.triton.backward import (
     BACKWARD_KERNELS,
     BackwardConfig,
+    BackwardMaps,
+    PackedTiles,
+    backward_maps,
     finish_atomic_dq,
-    inverse_map,
     render_triton_backward,
 )
 from tilegen.backends.triton.jit import interpreting, load_triton
@@ -100,9 +102,8 @@ class BlockSparseAttention:
         # rendered and imported once per render-time variant: rendering on every call would
         # cost the op milliseconds of host time
         self._kernels: dict[KernelConfig, object] = {}
-        self._bwd_kernels: dict[KernelConfig, dict[str, object]] = {}
-        #: launch parameters of the backward kernels (`BackwardConfig`)
-        self.backward_config = BackwardConfig.default_for(target).fit(spec)
+        self._bwd_kernels: dict[tuple[KernelConfig, BackwardConfig], dict[str, object]] = {}
+        self._backward_config: BackwardConfig | None = None
 
     def __repr__(self) -> str:
         where = self.target.name if self.target else "cpu"
@@ -192,26 +193,57 @@ class BlockSparseAttention:
         return self.launch_backward(do, q, k, v, o, lse, topk_idx, vbs, counts,
                                     sm_scale=sm_scale, dlse=dlse)
 
-    def backward_kernels(self, device: torch.device) -> dict[str, object]:
-        """The three backward kernels for `device` (rendered and imported once)."""
+    @property
+    def backward_config(self) -> BackwardConfig:
+        """Launch parameters and template options of the backward kernels: the tuned winner of
+        the ``triton_bwd`` family for this device (resolved like the forward's: the tuning DB,
+        then the shipped winners, the nearest tuned workload counting), else the target's
+        default (`BackwardConfig.default_for`). Resolved at first use; assignable."""
+        if self._backward_config is None:
+            bcfg = BackwardConfig.default_for(self.target)
+            if self.target is not None:
+                from tilegen.winners import lookup_config
+
+                found = lookup_config(self.spec, self.target, backend="triton_bwd")
+                if found is not None:
+                    bcfg = BackwardConfig.from_kernel_config(found)
+            self._backward_config = bcfg.fit(self.spec)
+        return self._backward_config
+
+    @backward_config.setter
+    def backward_config(self, value: BackwardConfig) -> None:
+        problems = value.violations(self.spec)
+        if problems:
+            raise ValueError(f"backward config {value.name} is invalid: " + "; ".join(problems))
+        self._backward_config = value
+
+    def backward_kernels(self, device: torch.device, bwd: BackwardConfig | None = None
+                         ) -> dict[str, object]:
+        """The three backward kernels for `device` and the template options of `bwd` (default:
+        the op's backward config), rendered and imported once."""
         cfg = self.kernel_config(device)
-        kernels = self._bwd_kernels.get(cfg)
+        opts = (bwd or self.backward_config).render_options()
+        kernels = self._bwd_kernels.get((cfg, opts))
         if kernels is None:
-            src = render_triton_backward(self.spec, cfg, self.target)
-            kernels = self._bwd_kernels[cfg] = {
+            src = render_triton_backward(self.spec, cfg, self.target, opts)
+            kernels = self._bwd_kernels[(cfg, opts)] = {
                 k: load_triton(src, name) for k, name in BACKWARD_KERNELS.items()}
         return kernels
 
     def launch_backward(self, do, q, k, v, o, lse, topk_idx, vbs, counts=None, *,
                         sm_scale: float | None = None, dlse: torch.Tensor | None = None,
-                        inverse: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        inverse: BackwardMaps | tuple[torch.Tensor, torch.Tensor] | None = None,
                         config: BackwardConfig | None = None):
         """Launch preprocess, dQ and dK/dV with no input checks; returns (dq, dk, dv).
-        ``inverse`` passes a prebuilt `inverse_map` (e.g. shared by the layers of a step)."""
+        ``inverse`` passes prebuilt maps (`backward_maps` for the config, or for a config
+        without packing an `inverse_map`), e.g. shared by the layers of a step."""
         spec = self.spec
         cfg = self.kernel_config(q.device)
         bcfg = (config or self.backward_config).fit(spec)
-        kernels = self.backward_kernels(q.device)
+        problems = bcfg.violations(spec)
+        if problems:
+            raise ValueError(f"backward config {bcfg.name} is invalid: " + "; ".join(problems))
+        kernels = self.backward_kernels(q.device, bcfg)
         if spec.layout == "bshd":
             B, S, H, _ = q.shape
         else:
@@ -232,7 +264,26 @@ class BlockSparseAttention:
         if dlse is not None:  # d lse_2 / d s = log2(e) * P: fold it into delta
             dsum = dlse.to(torch.float32) * LOG2E  # = sum_j dS_ij, the dQ kernel's centring
             delta = delta - dsum
-        offsets, qcubes = inverse if inverse is not None else inverse_map(topk_idx, counts, nkv)
+        if inverse is None:
+            maps = backward_maps(topk_idx, counts, vbs, nkv, spec.block_kv, bcfg)
+        elif isinstance(inverse, BackwardMaps):
+            maps = inverse
+        else:
+            maps = BackwardMaps(inverse)
+        if bcfg.dkdv_pack != isinstance(maps.inverse, PackedTiles) or (
+                bcfg.dq_pack and maps.lut is None):
+            raise ValueError(f"inverse: the prebuilt maps do not fit backward config {bcfg.name} "
+                             "(build them with backward_maps(..., config))")
+        if isinstance(maps.inverse, PackedTiles):
+            packed = maps.inverse
+            offsets, qcubes = packed.offsets, packed.items
+            dkdv_extra: tuple = (packed.tile_start, packed.tile_meta, packed.count)
+        else:
+            (offsets, qcubes), dkdv_extra = maps.inverse, ()
+        dq_extra: tuple = ()
+        if bcfg.dq_pack:
+            lut = maps.lut
+            dq_extra = (lut.offsets, lut.items, lut.tile_start, lut.tile_meta, lut.count)
         buf = torch.float32 if cfg.interp_bf16 else q.dtype
         dk = torch.empty_like(k, dtype=buf)
         dv = torch.empty_like(v, dtype=buf)
@@ -245,13 +296,14 @@ class BlockSparseAttention:
             consts, opts = bcfg.kernel_launch("dq")
             kernels["dq"][(nq * (spec.block_q // consts["BLOCK_M"]), B * H)](
                 q, k, v, do, lse, delta, dsum if dsum is not None else delta, topk_idx,
-                counts if counts is not None else topk_idx, vbs, dq, err,
+                counts if counts is not None else topk_idx, vbs, dq, err, *dq_extra,
                 S, H, nq, nkv, topk, scale * LOG2E, scale,
                 HAS_COUNTS=counts is not None, HAS_DSUM=dsum is not None, **consts, **opts)
         consts, opts = bcfg.kernel_launch("dkdv")
         kernels["dkdv"][(nkv * (spec.block_kv // consts["BLOCK_N"]), B * H)](
             q, k, v, do, lse, delta, offsets, qcubes, vbs, dk, dv, dq_acc, ds_sum, err,
-            S, H, nkv, scale * LOG2E, scale, ATOMIC_DQ=bcfg.dq_atomic, **consts, **opts)
+            *dkdv_extra, S, H, nkv, scale * LOG2E, scale, ATOMIC_DQ=bcfg.dq_atomic, **consts,
+            **opts)
         self.errors.after_launch(q.device)
         if bcfg.dq_atomic:
             dq = finish_atomic_dq(dq_acc, ds_sum, dsum, k, topk_idx,

@@ -24,7 +24,8 @@ from tilegen.targets import TARGET_NAMES, Target, detect_target, get_target
 
 log = logging.getLogger("tilegen")
 
-__all__ = ["BlockSparseAttention", "block_sparse_attention", "load", "resolve_config"]
+__all__ = ["BlockSparseAttention", "block_sparse_attention", "load", "resolve_config",
+           "video_sparse_attention"]
 
 _noted: set[str] = set()
 
@@ -314,3 +315,61 @@ def block_sparse_attention(
         o, lse = torch.ops.tilegen.block_sparse_attention(q, k, v, topk_idx, vbs, counts,
                                                           layout, sm_scale, return_lse)
     return (o, lse) if return_lse else o
+
+
+# -- the full VSA forward (tilegen.vsa) ---------------------------------------------------------
+@torch.library.custom_op("tilegen::video_sparse_attention", mutates_args=())
+def _video_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate: torch.Tensor | None,
+    grid: list[int],
+    topk: int,
+    cube: list[int],
+    sm_scale: float | None,
+) -> torch.Tensor:
+    from tilegen import vsa
+
+    return vsa.forward(q, k, v, tuple(grid), topk, tuple(cube), gate, sm_scale)
+
+
+@_video_sparse_attention.register_fake
+def _video_sparse_attention_fake(q, k, v, gate, grid, topk, cube, sm_scale):
+    return torch.empty_like(q)
+
+
+def video_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grid: tuple[int, int, int],
+    topk: int | None = None,
+    cube: tuple[int, int, int] = (4, 4, 4),
+    gate: torch.Tensor | None = None,
+    *,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """The full VSA forward on THW-ordered BSHD tokens ``(B, T*H*W, heads, D)``: reorder to
+    cubes, coarse attention over mean-pooled cubes (coarse output + top-k selection), the tuned
+    fine kernel, ``out = fine + gate * coarse`` (``gate=None``: a gate of 1), reorder back.
+    Definitions in `tilegen.vsa`. ``topk=None`` takes the default spec's density (12.5%).
+
+    Inputs are checked on the host before anything runs (TypeError/ValueError naming the
+    argument). Without gradients it is one ``torch.library`` custom op
+    (``torch.ops.tilegen.video_sparse_attention``, with a fake, so ``torch.compile(fullgraph=True)``
+    traces it as one node); when q, k, v or gate need gradients it runs as a composite of torch
+    ops and the differentiable ``tilegen::block_sparse_attention`` op, so autograd (and
+    torch.compile) go through it: gradients reach q, k, v (fine and coarse paths) and gate; the
+    top-k selection gets none.
+    """
+    from tilegen import vsa
+
+    if topk is None:
+        topk = vsa.default_topk(grid, cube)
+    g, c, topk = vsa.check_args(q, k, v, grid, topk, cube, gate, sm_scale)
+    tensors = (q, k, v) if gate is None else (q, k, v, gate)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return vsa.forward(q, k, v, g, topk, c, gate, sm_scale, differentiable=True)
+    return torch.ops.tilegen.video_sparse_attention(q, k, v, gate, list(g), topk, list(c),
+                                                    sm_scale)

@@ -343,11 +343,13 @@ def _adjacency_cpu(cgrid: tuple[int, int, int], kind: str) -> torch.Tensor:
 
 def _neighbourhood_size(cgrid: Sequence[int], kind: str) -> int:
     """The largest row count of the adjacency (host arithmetic, no tensor)."""
-    if kind == "self":
-        return 1
-    if kind == "face":
-        return 1 + sum(min(n - 1, 2) for n in cgrid)
-    return math.prod(min(n, 3) for n in cgrid)
+    size = 1
+    for n in cgrid:  # plain loops: torch.compile traces this (no generator into math.prod)
+        if kind == "face":
+            size += min(n - 1, 2)
+        elif kind == "box":
+            size *= min(n, 3)
+    return size
 
 
 @functools.lru_cache(maxsize=32)

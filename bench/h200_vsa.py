@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     import recall_study
 
     from tilegen import captures, layout, sparsity, vsa
-    from tilegen.ops import video_sparse_attention
+    from tilegen.ops import video_sparse_attention, vsa_fine, vsa_fine_op
 
     dev = torch.device("cpu" if dry else "cuda")
     if not dry and not torch.cuda.is_available():
@@ -224,14 +224,14 @@ def main(argv=None) -> int:
         vol = 64
         cqc, ckc, cvc = (vsa.reorder(t, grid, cube) for t in (q, k, v))
         co, idx = vsa.coarse(cqc, ckc, cvc, vbs, topk, vol, scale)
-        fine_c = vsa.fine(cqc, ckc, cvc, idx, vbs, grid, cube, None)
+        fine_c = vsa_fine(cqc, ckc, cvc, idx, vbs, grid, cube, None)
         out["reorder_ms"] = bench(lambda: [vsa.reorder(t, grid, cube) for t in (q, k, v)])
         out["coarse_ms"] = bench(lambda: vsa.coarse(cqc, ckc, cvc, vbs, topk, vol, scale))
-        out["fine_ms"] = bench(lambda: vsa.fine(cqc, ckc, cvc, idx, vbs, grid, cube, None))
+        out["fine_ms"] = bench(lambda: vsa_fine(cqc, ckc, cvc, idx, vbs, grid, cube, None))
         out["combine_gate_none_ms"] = bench(lambda: vsa.combine(fine_c, co, None, grid, cube))
         out["combine_gate_ms"] = bench(lambda: vsa.combine(fine_c, co, gate, grid, cube))
         out["reorder_back_ms"] = bench(lambda: layout.from_cubes(fine_c, grid, cube))
-        out["fine_op"] = repr(vsa.fine_op(vsa.fine_spec(cqc, grid, cube, topk)))
+        out["fine_op"] = repr(vsa_fine_op(vsa.fine_spec(cqc, grid, cube, topk)))
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, N, D) views
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
                               ("flash", SDPBackend.FLASH_ATTENTION)):
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
 
     @section("correctness")
     def correctness():
-        o, idx = vsa.forward(q, k, v, grid, topk, cube, gate, return_selection=True)
+        o, idx = vsa.forward(q, k, v, grid, topk, cube, gate, fine=vsa_fine, return_selection=True)
         o_op = video_sparse_attention(q, k, v, grid, topk, cube, gate)
         ref, _ = vsa.reference_fp32(q, k, v, grid, topk, cube, gate, topk_idx=idx)
         res = captures.score(o_op, ref.to(o_op.dtype))

@@ -8,7 +8,7 @@ import torch
 import triton.language  # noqa: F401  (see below)
 
 from tilegen import captures, layout, sparsity, vsa
-from tilegen.ops import video_sparse_attention
+from tilegen.ops import video_sparse_attention, vsa_fine
 
 # triton.language is imported above under conftest's TRITON_INTERPRET=1: the PyTorch-path tests
 # below turn the variable off, and Triton fixes its interpreter mode at its first import.
@@ -38,7 +38,7 @@ def pytorch_path(monkeypatch):
 
 
 def _check(q, k, v, grid, topk, cube, gate):
-    out, idx = vsa.forward(q, k, v, grid, topk, cube, gate, return_selection=True)
+    out, idx = vsa.forward(q, k, v, grid, topk, cube, gate, fine=vsa_fine, return_selection=True)
     op = video_sparse_attention(q, k, v, grid, topk, cube, gate)
     assert torch.equal(op, out) and op.shape == q.shape and op.dtype == q.dtype
     ref, ref_idx = vsa.reference_fp32(q, k, v, grid, topk, cube, gate)
@@ -63,7 +63,7 @@ def test_gate_semantics(pytorch_path):
     ones = torch.ones(1, 1, 1, 1, dtype=q.dtype)
     assert torch.equal(video_sparse_attention(q, k, v, GRID, 3),
                        video_sparse_attention(q, k, v, GRID, 3, gate=ones))
-    _, idx = vsa.forward(q, k, v, GRID, 3, return_selection=True)
+    _, idx = vsa.forward(q, k, v, GRID, 3, fine=vsa_fine, return_selection=True)
     fine = vsa.reference_fp32(q, k, v, GRID, 3, gate=torch.zeros(()), topk_idx=idx)[0]
     coarse = vsa.reference_fp32(q, k, v, GRID, 3, topk_idx=idx)[0] - fine
     # the coarse output is one vector per query cube: equal across the tokens of a cube
@@ -105,7 +105,7 @@ def test_gradients_match_fp32_autograd(pytorch_path):
     assert captures.score(out.detach(), video_sparse_attention(q, k, v, GRID, 3,
                                                                gate=gate)).passed
     out.backward(do)
-    _, idx = vsa.forward(q, k, v, GRID, 3, gate=gate, return_selection=True)
+    _, idx = vsa.forward(q, k, v, GRID, 3, gate=gate, fine=vsa_fine, return_selection=True)
     ref_leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v, gate)]
     ref, _ = vsa.reference_fp32(*ref_leaves[:3], GRID, 3, gate=ref_leaves[3], topk_idx=idx)
     ref.backward(do.float())

@@ -13,8 +13,10 @@ heads, D)`` tokens row-major over (t, h, w) (the model's order), in five stages:
    **selection** is the top-``topk`` KV cubes of row ``i`` of ``q̄ k̄ᵀ`` (exactly
    ``sparsity.mean_pool_topk``), ids ascending.
 3. **fine**: block-sparse attention of every token over the real tokens of its query cube's
-   selected KV cubes: the tuned kernel ``tilegen.load(spec)`` for the workload's spec (grid, heads,
-   topk; the nearest tuned workload's winner otherwise), output in the input dtype.
+   selected KV cubes: the tuned kernel ``tilegen.load(spec)`` for the workload's spec
+   (`fine_spec`: grid, heads, topk; the nearest tuned workload's winner otherwise), output in
+   the input dtype. The ops layer supplies it (`tilegen.ops.vsa_fine`), so this module holds no
+   kernels.
 4. **combine**: ``out = fine + gate * coarse``, in fp32, rounded once to the input dtype. ``gate``
    is a tensor broadcastable to ``(B, T*H*W, heads, D)`` in token order (FastVideo's
    ``compress_attn_weight``, e.g. a per-element ``(B, S, H, D)`` projection or ``(B, S, H, 1)``);
@@ -24,15 +26,14 @@ heads, D)`` tokens row-major over (t, h, w) (the model's order), in five stages:
 :func:`reference_fp32` is the same definition computed independently in fp32/fp64 (the oracle),
 with the two roundings that belong to it (pooled sums to the input dtype, the fine output to the
 input dtype); the op's result, rounded once at the end, is scored against it with the contract's
-rule. The stage functions (:func:`reorder`, :func:`coarse`, :func:`fine`, :func:`combine`) are
-public so benchmarks can time the split.
+rule. The stage functions (:func:`reorder`, :func:`coarse`, :func:`combine`, and
+`tilegen.ops.vsa_fine`) are public so benchmarks can time the split.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,12 +41,11 @@ import torch
 from tilegen import layout, sparsity
 from tilegen.spec import Spec
 
-__all__ = ["default_topk", "check_args", "reorder", "coarse", "fine", "fine_op", "combine",
+__all__ = ["default_topk", "check_args", "reorder", "coarse", "fine_spec", "combine",
            "forward", "reference_fp32"]
 
 Triple = tuple[int, int, int]
 _DTYPES = (torch.bfloat16, torch.float16)
-_DEFAULT_BLOCK = Spec().block_kv  # the block of tilegen::block_sparse_attention
 
 
 def default_topk(grid: Sequence[int], cube: Sequence[int] = (4, 4, 4)) -> int:
@@ -121,41 +121,12 @@ def coarse(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, vbs: torch.Tens
     return out, idx.to(torch.int32)
 
 
-@functools.lru_cache(maxsize=16)
-def fine_op(spec: Spec) -> Any:
-    """The fine kernel for a workload spec: ``tilegen.load(spec)`` (the tuned winner for this
-    device, the nearest tuned workload's, or the target default; logged by load)."""
-    from tilegen import ops  # ops registers the custom op on top of this module
-
-    return ops.load(spec)
-
-
 def fine_spec(qc: torch.Tensor, grid: Triple, cube: Triple, topk: int) -> Spec:
     """The workload spec of the fine stage (kernel fields from the tensors and the cube)."""
     vol = math.prod(cube)
     return Spec(block_q=vol, block_kv=vol, cube=cube, head_dim=qc.shape[-1],
                 dtype={torch.bfloat16: "bf16", torch.float16: "fp16"}[qc.dtype],
                 layout="bshd", grid=grid, num_heads=qc.shape[2], topk=topk, batch=qc.shape[0])
-
-
-def fine(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, idx: torch.Tensor,
-         vbs: torch.Tensor, grid: Triple, cube: Triple, sm_scale: float | None,
-         differentiable: bool = False) -> torch.Tensor:
-    """Stage 3: the fine block-sparse attention, cube-major, in the input dtype.
-
-    Without gradients: the tuned op for the workload's spec (`fine_spec`, `fine_op`). With
-    gradients: ``tilegen.ops.block_sparse_attention`` (a custom op with registered backward
-    kernels), which takes the default 64-token cubes only."""
-    if differentiable:
-        from tilegen.ops import block_sparse_attention
-
-        if math.prod(cube) != _DEFAULT_BLOCK:
-            raise ValueError(f"cube={cube}: gradients of video_sparse_attention need "
-                             f"{_DEFAULT_BLOCK}-token cubes (the block of the differentiable "
-                             f"op tilegen::block_sparse_attention)")
-        return block_sparse_attention(qc, kc, vc, idx, vbs, sm_scale=sm_scale)
-    spec = fine_spec(qc, grid, cube, idx.shape[-1])
-    return fine_op(spec)(qc, kc, vc, idx, vbs, sm_scale=sm_scale, return_lse=False)
 
 
 def combine(fine_c: torch.Tensor, coarse_out: torch.Tensor, gate: torch.Tensor | None,
@@ -189,11 +160,14 @@ def combine(fine_c: torch.Tensor, coarse_out: torch.Tensor, gate: torch.Tensor |
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Triple, topk: int,
             cube: Triple = (4, 4, 4), gate: torch.Tensor | None = None,
-            sm_scale: float | None = None, *, differentiable: bool = False,
-            return_selection: bool = False) -> Any:
-    """The pipeline on validated inputs (`check_args`). ``differentiable`` builds it from ops
-    autograd records (the gradient path); otherwise the tuned fine op and fused combine run.
-    ``return_selection`` also returns the ``(B, H, NC, topk)`` int32 selection."""
+            sm_scale: float | None = None, *, fine: Callable[..., torch.Tensor],
+            differentiable: bool = False, return_selection: bool = False) -> Any:
+    """The pipeline on validated inputs (`check_args`). ``fine`` is the fine stage,
+    ``fine(qc, kc, vc, idx, vbs, grid, cube, sm_scale, differentiable) -> o`` cube-major in the
+    input dtype (`tilegen.ops.vsa_fine`: the ops layer owns the kernels). ``differentiable``
+    builds the pipeline from ops autograd records (the gradient path); otherwise the tuned fine
+    op and the fused combine run. ``return_selection`` also returns the ``(B, H, NC, topk)``
+    int32 selection."""
     vol = math.prod(cube)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     vbs = layout.vbs_for_grid(grid, cube, device=q.device)

@@ -73,8 +73,16 @@ def vbs_for_grid(
     grid: Sequence[int], cube: Sequence[int] = (4, 4, 4), device: torch.device | str | None = None
 ) -> torch.Tensor:
     """Real tokens per cube, ``(NC,)`` int32, cube ids row-major over (cube_t, cube_h, cube_w)."""
-    vbs = _vbs_cpu(_triple(grid, "grid"), _triple(cube, "cube"))
-    return vbs.to(device) if device is not None else vbs.clone()
+    g, c = _triple(grid, "grid"), _triple(cube, "cube")
+    if device is None:
+        return _vbs_cpu(g, c).clone()
+    # a device-side copy of the cached vbs: no host-to-device copy (and so no sync) per call
+    return _vbs_on(g, c, torch.device(device)).clone()
+
+
+@functools.lru_cache(maxsize=32)
+def _vbs_on(grid: Triple, cube: Triple, device: torch.device) -> torch.Tensor:
+    return _vbs_cpu(grid, cube).to(device)
 
 
 def cube_coords(

@@ -8,6 +8,7 @@ without a host sync.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any
@@ -24,7 +25,8 @@ from tilegen.targets import TARGET_NAMES, Target, detect_target, get_target
 
 log = logging.getLogger("tilegen")
 
-__all__ = ["BlockSparseAttention", "block_sparse_attention", "load", "resolve_config"]
+__all__ = ["BlockSparseAttention", "block_sparse_attention", "load", "resolve_config",
+           "video_sparse_attention", "vsa_fine", "vsa_fine_op"]
 
 _noted: set[str] = set()
 
@@ -314,3 +316,91 @@ def block_sparse_attention(
         o, lse = torch.ops.tilegen.block_sparse_attention(q, k, v, topk_idx, vbs, counts,
                                                           layout, sm_scale, return_lse)
     return (o, lse) if return_lse else o
+
+
+# -- the full VSA forward (tilegen.vsa) ---------------------------------------------------------
+_GRAD_BLOCK = Spec().block_kv  # block of tilegen::block_sparse_attention (module level: traced)
+
+
+@functools.lru_cache(maxsize=16)
+def vsa_fine_op(spec: Spec) -> Any:
+    """The fine kernel of `video_sparse_attention` for a workload spec (`vsa.fine_spec`):
+    `load(spec)`, the tuned winner for this device, the nearest tuned workload's or the target
+    default (logged by load); loaded once per spec."""
+    return load(spec)
+
+
+def vsa_fine(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, idx: torch.Tensor,
+             vbs: torch.Tensor, grid: tuple[int, int, int], cube: tuple[int, int, int],
+             sm_scale: float | None, differentiable: bool = False) -> torch.Tensor:
+    """The fine stage of `video_sparse_attention`, cube-major, in the input dtype: the tuned op
+    for the workload (`vsa_fine_op`) without gradients; with them `block_sparse_attention` (the
+    custom op with registered backward kernels), which takes the default 64-token cubes."""
+    from tilegen import vsa
+
+    if differentiable:
+        if math.prod(cube) != _GRAD_BLOCK:
+            raise ValueError(f"cube={cube}: gradients of video_sparse_attention need "
+                             f"{_GRAD_BLOCK}-token cubes (the block of the differentiable "
+                             f"op tilegen::block_sparse_attention)")
+        return block_sparse_attention(qc, kc, vc, idx, vbs, sm_scale=sm_scale)
+    op = vsa_fine_op(vsa.fine_spec(qc, grid, cube, idx.shape[-1]))
+    return op(qc, kc, vc, idx, vbs, sm_scale=sm_scale, return_lse=False)
+
+
+@torch.library.custom_op("tilegen::video_sparse_attention", mutates_args=())
+def _video_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate: torch.Tensor | None,
+    grid: list[int],
+    topk: int,
+    cube: list[int],
+    sm_scale: float | None,
+) -> torch.Tensor:
+    from tilegen import vsa
+
+    return vsa.forward(q, k, v, tuple(grid), topk, tuple(cube), gate, sm_scale, fine=vsa_fine)
+
+
+@_video_sparse_attention.register_fake
+def _video_sparse_attention_fake(q, k, v, gate, grid, topk, cube, sm_scale):
+    return torch.empty_like(q)
+
+
+def video_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grid: tuple[int, int, int],
+    topk: int | None = None,
+    cube: tuple[int, int, int] = (4, 4, 4),
+    gate: torch.Tensor | None = None,
+    *,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """The full VSA forward on THW-ordered BSHD tokens ``(B, T*H*W, heads, D)``: reorder to
+    cubes, coarse attention over mean-pooled cubes (coarse output + top-k selection), the tuned
+    fine kernel, ``out = fine + gate * coarse`` (``gate=None``: a gate of 1), reorder back.
+    Definitions in `tilegen.vsa`. ``topk=None`` takes the default spec's density (12.5%).
+
+    Inputs are checked on the host before anything runs (TypeError/ValueError naming the
+    argument). Without gradients it is one ``torch.library`` custom op
+    (``torch.ops.tilegen.video_sparse_attention``, with a fake, so ``torch.compile(fullgraph=True)``
+    traces it as one node); when q, k, v or gate need gradients it runs as a composite of torch
+    ops and the differentiable ``tilegen::block_sparse_attention`` op, so autograd (and
+    torch.compile) go through it: gradients reach q, k, v (fine and coarse paths) and gate; the
+    top-k selection gets none.
+    """
+    from tilegen import vsa
+
+    if topk is None:
+        topk = vsa.default_topk(grid, cube)
+    g, c, topk = vsa.check_args(q, k, v, grid, topk, cube, gate, sm_scale)
+    tensors = (q, k, v) if gate is None else (q, k, v, gate)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return vsa.forward(q, k, v, g, topk, c, gate, sm_scale, fine=vsa_fine,
+                           differentiable=True)
+    return torch.ops.tilegen.video_sparse_attention(q, k, v, gate, list(g), topk, list(c),
+                                                    sm_scale)

@@ -8,17 +8,37 @@ Encodings:
 
 Coarse selectors (the VSA coarse stage): mean-pool each cube over its real tokens, score cube
 pairs with ``q_mean @ k_mean^T`` per head, then keep a fixed top-k per row
-(:func:`mean_pool_topk`) or the smallest set holding a softmax-mass fraction (:func:`cdf_select`).
+(:func:`mean_pool_topk`) or the smallest set holding a softmax-mass fraction (:func:`cdf_select`,
+:func:`cdf_mask`). The Jenga / AttenCarve selector (:func:`jenga_mask`, :func:`jenga_lut`) is the
+union of that importance top-k, forced 3-D adjacency cubes (:func:`adjacency_mask`) and an
+optional extra mask.
+
+Pooling (:func:`pool_cubes`) is one batched GEMM per tensor, ``(1, block) @ (block, H*D)`` per
+cube with 0/1 weights that drop padding slots: it reads ``x`` once, accumulates in fp32 and
+rounds each cube's sum once to ``x``'s dtype (bf16 input: the sum rounded to bf16, as FastVideo's
+``x.float().sum(...).to(x.dtype)`` rounds its pooled cubes), then divides by ``vbs`` in fp32.
+
+No host sync on the GPU: the selectors are plain torch ops with static shapes (no ``.item()``,
+``.tolist()`` or data-dependent shapes). Value checks of ``vbs`` run only for CPU tensors (free
+there); on the GPU a cube whose ``vbs`` lies outside ``1..block`` pools to NaN, so its scores are
+NaN. Two helpers do sync by nature: :func:`mask_to_lut` (its width is the largest row count, a
+data-dependent shape) and hence :func:`cdf_select`; :func:`cdf_mask` and :func:`jenga_lut` are
+their sync-free forms.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Sequence
 
 import torch
 
+from tilegen import layout
+
 __all__ = ["lut_to_mask", "mask_to_lut", "pool_cubes", "coarse_scores", "mean_pool_topk",
-           "cdf_select"]
+           "cdf_select", "cdf_mask", "adjacency_mask", "jenga_mask", "jenga_lut",
+           "ADJACENCY"]
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -155,7 +175,10 @@ def _check_vbs(vbs: torch.Tensor, n: int, block: int, name: str) -> None:
     _check_int_tensor(vbs, name, dim=1)
     if vbs.shape[0] != n:
         raise ValueError(f"{name} must have {n} entries (one per cube), got {vbs.shape[0]}")
-    if n and (int(vbs.min()) < 1 or int(vbs.max()) > block):
+    # values only where reading them is free: a GPU tensor would need a host sync (bad values
+    # there pool to NaN instead, see pool_cubes)
+    if (n and vbs.device.type == "cpu" and not torch.compiler.is_compiling()
+            and (int(vbs.min()) < 1 or int(vbs.max()) > block)):
         raise ValueError(f"{name} values must lie in 1..{block} (block size)")
 
 
@@ -164,22 +187,35 @@ def pool_cubes(
 ) -> torch.Tensor:
     """Mean of each cube over its real tokens: ``(B, NC*block, H, D)`` -> ``(B, H, NC, D)`` fp32.
 
-    Padding slots are masked explicitly (not assumed zero). Works in chunks of cubes so a bf16
-    input is never upcast whole (the full Wan tensor would be 0.8 GB in fp32).
+    Padding slots are masked explicitly (not assumed zero). One batched GEMM reads ``x`` once
+    (no upcast copy): each cube's sum is accumulated in fp32 and rounded once to ``x``'s dtype,
+    then divided by ``vbs`` in fp32. Differentiable in ``x``. A cube whose ``vbs`` lies outside
+    ``1..block`` pools to NaN (values are checked on the host only for CPU tensors).
+    ``chunk`` is accepted for compatibility and unused (the GEMM needs no chunking).
     """
     b, s, h, d = x.shape
     nc = s // block
-    xv = x.view(b, nc, block, h, d)
-    vbs_d = vbs.to(x.device).long()
-    out = torch.empty((b, nc, h, d), dtype=torch.float32, device=x.device)
-    slot = torch.arange(block, device=x.device)
-    for c0 in range(0, nc, chunk):
-        c1 = min(nc, c0 + chunk)
-        w = (slot[None, :] < vbs_d[c0:c1, None]).to(torch.float32)  # (c, block)
-        part = xv[:, c0:c1].to(torch.float32)
-        out[:, c0:c1] = torch.einsum("bcshd,cs->bchd", part, w)
-    out /= vbs_d.to(torch.float32).view(1, nc, 1, 1)
-    return out.permute(0, 2, 1, 3).contiguous()
+    return _pool(x.reshape(b, nc, block, h * d), vbs.to(x.device), block).view(
+        b, nc, h, d).permute(0, 2, 1, 3).contiguous()
+
+
+def _pool(x4: torch.Tensor, vbs: torch.Tensor, block: int) -> torch.Tensor:
+    """``(B, NC, block, N)`` -> ``(B, NC, N)`` fp32 means over the first ``vbs[c]`` slots."""
+    b, nc, _, n = x4.shape
+    vbs_l = vbs.long()
+    slot = torch.arange(block, device=x4.device)
+    w = (slot[None, :] < vbs_l[:, None]).to(x4.dtype)  # (NC, block): 0/1, exact in any dtype
+    w = w.unsqueeze(0).expand(b, nc, block).reshape(b * nc, 1, block)
+    sums = torch.bmm(w, x4.reshape(b * nc, block, n)).view(b, nc, n)
+    ok = (vbs_l >= 1) & (vbs_l <= block)
+    inv = torch.where(ok, 1.0 / vbs_l.clamp(min=1).to(torch.float32), float("nan"))
+    return sums.to(torch.float32) * inv.view(1, nc, 1)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, vbs: torch.Tensor, q_vbs: torch.Tensor,
+            block: int) -> torch.Tensor:
+    """Unchecked coarse scores ``(B, H, NQ, NKV)`` fp32 (inputs validated by the caller)."""
+    return pool_cubes(q, q_vbs, block) @ pool_cubes(k, vbs, block).transpose(-1, -2)
 
 
 def coarse_scores(
@@ -229,6 +265,36 @@ def mean_pool_topk(
     return idx.sort(dim=-1).values.to(torch.int32)
 
 
+def cdf_mask(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    vbs: torch.Tensor,
+    p: float,
+    block: int = 64,
+    q_vbs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The selection of :func:`cdf_select` as a ``(B, H, NQ, NKV)`` bool mask (no host sync).
+
+    Per row, KV cubes are taken in decreasing coarse probability
+    ``softmax(mean(q_cube) @ mean(k_cube)^T / sqrt(D))`` until the mass before the next one
+    reaches ``p`` (at least one cube per row).
+    """
+    _, _, q_vbs = _check_qkv_cubes(q, k, vbs, block, q_vbs)
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"p must be a float, got {type(p).__name__}")
+    if not (0.0 < float(p) <= 1.0):
+        raise ValueError(f"p must lie in (0, 1], got {p}")
+    scores = coarse_scores(q, k, vbs, block, q_vbs) * (1.0 / math.sqrt(q.shape[-1]))
+    probs = torch.softmax(scores, dim=-1)
+    sp, order = probs.sort(dim=-1, descending=True)
+    before = sp.cumsum(-1) - sp  # mass strictly before each cube in the descending order
+    keep_sorted = before < float(p)
+    keep_sorted[..., 0] = True
+    mask = torch.zeros_like(keep_sorted)
+    mask.scatter_(-1, order, keep_sorted)
+    return mask
+
+
 def cdf_select(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -246,19 +312,176 @@ def cdf_select(
     Returns:
         ``(idx, counts)`` as :func:`mask_to_lut`: ``(B, H, NQ, max_count)`` int32, the selected
         ids ascending, then padding with the smallest unselected ids (no id twice in a row);
-        ``(B, H, NQ)`` int32 counts.
+        ``(B, H, NQ)`` int32 counts. The width ``max_count`` is data-dependent: one host sync
+        (:func:`cdf_mask` is the sync-free mask).
     """
-    _, _, q_vbs = _check_qkv_cubes(q, k, vbs, block, q_vbs)
-    if isinstance(p, bool) or not isinstance(p, (int, float)):
-        raise TypeError(f"p must be a float, got {type(p).__name__}")
-    if not (0.0 < float(p) <= 1.0):
-        raise ValueError(f"p must lie in (0, 1], got {p}")
-    scores = coarse_scores(q, k, vbs, block, q_vbs) * (1.0 / math.sqrt(q.shape[-1]))
-    probs = torch.softmax(scores, dim=-1)
-    sp, order = probs.sort(dim=-1, descending=True)
-    before = sp.cumsum(-1) - sp  # mass strictly before each cube in the descending order
-    keep_sorted = before < float(p)
-    keep_sorted[..., 0] = True
-    mask = torch.zeros_like(keep_sorted)
-    mask.scatter_(-1, order, keep_sorted)
-    return mask_to_lut(mask)
+    return mask_to_lut(cdf_mask(q, k, vbs, p, block, q_vbs))
+
+
+# ------------------------------------------------------------------ Jenga / AttenCarve selector
+
+#: forced-adjacency neighbourhoods of a query cube in the cube grid (the cube itself included):
+#: "self" (1 cube), "face" (itself + its 6 face neighbours, Manhattan distance <= 1),
+#: "box" (the 3x3x3 box around it, Chebyshev distance <= 1: up to 27 cubes)
+ADJACENCY = ("self", "face", "box")
+
+
+@functools.lru_cache(maxsize=32)
+def _adjacency_cpu(cgrid: tuple[int, int, int], kind: str) -> torch.Tensor:
+    """(NC, NC) bool adjacency over the cube grid."""
+    nt, nh, nw = cgrid
+    ct, ch, cw = torch.meshgrid(torch.arange(nt), torch.arange(nh), torch.arange(nw),
+                                indexing="ij")
+    pos = torch.stack((ct.reshape(-1), ch.reshape(-1), cw.reshape(-1)), dim=1)  # (NC, 3)
+    diff = (pos[:, None, :] - pos[None, :, :]).abs()
+    if kind == "self":
+        return diff.sum(-1) == 0
+    if kind == "face":
+        return diff.sum(-1) <= 1
+    return diff.amax(-1) <= 1
+
+
+def _neighbourhood_size(cgrid: Sequence[int], kind: str) -> int:
+    """The largest row count of the adjacency (host arithmetic, no tensor)."""
+    size = 1
+    for n in cgrid:  # plain loops: torch.compile traces this (no generator into math.prod)
+        if kind == "face":
+            size += min(n - 1, 2)
+        elif kind == "box":
+            size *= min(n, 3)
+    return size
+
+
+@functools.lru_cache(maxsize=32)
+def _adjacency_on(cgrid: tuple[int, int, int], kind: str, device: torch.device) -> torch.Tensor:
+    return _adjacency_cpu(cgrid, kind).to(device)
+
+
+def _check_adjacency(kind: object) -> str | None:
+    if kind is not None and kind not in ADJACENCY:
+        raise ValueError(f"adjacency={kind!r} is not allowed; allowed values: "
+                         f"{list(ADJACENCY)} or None")
+    return kind  # type: ignore[return-value]
+
+
+def adjacency_mask(
+    grid: Sequence[int],
+    cube: Sequence[int] = (4, 4, 4),
+    kind: str = "box",
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Forced adjacency: ``(NC, NC)`` bool, ``[i, j]`` True when KV cube ``j`` lies in query cube
+    ``i``'s neighbourhood in the cube grid (``kind`` in :data:`ADJACENCY`; the cube itself is
+    always included). Cube ids are row-major over (cube_t, cube_h, cube_w) as in
+    :mod:`tilegen.layout`; at the grid's faces and corners the neighbourhood is cut, not wrapped.
+    Built once per (grid, cube, kind) on the host and cached per device.
+    """
+    _check_adjacency(kind)
+    if kind is None:
+        raise ValueError("adjacency_mask needs a kind; allowed values: " + str(list(ADJACENCY)))
+    cgrid = layout.cube_grid(grid, cube)
+    dev = torch.device(device if device is not None else "cpu")
+    return _adjacency_on(cgrid, kind, dev).clone()
+
+
+def _jenga_args(q, k, topk, grid, cube, adjacency, extra):
+    g, c = layout._triple(grid, "grid"), layout._triple(cube, "cube")
+    block = math.prod(c)
+    cgrid = layout.cube_grid(g, c)
+    nc = math.prod(cgrid)
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] != nc * block:
+        raise ValueError(f"q must hold {nc} cubes of {block} tokens for grid={g}, cube={c} "
+                         f"(S={nc * block}, cube-major as layout.to_cubes makes it), "
+                         f"got shape {tuple(q.shape)}")
+    vbs = layout.vbs_for_grid(g, c, device=q.device if isinstance(q, torch.Tensor) else None)
+    _check_qkv_cubes(q, k, vbs, block, None)
+    if isinstance(topk, bool) or not isinstance(topk, int):
+        raise TypeError(f"topk must be an int, got {type(topk).__name__}")
+    if not 0 <= topk <= nc:
+        raise ValueError(f"topk={topk} must lie in 0..NKV={nc}")
+    _check_adjacency(adjacency)
+    if extra is not None:
+        if not isinstance(extra, torch.Tensor):
+            raise TypeError(f"extra must be a torch.Tensor, got {type(extra).__name__}")
+        if extra.dtype not in (torch.bool, torch.uint8):
+            raise TypeError(f"extra must be a bool or uint8 mask, got dtype {extra.dtype}")
+        want = (q.shape[0], q.shape[2], nc, nc)
+        try:
+            ok = extra.dim() == 4 and torch.broadcast_shapes(extra.shape, want) == want
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"extra must be (B, H, NQ, NKV) = {want} or broadcastable to it "
+                             f"(e.g. (1, 1, NQ, NKV)), got shape {tuple(extra.shape)}")
+        if extra.device != q.device:
+            raise ValueError(f"extra must be on q's device {q.device}, got {extra.device}")
+    return g, c, block, cgrid, vbs
+
+
+def jenga_mask(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    topk: int,
+    grid: Sequence[int],
+    cube: Sequence[int] = (4, 4, 4),
+    *,
+    adjacency: str | None = "box",
+    extra: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Jenga / AttenCarve block selection: importance top-k union forced adjacency union extra.
+
+    Args:
+        q, k: ``(B, S, H, D)`` cube-major padded (``layout.to_cubes`` of THW tokens on ``grid``).
+        topk: importance cubes per query cube, ``0..NKV``: the top-k of the mean-pooled coarse
+            scores (the ones :func:`coarse_scores` and :func:`mean_pool_topk` use), per head.
+        grid: latent token grid ``(T, H, W)``; with ``cube`` it fixes the cube grid, ``vbs``
+            and the adjacency.
+        adjacency: the neighbourhood forced for every query cube (:data:`ADJACENCY`: "self",
+            "face" or "box"), or None for none.
+        extra: optional ``(B, H, NQ, NKV)`` bool/uint8 mask (or broadcastable, e.g. a
+            ``(1, 1, NQ, NKV)`` condition mask) OR-ed in.
+
+    Returns:
+        ``(B, H, NQ, NKV)`` bool. No host sync on the GPU. ``mask_to_lut(mask)`` turns it into a
+        LUT (one sync for its width); :func:`jenga_lut` gives the LUT without one.
+    """
+    _, _, block, cgrid, vbs = _jenga_args(q, k, topk, grid, cube, adjacency, extra)
+    scores = _scores(q, k, vbs, vbs, block)
+    mask = torch.zeros(scores.shape, dtype=torch.bool, device=q.device)
+    if topk:
+        mask.scatter_(-1, scores.topk(topk, dim=-1, sorted=False).indices, True)
+    if adjacency is not None:
+        mask |= _adjacency_on(cgrid, adjacency, q.device)
+    if extra is not None:
+        mask |= extra.bool()
+    return mask
+
+
+def jenga_lut(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    topk: int,
+    grid: Sequence[int],
+    cube: Sequence[int] = (4, 4, 4),
+    *,
+    adjacency: str | None = "box",
+    extra: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`jenga_mask` as a padded LUT ``(idx, counts)`` (the layout of :func:`mask_to_lut`)
+    with no host sync: the width is a bound known on the host, ``min(NKV, topk + the largest
+    neighbourhood)`` without ``extra``, ``NKV`` with it."""
+    g, c, _, cgrid, _ = _jenga_args(q, k, topk, grid, cube, adjacency, extra)
+    nc = math.prod(cgrid)
+    nb = _neighbourhood_size(cgrid, adjacency) if adjacency is not None else 0
+    width = nc if extra is not None else max(1, min(nc, topk + nb))
+    mask = jenga_mask(q, k, topk, g, c, adjacency=adjacency, extra=extra)
+    return _mask_to_lut_width(mask, width)
+
+
+def _mask_to_lut_width(mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mask_to_lut` with a width known to bound every row count (no host sync)."""
+    nkv = mask.shape[-1]
+    counts = mask.sum(-1, dtype=torch.int32)
+    ar = torch.arange(nkv, device=mask.device, dtype=torch.int64)
+    key = torch.where(mask, ar, ar + nkv).sort(dim=-1).values[..., :width]
+    return torch.where(key >= nkv, key - nkv, key).to(torch.int32), counts

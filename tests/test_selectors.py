@@ -1,0 +1,174 @@
+"""The GPU selectors of `tilegen.sparsity`: pooling, the Jenga mask selector (top-k union forced
+adjacency union extra), its LUT form, and the absence of host syncs (fullgraph torch.compile)."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from tilegen import layout, sparsity
+
+GRID = (6, 7, 9)  # 2x2x3 cubes of 4x4x4, partial along every axis
+
+
+def _cubes(seed=0, grid=GRID, b=2, h=3, d=16, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    n = math.prod(grid)
+    q, k = (torch.randn(b, n, h, d, generator=g).to(dtype) for _ in range(2))
+    qc, vbs = layout.to_cubes(q, grid)
+    kc, _ = layout.to_cubes(k, grid)
+    return qc, kc, vbs
+
+
+def _brute_adjacency(grid, kind):
+    nt, nh, nw = layout.cube_grid(grid)
+    pos = list(itertools.product(range(nt), range(nh), range(nw)))
+    out = torch.zeros(len(pos), len(pos), dtype=torch.bool)
+    for i, a in enumerate(pos):
+        for j, b in enumerate(pos):
+            d = [abs(x - y) for x, y in zip(a, b, strict=True)]
+            out[i, j] = {"self": sum(d) == 0, "face": sum(d) <= 1, "box": max(d) <= 1}[kind]
+    return out
+
+
+@pytest.mark.parametrize("grid", [(6, 7, 9), (12, 12, 12), (4, 4, 4), (3, 13, 5)])
+@pytest.mark.parametrize("kind", sparsity.ADJACENCY)
+def test_adjacency_matches_brute_force(grid, kind):
+    adj = sparsity.adjacency_mask(grid, kind=kind)
+    assert torch.equal(adj, _brute_adjacency(grid, kind))
+    assert torch.equal(adj, adj.T) and bool(adj.diagonal().all())
+    assert int(adj.sum(-1).max()) == sparsity._neighbourhood_size(layout.cube_grid(grid), kind)
+
+
+def test_adjacency_at_faces_and_corners():
+    grid = (12, 12, 12)  # 3x3x3 cubes: corner, edge, face and centre cubes
+    box = sparsity.adjacency_mask(grid, kind="box").sum(-1).view(3, 3, 3)
+    face = sparsity.adjacency_mask(grid, kind="face").sum(-1).view(3, 3, 3)
+    for (t, h, w) in itertools.product((0, 2), repeat=3):  # the 8 corners: cut, not wrapped
+        assert box[t, h, w] == 8 and face[t, h, w] == 4
+    assert box[1, 1, 1] == 27 and face[1, 1, 1] == 7  # the centre
+    assert box[0, 1, 1] == 18 and face[0, 1, 1] == 6  # a face centre
+    assert box[0, 0, 1] == 12 and face[0, 0, 1] == 5  # an edge middle
+
+
+def test_pool_cubes_masks_padding_and_rounds_once():
+    qc, _, vbs = _cubes(1, d=8)
+    garbage = qc.clone()
+    slot = torch.arange(qc.shape[1]) % 64
+    pad = slot >= vbs.repeat_interleave(64)
+    assert bool(pad.any())
+    garbage[:, pad] = 1e3  # padding may hold any finite values
+    for dtype in (torch.float32, torch.bfloat16):
+        x = garbage.to(dtype)
+        got = sparsity.pool_cubes(x, vbs)
+        real = ~pad.view(1, -1, 1, 1)
+        sums = (x.double() * real).view(2, -1, 64, 3, 8).sum(2)
+        want = (sums.to(dtype).double() / vbs.double().view(1, -1, 1, 1)).permute(0, 2, 1, 3)
+        torch.testing.assert_close(got.double(), want, rtol=1e-6 if dtype == torch.float32
+                                   else 2 ** -8, atol=1e-6)
+
+
+def test_pool_cubes_bad_vbs_gives_nan_without_reading_it():
+    qc, _, vbs = _cubes(2, d=8)
+    bad = vbs.clone()
+    bad[1] = 0
+    bad[2] = 65
+    got = sparsity.pool_cubes(qc, bad)
+    assert bool(got[:, :, 1:3].isnan().all()) and bool(got[:, :, 3:].isfinite().all())
+
+
+@pytest.mark.parametrize("kind", [None, *sparsity.ADJACENCY])
+@pytest.mark.parametrize("topk", [0, 1, 4])
+def test_jenga_mask_is_the_union(kind, topk):
+    qc, kc, vbs = _cubes(3)
+    nc = vbs.numel()
+    g = torch.Generator().manual_seed(3)
+    extra = torch.rand(1, 1, nc, nc, generator=g) < 0.1
+    for ex in (None, extra, extra.to(torch.uint8).expand(2, 3, nc, nc)):
+        got = sparsity.jenga_mask(qc, kc, topk, GRID, adjacency=kind, extra=ex)
+        want = torch.zeros(2, 3, nc, nc, dtype=torch.bool)
+        if topk:
+            want |= sparsity.lut_to_mask(sparsity.mean_pool_topk(qc, kc, vbs, topk), nc)
+        if kind is not None:
+            want |= _brute_adjacency(GRID, kind)
+        if ex is not None:
+            want |= ex.bool()
+        assert got.dtype == torch.bool and torch.equal(got, want)
+        idx, counts = sparsity.jenga_lut(qc, kc, topk, GRID, adjacency=kind, extra=ex)
+        ref_idx, ref_counts = sparsity.mask_to_lut(got)
+        assert torch.equal(counts, ref_counts)
+        assert idx.shape[-1] >= ref_idx.shape[-1]  # a static bound on the width
+        assert torch.equal(idx[..., :ref_idx.shape[-1]], ref_idx)
+        assert torch.equal(sparsity.lut_to_mask(idx, nc, counts=counts), got)
+
+
+def test_jenga_importance_cubes_are_the_top_scores():
+    qc, kc, vbs = _cubes(4)
+    got = sparsity.jenga_mask(qc, kc, 3, GRID, adjacency=None)
+    scores = sparsity.coarse_scores(qc, kc, vbs)
+    # every selected score beats every unselected one, per row
+    sel_min = torch.where(got, scores, math.inf).amin(-1)
+    rest_max = torch.where(~got, scores, -math.inf).amax(-1)
+    assert bool((sel_min > rest_max).all()) and bool((got.sum(-1) == 3).all())
+
+
+def test_jenga_validation():
+    qc, kc, _ = _cubes(5)
+    nc = kc.shape[1] // 64
+    with pytest.raises(ValueError, match="adjacency"):
+        sparsity.jenga_mask(qc, kc, 2, GRID, adjacency="ring")
+    with pytest.raises(ValueError, match="topk"):
+        sparsity.jenga_mask(qc, kc, nc + 1, GRID)
+    with pytest.raises(TypeError, match="topk"):
+        sparsity.jenga_mask(qc, kc, 2.0, GRID)
+    with pytest.raises(ValueError, match="extra"):
+        sparsity.jenga_mask(qc, kc, 2, GRID, extra=torch.zeros(2, 3, nc, nc + 1, dtype=bool))
+    with pytest.raises(TypeError, match="extra"):
+        sparsity.jenga_mask(qc, kc, 2, GRID, extra=torch.zeros(2, 3, nc, nc))
+    with pytest.raises(ValueError, match="q must hold"):
+        sparsity.jenga_mask(qc, kc, 2, (6, 7, 13))
+    with pytest.raises(ValueError, match="adjacency_mask needs a kind"):
+        sparsity.adjacency_mask(GRID, kind=None)
+
+
+def test_cdf_select_is_cdf_mask():
+    qc, kc, vbs = _cubes(6)
+    mask = sparsity.cdf_mask(qc * 3, kc, vbs, 0.6)
+    idx, counts = sparsity.cdf_select(qc * 3, kc, vbs, 0.6)
+    assert torch.equal(sparsity.lut_to_mask(idx, vbs.numel(), counts=counts), mask)
+
+
+@pytest.mark.parametrize("name", ["mean_pool_topk", "cdf_mask", "jenga_mask", "jenga_lut",
+                                  "pool_cubes"])
+def test_selectors_have_no_host_sync(name):
+    """Run on meta tensors (shapes, no data), as on a GPU (value checks are for CPU tensors
+    only): any `.item()`, `.tolist()`, `int(tensor)` or data-dependent shape raises there, so a
+    selector that runs reads nothing back on the GPU either. Shapes match the CPU run."""
+    qc, kc, vbs = _cubes(7, dtype=torch.bfloat16)
+    extra = torch.zeros(1, 1, vbs.numel(), vbs.numel(), dtype=torch.bool)
+    calls = {"mean_pool_topk": lambda q, k, v, e: sparsity.mean_pool_topk(q, k, v, 3),
+             "cdf_mask": lambda q, k, v, e: sparsity.cdf_mask(q, k, v, 0.5),
+             "jenga_mask": lambda q, k, v, e: sparsity.jenga_mask(q, k, 2, GRID, extra=e),
+             "jenga_lut": lambda q, k, v, e: sparsity.jenga_lut(q, k, 2, GRID, extra=e),
+             "pool_cubes": lambda q, k, v, e: sparsity.pool_cubes(q, v)}
+    cpu = calls[name](qc, kc, vbs, extra)
+    meta = calls[name](*(t.to("meta") for t in (qc, kc, vbs, extra)))
+    for a, b in zip(cpu if isinstance(cpu, tuple) else (cpu,),
+                    meta if isinstance(meta, tuple) else (meta,), strict=True):
+        assert b.device.type == "meta" and a.shape == b.shape and a.dtype == b.dtype
+
+
+def test_the_no_sync_check_can_fail():
+    """cdf_select syncs (its LUT width is the largest row count): on meta tensors it raises."""
+    qc, kc, vbs = _cubes(8)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        sparsity.cdf_select(*(t.to("meta") for t in (qc, kc, vbs)), 0.5)
+
+
+def test_selectors_compile_fullgraph():
+    torch._dynamo.reset()
+    qc, kc, vbs = _cubes(9, dtype=torch.bfloat16)
+    for fn, args in ((sparsity.mean_pool_topk, (qc, kc, vbs, 3)),
+                     (sparsity.jenga_mask, (qc, kc, 2, GRID))):
+        assert torch.equal(torch.compile(fn, fullgraph=True, backend="eager")(*args), fn(*args))

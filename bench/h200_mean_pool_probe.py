@@ -1,0 +1,49 @@
+"""Where `sparsity.mean_pool_topk`'s time goes at full size on the H200 (issue #9 item 3), one
+stage at a time, beside the library function: pooling (bf16 bmm rounded to bf16 vs fp32 output),
+the coarse scores, the top-k and the sort of the selected ids.
+
+    python bench/h200_mean_pool_probe.py
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from tilegen import captures, sparsity
+
+
+def ms(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def main() -> int:
+    cap = captures.synthesize(seed=0, device="cuda")
+    q, k, vbs = cap["q"], cap["k"], cap["vbs"]
+    b, s, h, d = q.shape
+    nc = s // 64
+    w = (torch.arange(64, device="cuda")[None, :] < vbs[:, None].long()).to(q.dtype)
+    w = w.unsqueeze(0).expand(b, nc, 64).reshape(b * nc, 1, 64)
+    x = q.reshape(b * nc, 64, h * d)
+    pq = sparsity.pool_cubes(q, vbs)
+    pk = sparsity.pool_cubes(k, vbs)
+    scores = pq @ pk.transpose(-1, -2)
+    rows = {
+        "mean_pool_topk (library)": ms(lambda: sparsity.mean_pool_topk(q, k, vbs, 78)),
+        "pool_cubes(q) (library)": ms(lambda: sparsity.pool_cubes(q, vbs)),
+        "bmm bf16 out, q": ms(lambda: torch.bmm(w, x)),
+        "bmm fp32 out, q": ms(lambda: torch.bmm(w, x, out_dtype=torch.float32)),
+        "view-sum fp32, q": ms(lambda: q.view(b, nc, 64, h, d).sum(2, dtype=torch.float32)),
+        "scores (fp32 matmul)": ms(lambda: pq @ pk.transpose(-1, -2)),
+        "topk(78, sorted=False)": ms(lambda: scores.topk(78, dim=-1, sorted=False)),
+        "topk(78, sorted=True)": ms(lambda: scores.topk(78, dim=-1)),
+        "sort rows, slice 78": ms(lambda: scores.sort(dim=-1, descending=True)),
+        "sort 78 ids": ms(lambda: scores.topk(78, dim=-1, sorted=False).indices.sort(-1)),
+    }
+    for name, t in rows.items():
+        print(f"{name:30s} {t:8.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -261,8 +261,9 @@ def mean_pool_topk(
     if topk > nkv:
         raise ValueError(f"topk={topk} exceeds the number of KV cubes NKV={nkv}")
     scores = coarse_scores(q, k, vbs, block, q_vbs)
-    idx = scores.topk(topk, dim=-1, sorted=False).indices
-    return idx.sort(dim=-1).values.to(torch.int32)
+    from tilegen.rowtopk import row_topk_ids
+
+    return row_topk_ids(scores, topk)
 
 
 def cdf_mask(

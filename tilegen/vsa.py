@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from tilegen import layout, sparsity
+from tilegen.rowtopk import row_topk_ids
 from tilegen.spec import Spec
 
 __all__ = ["default_topk", "check_args", "reorder", "coarse", "fine_spec", "combine",
@@ -116,9 +117,9 @@ def coarse(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, vbs: torch.Tens
     vm = sparsity.pool_cubes(vc, vbs, block)
     raw = qm @ km.transpose(-1, -2)
     # the top-k of the unscaled scores: exactly sparsity.mean_pool_topk's selection
-    idx = raw.detach().topk(topk, dim=-1, sorted=False).indices.sort(dim=-1).values
+    idx = row_topk_ids(raw.detach(), topk)
     out = torch.softmax(raw * sm_scale, dim=-1) @ vm
-    return out, idx.to(torch.int32)
+    return out, idx
 
 
 def fine_spec(qc: torch.Tensor, grid: Triple, cube: Triple, topk: int) -> Spec:

@@ -30,6 +30,11 @@ class KernelConfig:
       ``block_kv // block_n`` sub-tiles; sub-tiles wholly past ``vbs`` are skipped).
     - ``num_warps``, ``num_stages``: Triton launch / software-pipelining depth.
     - ``store_lse``: render the epilogue that writes ``lse`` (off when the caller drops it).
+    - ``store_max_prob``: render the epilogue that writes the softmax-normalizer signal
+      ``max_prob = 1 / l`` per row and its mean over the real rows of each query cube (on when
+      the caller asks, ``return_max_prob=True``). Off, the rendered source is the one without the
+      option, byte for byte: no extra arguments, stores or registers, and tuned winners stay
+      current.
     - ``options``: render-time options of one kernel family beyond the common ones, as sorted
       (name, value) pairs (e.g. the Gluon family's ring depths and pipeline switches; see
       `tilegen.backends.gluon.OPTIONS`). Empty for the Triton and C++ families.
@@ -45,6 +50,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     store_lse: bool = True
+    store_max_prob: bool = False
     interp_bf16: bool = False
     options: tuple[tuple[str, bool | int | str], ...] = ()
 
@@ -86,6 +92,8 @@ class KernelConfig:
         """The render-time options alone: configs that share it share one source file."""
         parts = [f"{k}{int(v) if isinstance(v, bool) else v}" for k, v in self.options]
         parts.append("lse" if self.store_lse else "nolse")
+        if self.store_max_prob:
+            parts.append("maxprob")
         if self.interp_bf16:
             parts.append("interpbf16")
         return "_".join(parts)
@@ -109,6 +117,8 @@ class KernelConfig:
         d["options"] = dict(self.options)
         if not d["options"]:
             del d["options"]  # the common families' dicts stay as they were
+        if not d["store_max_prob"]:
+            del d["store_max_prob"]  # likewise: configs without the signal keep their JSON
         return d
 
     def to_json(self) -> str:

@@ -20,13 +20,14 @@ from tilegen import config as cfgmod
 from tilegen.backends.triton.op import BlockSparseAttention
 from tilegen.config import KernelConfig
 from tilegen.inputs import SPEC_DTYPES, _tensor
+from tilegen.maxprob import AttentionOutput
 from tilegen.spec import Spec
 from tilegen.targets import TARGET_NAMES, Target, detect_target, get_target
 
 log = logging.getLogger("tilegen")
 
-__all__ = ["BlockSparseAttention", "block_sparse_attention", "load", "resolve_config",
-           "video_sparse_attention", "vsa_fine", "vsa_fine_op"]
+__all__ = ["AttentionOutput", "BlockSparseAttention", "block_sparse_attention", "load",
+           "resolve_config", "video_sparse_attention", "vsa_fine", "vsa_fine_op"]
 
 _noted: set[str] = set()
 
@@ -192,6 +193,52 @@ def _block_sparse_attention_fake(q, k, v, topk_idx, vbs, counts, layout, sm_scal
     return torch.empty_like(q), q.new_empty((B, H, S), dtype=torch.float32)
 
 
+def _max_prob_op_for(q: torch.Tensor, layout: str) -> Any:
+    """The op for a call with ``return_max_prob=True``: the fastest family's op when it
+    provides the signal (``provides_max_prob``), else the Triton family's (said once)."""
+    op = _op_for(q, layout)
+    if getattr(op, "provides_max_prob", False):
+        return op
+    family = getattr(op, "backend", type(op).__name__)
+    _note_once(f"the {family} family does not provide max_prob yet: calls with "
+               "return_max_prob=True run the Triton family's op")
+    return _op_for(q, layout, "triton")
+
+
+@torch.library.custom_op("tilegen::block_sparse_attention_max_prob", mutates_args=())
+def _block_sparse_attention_max_prob(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    topk_idx: torch.Tensor,
+    vbs: torch.Tensor,
+    counts: torch.Tensor | None,
+    layout: str,
+    sm_scale: float | None,
+    return_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, lse, max_prob, max_prob_cube) in one launch; lse is an empty tensor when
+    return_lse=False. No autograd: `block_sparse_attention` calls it only for calls that need
+    no gradients."""
+    out = _max_prob_op_for(q, layout)(q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale,
+                                      return_lse=return_lse, return_max_prob=True)
+    lse = out.lse if out.lse is not None else q.new_empty((0,), dtype=torch.float32)
+    return out.o, lse, out.max_prob, out.max_prob_cube
+
+
+@_block_sparse_attention_max_prob.register_fake
+def _block_sparse_attention_max_prob_fake(q, k, v, topk_idx, vbs, counts, layout, sm_scale,
+                                          return_lse=True):
+    if layout == "bshd":
+        B, S, H, _ = q.shape
+    else:
+        B, H, S, _ = q.shape
+    nq = topk_idx.shape[2]
+    lse = q.new_empty((B, H, S) if return_lse else (0,), dtype=torch.float32)
+    return (torch.empty_like(q), lse, q.new_empty((B, H, S), dtype=torch.float32),
+            q.new_empty((B, H, nq), dtype=torch.float32))
+
+
 @torch.library.custom_op("tilegen::block_sparse_attention_backward", mutates_args=())
 def _block_sparse_attention_backward(
     do: torch.Tensor,
@@ -294,10 +341,20 @@ def block_sparse_attention(
     counts: torch.Tensor | None = None,
     *,
     return_lse: bool = False,
+    return_max_prob: bool = False,
     layout: str = "bshd",
     sm_scale: float | None = None,
 ):
     """Block-sparse attention with the default spec for q's dtype and head dim.
+
+    Returns o, or (o, lse) with ``return_lse=True``. With ``return_max_prob=True`` it returns
+    ``AttentionOutput(o, lse, max_prob, max_prob_cube)`` (`tilegen.maxprob`; lse None unless
+    ``return_lse``): the softmax-normalizer signal 1/l per row, fp32 (B, H, S), and its mean over
+    each query cube's real rows, fp32 (B, H, NQ), from the same launch
+    (``torch.ops.tilegen.block_sparse_attention_max_prob``). The signal has no gradient: in a
+    call that needs gradients it comes from a second, gradient-free launch with the signal on
+    (the differentiable forward is unchanged), so ask for it in inference calls. A family
+    without the signal (today: gluon) hands such calls to the Triton family's op (logged once).
 
     A `torch.library` custom op (``torch.ops.tilegen.block_sparse_attention``) with a fake
     implementation and a registered backward (``torch.ops.tilegen.block_sparse_attention_backward``,
@@ -308,8 +365,20 @@ def block_sparse_attention(
     ``torch.ops.tilegen.block_sparse_attention_train``, which also computes lse and keeps the
     fp32 output for the backward's delta (see `BlockSparseAttention.forward_for_grad`).
     """
-    if torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
+    grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+    if return_max_prob:
+        if grad:
+            o, lse, _ = torch.ops.tilegen.block_sparse_attention_train(q, k, v, topk_idx, vbs,
+                                                                       counts, layout, sm_scale)
+            _, _, mp, mpc = torch.ops.tilegen.block_sparse_attention_max_prob(
+                q.detach(), k.detach(), v.detach(), topk_idx, vbs, counts, layout, sm_scale,
+                False)
+        else:
+            o, lse, mp, mpc = torch.ops.tilegen.block_sparse_attention_max_prob(
+                q, k, v, topk_idx, vbs, counts, layout, sm_scale, return_lse)
+        return AttentionOutput(o, lse if return_lse else None, mp, mpc)
+    if grad:
         o, lse, _ = torch.ops.tilegen.block_sparse_attention_train(q, k, v, topk_idx, vbs,
                                                                    counts, layout, sm_scale)
     else:

@@ -30,12 +30,15 @@ def attention_fp32(
     block: int = 64,
     sm_scale: float | None = None,
     chunk: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    max_prob: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Block-sparse attention in fp32. Inputs are not validated (the op does that).
 
     Returns ``o`` (fp32, same layout and shape as ``q``) and ``lse`` (fp32, (B, H, S), base 2:
     natural log-sum-exp of the scaled logits times log2 e). ``vbs=None`` means every cube is
-    full. Rows with ``counts == 0`` give o = 0 and lse = -inf.
+    full. Rows with ``counts == 0`` give o = 0 and lse = -inf. With ``max_prob=True`` a third
+    tensor: fp32 (B, H, S), each row's largest softmax weight ``exp(max_j s_ij - lse_i)`` (=
+    1 / l_i of the kernels' online softmax), 0 for a row with no key.
     """
     qh, kh, vh = (to_bhsd(t, layout) for t in (q, k, v))
     B, H, S, D = qh.shape
@@ -51,6 +54,7 @@ def attention_fp32(
         key_valid = token[None, :] < vbs.to(dev).long()[:, None]  # (NKV, block)
     o = torch.empty(B, H, S, D, dtype=torch.float32, device=dev)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=dev)
+    peak = torch.empty(B, H, S, dtype=torch.float32, device=dev) if max_prob else None
     slot = torch.arange(topk, device=dev)
     for b in range(B):
         for h in range(H):
@@ -76,9 +80,12 @@ def attention_fp32(
                 out[empty] = 0.0
                 o[b, h, c0 * block:(c0 + c) * block] = out.reshape(c * block, D)
                 lse[b, h, c0 * block:(c0 + c) * block] = (row_lse * LOG2E).reshape(c * block)
+                if peak is not None:  # the largest weight of the row: p at its max logit
+                    top = torch.where(empty, 0.0, torch.exp(s.amax(-1) - row_lse))
+                    peak[b, h, c0 * block:(c0 + c) * block] = top.reshape(c * block)
     if layout == "bshd":
         o = o.transpose(1, 2).contiguous()
-    return o, lse
+    return (o, lse, peak) if peak is not None else (o, lse)
 
 
 def query_valid(vbs: torch.Tensor | None, seq_len: int, block: int,

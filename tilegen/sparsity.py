@@ -24,6 +24,12 @@ there); on the GPU a cube whose ``vbs`` lies outside ``1..block`` pools to NaN, 
 NaN. Two helpers do sync by nature: :func:`mask_to_lut` (its width is the largest row count, a
 data-dependent shape) and hence :func:`cdf_select`; :func:`cdf_mask` and :func:`jenga_lut` are
 their sync-free forms.
+
+Adaptive budget (issue #14): :func:`adaptive_topk` maps the kernels' softmax-normalizer signal
+``max_prob_cube`` (``op(..., return_max_prob=True)``) to a per-row cube budget ``counts`` for the
+next call; :func:`ranked_topk` gives a LUT whose rows are ordered best cube first and
+:func:`cut_lut` moves each row's first ``counts`` entries to the front in ascending id order. All
+three run on the tensors' device with no host sync.
 """
 
 from __future__ import annotations
@@ -38,7 +44,17 @@ from tilegen import layout
 
 __all__ = ["lut_to_mask", "mask_to_lut", "pool_cubes", "coarse_scores", "mean_pool_topk",
            "cdf_select", "cdf_mask", "adjacency_mask", "jenga_mask", "jenga_lut",
-           "ADJACENCY"]
+           "ADJACENCY", "ranked_topk", "adaptive_topk", "cut_lut",
+           "ADAPTIVE_DEFAULTS"]
+
+#: The documented defaults of `adaptive_topk`: the budget, as a fraction of the LUT width, at the
+#: lowest peakedness (max_prob at its floor, 1 / (topk * block): a row spread evenly over every
+#: selected key) and at the highest (max_prob = 1: one key holds all the mass). Picked from
+#: `bench/h200_max_prob.py --cpu-small` (the least-squares fit of the achievable p = 0.9 budget,
+#: as a fraction of a LUT of width NKV / 2, against peakedness, on tiny CPU captures; see README
+#: "The softmax-normalizer signal and the adaptive budget"); the H200 run at larger grids is to
+#: confirm or refit them (bench/RESULTS.md).
+ADAPTIVE_DEFAULTS = {"budget_diffuse": 1.0, "budget_peaked": 0.53}
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -486,3 +502,109 @@ def _mask_to_lut_width(mask: torch.Tensor, width: int) -> tuple[torch.Tensor, to
     ar = torch.arange(nkv, device=mask.device, dtype=torch.int64)
     key = torch.where(mask, ar, ar + nkv).sort(dim=-1).values[..., :width]
     return torch.where(key >= nkv, key - nkv, key).to(torch.int32), counts
+
+
+def ranked_topk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    vbs: torch.Tensor,
+    topk: int,
+    block: int = 64,
+    q_vbs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The coarse stage's top-k (:func:`mean_pool_topk`'s cubes) with each row ordered by
+    **descending** coarse score, so a row's first ``n`` entries are its best ``n`` cubes: the LUT
+    that ``counts`` (e.g. from :func:`adaptive_topk`) cut down. ``(B, H, NQ, topk)`` int32."""
+    nq, nkv, q_vbs = _check_qkv_cubes(q, k, vbs, block, q_vbs)
+    topk = _check_pos_int(topk, "topk")
+    if topk > nkv:
+        raise ValueError(f"topk={topk} exceeds the number of KV cubes NKV={nkv}")
+    scores = coarse_scores(q, k, vbs, block, q_vbs)
+    return scores.topk(topk, dim=-1, sorted=True).indices.to(torch.int32)
+
+
+def _check_fraction(v: object, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(v).__name__}")
+    if not (0.0 < float(v) <= 1.0):
+        raise ValueError(f"{name} must lie in (0, 1], got {v}")
+    return float(v)
+
+
+def adaptive_topk(
+    max_prob_cube: torch.Tensor,
+    topk: int,
+    *,
+    budget_diffuse: float = ADAPTIVE_DEFAULTS["budget_diffuse"],
+    budget_peaked: float = ADAPTIVE_DEFAULTS["budget_peaked"],
+    block: int = 64,
+    min_count: int = 1,
+) -> torch.Tensor:
+    """Per-(batch, head, query cube) cube budget from the softmax-normalizer signal.
+
+    ``max_prob_cube`` is ``(B, H, NQ)`` fp32 from ``op(..., return_max_prob=True)`` on a LUT of
+    width ``topk``: the mean over each query cube's real rows of its largest softmax weight
+    ``1 / l``. Peakedness is its position on a log scale between the floor ``1 / (topk *
+    block)`` (a row spread evenly over every selected key) and 1 (one key holds everything)::
+
+        t = clamp(log(max_prob_cube * topk * block) / log(topk * block), 0, 1)
+        counts = clamp(round(topk * (budget_diffuse + (budget_peaked - budget_diffuse) * t)),
+                       min_count, topk)
+
+    Args:
+        max_prob_cube: ``(B, H, NQ)`` float signal; 0 (an empty row) and NaN count as the
+            lowest peakedness (no evidence that fewer cubes suffice).
+        topk: the LUT width the budget cuts (counts lie in ``min_count..topk``).
+        budget_diffuse: budget at the lowest peakedness, a fraction of ``topk`` in (0, 1].
+        budget_peaked: budget at the highest peakedness, a fraction of ``topk`` in (0, 1], at
+            most ``budget_diffuse`` (the budget never grows with peakedness).
+        block: keys per KV cube (the floor of the signal).
+        min_count: the smallest budget, ``1..topk``.
+
+    Returns:
+        ``(B, H, NQ)`` int32 ``counts``, non-increasing in ``max_prob_cube``, on its device, with
+        no host sync: pass it with a LUT whose rows are ordered best first (:func:`ranked_topk`,
+        or :func:`cut_lut` for ascending ids) as the next call's ``counts``.
+    """
+    if not isinstance(max_prob_cube, torch.Tensor):
+        raise TypeError(f"max_prob_cube must be a torch.Tensor, got {type(max_prob_cube).__name__}")
+    if not max_prob_cube.is_floating_point():
+        raise TypeError(f"max_prob_cube must be a float tensor, got dtype {max_prob_cube.dtype}")
+    if max_prob_cube.dim() != 3:
+        raise ValueError(f"max_prob_cube must be 3-D (B, H, NQ), got shape "
+                         f"{tuple(max_prob_cube.shape)}")
+    topk = _check_pos_int(topk, "topk")
+    block = _check_pos_int(block, "block")
+    min_count = _check_pos_int(min_count, "min_count")
+    if min_count > topk:
+        raise ValueError(f"min_count={min_count} exceeds topk={topk}")
+    hi = _check_fraction(budget_diffuse, "budget_diffuse")
+    lo = _check_fraction(budget_peaked, "budget_peaked")
+    if lo > hi:
+        raise ValueError(f"budget_peaked={budget_peaked} exceeds budget_diffuse={budget_diffuse}: "
+                         "the budget must not grow with peakedness")
+    keys = float(topk * block)
+    x = torch.nan_to_num(max_prob_cube.float(), nan=0.0).clamp(min=1.0 / keys, max=1.0)
+    t = (torch.log(x * keys) / math.log(keys)).clamp(0.0, 1.0) if keys > 1 else x * 0.0
+    budget = topk * (hi + (lo - hi) * t)
+    return torch.round(budget).clamp(min_count, topk).to(torch.int32)
+
+
+def cut_lut(ranked_idx: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``ranked_idx`` ``(B, H, NQ, K)`` (rows best first, :func:`ranked_topk`) with each row's
+    first ``counts`` entries moved to the front in ascending id order (the order the kernels
+    walk best: neighbouring cubes), the rest after them; same shape, int32, no host sync.
+    ``(cut_lut(idx, counts), counts)`` is the LUT of the next call."""
+    _check_int_tensor(ranked_idx, "ranked_idx", dim=4)
+    _check_int_tensor(counts, "counts", dim=3)
+    if tuple(counts.shape) != tuple(ranked_idx.shape[:3]):
+        raise ValueError(f"counts must have shape {tuple(ranked_idx.shape[:3])} (B, H, NQ) of "
+                         f"ranked_idx, got {tuple(counts.shape)}")
+    idx = ranked_idx.long()
+    width = idx.shape[-1]
+    pos = torch.arange(width, device=idx.device)
+    kept = pos < counts.to(idx.device).long().unsqueeze(-1)
+    # kept ids sort first (by id), the others after them (by id): key = id + (not kept) * big
+    big = 1 << 40  # above any cube id; a constant, so no host sync
+    key = idx + (~kept).long() * big
+    return key.sort(dim=-1).values.remainder(big).to(torch.int32)

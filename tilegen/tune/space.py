@@ -12,8 +12,8 @@ two typed fragments:
   flag, ``int`` for a count, ``str`` for a choice), so a typo in a TOML file fails here and not
   inside a worker.
 
-Fields the caller decides (``store_lse``) or that only exist for the CPU interpreter
-(``interp_bf16``) are never searched. Everything not searched comes from the target's
+Fields the caller decides (``store_lse``, ``store_max_prob``) or that only exist for the CPU
+interpreter (``interp_bf16``) are never searched. Everything not searched comes from the target's
 ``[default]``.
 
 Feasibility is *not* a property of the space: every point can be proposed, and the session
@@ -40,6 +40,7 @@ LAUNCH_FIELDS: tuple[str, ...] = ("block_m", "block_n", "num_warps", "num_stages
 #: KernelConfig fields that are never tuned, and why.
 NOT_TUNABLE: dict[str, str] = {
     "store_lse": "the caller decides it (return_lse); tuning always runs with lse stored",
+    "store_max_prob": "the caller decides it (return_max_prob); tuning runs without it",
     "interp_bf16": "an interpreter-only workaround, never built for a GPU",
 }
 

@@ -135,6 +135,7 @@ def cuda_traits(spec: Spec, cfg: KernelConfig, target: Target) -> dict[str, Any]
         "layout": spec.layout,
         "vbs": spec.variable_block_sizes,
         "store_lse": cfg.store_lse,
+        "store_max_prob": cfg.store_max_prob,
         "head_dim": spec.head_dim,
         "block_q": spec.block_q,
         "block_kv": spec.block_kv,

@@ -31,6 +31,8 @@ KERNEL_SIGNATURE: tuple[tuple[str, str], ...] = (
     ("o", "ptr"), ("lse", "ptr"), ("seq_len", "i32"), ("num_heads", "i32"),
     ("num_q_blocks", "i32"), ("topk", "i32"), ("qk_scale", "f32"),
 )
+#: Inserted after ``lse`` when the kernel is rendered with ``store_max_prob``.
+MAX_PROB_PARAMS: tuple[tuple[str, str], ...] = (("max_prob", "ptr"), ("max_prob_cube", "ptr"))
 _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "f32": ctypes.c_float}
 
 
@@ -72,15 +74,25 @@ def launch_params(spec: Spec, cfg: KernelConfig, target: Target, batch: int, hea
                         default_shared_limit=target.default_shared_per_block)
 
 
+def kernel_signature(store_max_prob: bool = False) -> tuple[tuple[str, str], ...]:
+    """The kernel's parameters: `KERNEL_SIGNATURE`, with `MAX_PROB_PARAMS` after lse when the
+    kernel writes the signal."""
+    if not store_max_prob:
+        return KERNEL_SIGNATURE
+    at = [name for name, _ in KERNEL_SIGNATURE].index("lse") + 1
+    return KERNEL_SIGNATURE[:at] + MAX_PROB_PARAMS + KERNEL_SIGNATURE[at:]
+
+
 def kernel_args(ptrs: dict[str, int], seq_len: int, num_heads: int, num_q_blocks: int,
-                topk: int, qk_scale: float) -> list[tuple[str, str, int | float]]:
-    """The kernel's arguments in `KERNEL_SIGNATURE` order as (name, kind, value). ``ptrs`` maps
-    q, k, v, lut, counts, vbs, o, lse to device addresses (0 = nullptr: counts absent, lse
-    not stored)."""
+                topk: int, qk_scale: float, store_max_prob: bool = False,
+                ) -> list[tuple[str, str, int | float]]:
+    """The kernel's arguments in `kernel_signature` order as (name, kind, value). ``ptrs`` maps
+    q, k, v, lut, counts, vbs, o, lse (and max_prob, max_prob_cube) to device addresses (0 =
+    nullptr: counts absent, lse not stored)."""
     scalars = {"seq_len": seq_len, "num_heads": num_heads, "num_q_blocks": num_q_blocks,
                "topk": topk, "qk_scale": qk_scale}
     out: list[tuple[str, str, int | float]] = []
-    for name, kind in KERNEL_SIGNATURE:
+    for name, kind in kernel_signature(store_max_prob):
         value = ptrs.get(name, 0) if kind == "ptr" else scalars[name]
         if kind == "i32" and not 0 <= int(value) < 2**31:
             raise ValueError(f"{name}={value} does not fit the kernel's int32 argument")
@@ -185,7 +197,9 @@ class CudaKernel:
 
 # -- the op -------------------------------------------------------------------------------------
 class CudaBlockSparseAttention:
-    """The CUDA C++ backend as an op: ``o, lse = op(q, k, v, topk_idx, vbs, counts=None)``.
+    """The CUDA C++ backend as an op: ``o, lse = op(q, k, v, topk_idx, vbs, counts=None)``;
+    ``return_max_prob=True`` gives `tilegen.maxprob.AttentionOutput` (the kernel rendered with
+    the signal).
 
     ``config`` defaults to the device target's default config. The kernel is compiled (or
     found in the cache) and loaded on the first call on each device.
@@ -196,7 +210,7 @@ class CudaBlockSparseAttention:
         self.spec = spec or Spec()
         self._config = config
         self.config_source = config_source
-        self._kernels: dict[tuple[int, bool], tuple[CudaKernel, KernelConfig]] = {}
+        self._kernels: dict[tuple[int, bool, bool], tuple[CudaKernel, KernelConfig]] = {}
         self._targets: dict[int, Target] = {}
         self._lock = threading.Lock()
 
@@ -213,13 +227,16 @@ class CudaBlockSparseAttention:
         cuda_traits(self.spec, cfg, target)  # CUDA's own tiling rules
         return cfg
 
-    def kernel(self, device: Any, store_lse: bool = True) -> tuple[CudaKernel, KernelConfig]:
+    provides_max_prob = True
+
+    def kernel(self, device: Any, store_lse: bool = True,
+               store_max_prob: bool = False) -> tuple[CudaKernel, KernelConfig]:
         """The loaded kernel and its config for a torch CUDA device (compiled for the device's
         arch, or found in the cache, on first use)."""
         import torch
 
         index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (index, store_lse)
+        key = (index, store_lse, store_max_prob)
         found = self._kernels.get(key)
         if found is not None:
             return found
@@ -227,7 +244,8 @@ class CudaBlockSparseAttention:
             found = self._kernels.get(key)
             if found is None:
                 target = target_for_capability(*torch.cuda.get_device_capability(index))
-                cfg = self.config_for(target).replace(store_lse=store_lse)
+                cfg = self.config_for(target).replace(store_lse=store_lse,
+                                                      store_max_prob=store_max_prob)
                 from tilegen.backends.cuda import BACKEND
 
                 src = render_cuda(self.spec, cfg, target)
@@ -241,9 +259,10 @@ class CudaBlockSparseAttention:
         return found
 
     def __call__(self, q, k, v, topk_idx, vbs, counts=None, *, sm_scale: float | None = None,
-                 return_lse: bool = True):
+                 return_lse: bool = True, return_max_prob: bool = False):
         """Validate (`tilegen.ops.validate_inputs`), then launch. Returns (o, lse), or o when
-        return_lse=False (the same call as the Triton op)."""
+        return_lse=False, or `AttentionOutput` with return_max_prob=True (the same call as the
+        Triton op)."""
         from tilegen.inputs import check_sm_scale, needs_grad, validate_inputs
 
         shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts)
@@ -253,19 +272,33 @@ class CudaBlockSparseAttention:
             from tilegen.targets import detect_target
 
             return differentiable_op(self.spec, detect_target(), "cuda")(
-                q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale, return_lse=return_lse)
+                q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale, return_lse=return_lse,
+                return_max_prob=return_max_prob)
         if q.device.type != "cuda":
             raise ValueError(f"q is on {q.device}; the CUDA backend needs CUDA tensors")
+        mp = None
+        if return_max_prob:
+            from tilegen.maxprob import empty_buffers
+
+            split = self.spec.block_q // self.kernel(q.device, return_lse, True)[1].block_m > 1
+            mp = empty_buffers(shapes.batch, shapes.heads, shapes.seq_len, shapes.num_q_blocks,
+                               q.device, zero_cube=split)
         o, lse = self.launch(q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale,
-                             store_lse=return_lse, shapes=shapes)
+                             store_lse=return_lse, shapes=shapes, max_prob_out=mp)
+        if mp is not None:
+            from tilegen.maxprob import AttentionOutput
+
+            return AttentionOutput(o, lse if return_lse else None, *mp)
         return (o, lse) if return_lse else o
 
     def launch(self, q, k, v, topk_idx, vbs, counts=None, *, sm_scale: float | None = None,
-               store_lse: bool = True, out=None, shapes=None):
-        """Launch with no input checks (validate once first). ``out=(o, lse)`` reuses buffers."""
+               store_lse: bool = True, out=None, shapes=None, max_prob_out=None):
+        """Launch with no input checks (validate once first). ``out=(o, lse)`` reuses buffers;
+        ``max_prob_out=(max_prob, max_prob_cube)`` runs the kernel with the signal into them (the
+        cube buffer zeroed when block_m < block_q)."""
         import torch
 
-        kern, cfg = self.kernel(q.device, store_lse)
+        kern, cfg = self.kernel(q.device, store_lse, max_prob_out is not None)
         if shapes is None:
             if self.spec.layout == "bshd":
                 batch, seq_len, heads, _ = q.shape
@@ -288,6 +321,9 @@ class CudaBlockSparseAttention:
                 "lut": topk_idx.data_ptr(), "counts": counts.data_ptr() if counts is not None
                 else 0, "vbs": vbs.data_ptr(), "o": o.data_ptr(),
                 "lse": lse.data_ptr() if (store_lse and lse is not None) else 0}
-        args = kernel_args(ptrs, seq_len, heads, num_q_blocks, topk, scale * LOG2E)
+        if max_prob_out is not None:
+            ptrs["max_prob"], ptrs["max_prob_cube"] = (t.data_ptr() for t in max_prob_out)
+        args = kernel_args(ptrs, seq_len, heads, num_q_blocks, topk, scale * LOG2E,
+                           store_max_prob=max_prob_out is not None)
         kern.launch(params, args, torch.cuda.current_stream(q.device).cuda_stream)
         return o, lse

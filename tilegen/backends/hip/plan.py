@@ -53,6 +53,7 @@ class HipPlan:
     layout: str
     vbs: bool
     store_lse: bool
+    store_max_prob: bool
     block_m: int
     block_n: int
     num_warps: int
@@ -230,7 +231,8 @@ def _derive(spec: Spec, cfg: KernelConfig, target: Target, warps_m: int,
     return HipPlan(
         head_dim=d, block_q=spec.block_q, block_kv=spec.block_kv, dtype=spec.dtype,
         layout=spec.layout, vbs=spec.variable_block_sizes, store_lse=cfg.store_lse,
-        block_m=cfg.block_m, block_n=cfg.block_n, num_warps=cfg.num_warps,
+        store_max_prob=cfg.store_max_prob, block_m=cfg.block_m, block_n=cfg.block_n,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, warps_m=warps_m, warps_n=warps_n, wave_m=wave_m,
         slice_n=slice_n, mfma_mn=mn, mfma_k=4 * groups, lane_groups=groups,
         acc_regs=mn * mn // wave, rep_m=wave_m // mn, rep_n=slice_n // mn, rep_d=d // mn,

@@ -14,6 +14,7 @@ import ctypes
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ from tilegen.backends.hip.plan import HIP_KERNEL_NAME, HipPlan, plan_for
 from tilegen.compile import Artifact
 from tilegen.config import KernelConfig
 from tilegen.inputs import Shapes, check_sm_scale, needs_grad, validate_inputs
+from tilegen.maxprob import AttentionOutput, empty_buffers
 from tilegen.reference import LOG2E
 from tilegen.spec import Spec
 from tilegen.targets import Target
@@ -33,6 +35,17 @@ KERNEL_PARAMS: tuple[tuple[str, str], ...] = (
     ("seq_len", "i"), ("num_heads", "i"), ("num_q_blocks", "i"), ("topk", "i"),
     ("qk_scale", "f"),
 )
+#: Inserted after ``lse`` when the kernel is rendered with ``store_max_prob``.
+MAX_PROB_PARAMS: tuple[tuple[str, str], ...] = (("max_prob", "Q"), ("max_prob_cube", "Q"))
+
+
+def kernel_params(store_max_prob: bool = False) -> tuple[tuple[str, str], ...]:
+    """The kernel's parameters: `KERNEL_PARAMS`, with `MAX_PROB_PARAMS` after lse when the
+    kernel writes the softmax-normalizer signal."""
+    if not store_max_prob:
+        return KERNEL_PARAMS
+    at = [name for name, _ in KERNEL_PARAMS].index("lse") + 1
+    return KERNEL_PARAMS[:at] + MAX_PROB_PARAMS + KERNEL_PARAMS[at:]
 
 
 @dataclass(frozen=True)
@@ -43,10 +56,10 @@ class KernArg:
     size: int
 
 
-def kernel_args() -> list[KernArg]:
+def kernel_args(store_max_prob: bool = False) -> list[KernArg]:
     """Offsets and sizes of the explicit kernel arguments in the kernarg segment."""
     out, offset = [], 0
-    for name, fmt in KERNEL_PARAMS:
+    for name, fmt in kernel_params(store_max_prob):
         size = struct.calcsize(fmt)
         offset = -(-offset // size) * size  # natural alignment
         out.append(KernArg(name, fmt, offset, size))
@@ -54,19 +67,21 @@ def kernel_args() -> list[KernArg]:
     return out
 
 
-def kernarg_size() -> int:
-    last = kernel_args()[-1]
+def kernarg_size(store_max_prob: bool = False) -> int:
+    last = kernel_args(store_max_prob)[-1]
     return last.offset + last.size
 
 
 def pack_kernargs(values: dict[str, int | float]) -> bytes:
-    """The kernarg buffer for `values` (every name of KERNEL_PARAMS; pointers as ints, a null
-    counts pointer as 0), little-endian, laid out by `kernel_args`."""
-    missing = sorted({name for name, _ in KERNEL_PARAMS} - set(values))
+    """The kernarg buffer for `values` (every name of KERNEL_PARAMS, plus max_prob and
+    max_prob_cube for a kernel with the signal; pointers as ints, a null counts pointer as 0),
+    little-endian, laid out by `kernel_args`."""
+    store_max_prob = "max_prob" in values
+    missing = sorted({name for name, _ in kernel_params(store_max_prob)} - set(values))
     if missing:
         raise ValueError(f"kernel arguments missing: {missing}")
-    buf = bytearray(kernarg_size())
-    for arg in kernel_args():
+    buf = bytearray(kernarg_size(store_max_prob))
+    for arg in kernel_args(store_max_prob):
         struct.pack_into("<" + arg.fmt, buf, arg.offset, values[arg.name])
     return bytes(buf)
 
@@ -79,9 +94,13 @@ def launch_geometry(plan: HipPlan, shapes: Shapes) -> tuple[tuple[int, int, int]
 
 def kernel_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.Tensor,
                   vbs: torch.Tensor, counts: torch.Tensor | None, o: torch.Tensor,
-                  lse: torch.Tensor | None, shapes: Shapes, qk_scale: float) -> dict:
-    """The argument values of one launch (device pointers as ints)."""
-    return {
+                  lse: torch.Tensor | None, shapes: Shapes, qk_scale: float,
+                  max_prob_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
+    """The argument values of one launch (device pointers as ints); ``max_prob_out`` (the
+    signal's buffers, the cube one zeroed) for a kernel rendered with ``store_max_prob``."""
+    extra = {} if max_prob_out is None else {
+        "max_prob": max_prob_out[0].data_ptr(), "max_prob_cube": max_prob_out[1].data_ptr()}
+    return {**extra,
         "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(),
         "topk_idx": topk_idx.data_ptr(), "counts": 0 if counts is None else counts.data_ptr(),
         "vbs": vbs.data_ptr(), "o": o.data_ptr(), "lse": 0 if lse is None else lse.data_ptr(),
@@ -143,7 +162,11 @@ class HipKernel:
 
 
 class HipBlockSparseAttention:
-    """``o, lse = op(q, k, v, topk_idx, vbs, counts=None)`` with the HIP kernel on a ROCm GPU."""
+    """``o, lse = op(q, k, v, topk_idx, vbs, counts=None)`` with the HIP kernel on a ROCm GPU;
+    ``return_max_prob=True`` gives `tilegen.maxprob.AttentionOutput` (the config's kernel
+    rendered with the signal, compiled on first use)."""
+
+    provides_max_prob = True
 
     def __init__(self, spec: Spec, config: KernelConfig, artifact: Artifact, target: Target,
                  config_source: str = "explicit") -> None:
@@ -153,32 +176,58 @@ class HipBlockSparseAttention:
         self.config_source = config_source
         self.plan = plan_for(spec, config, target)
         self.kernel = HipKernel.from_artifact(artifact)
+        self._max_prob_kernel: HipKernel | None = None
+
+    def max_prob_kernel(self) -> HipKernel:
+        """The config's kernel with the signal (`KernelConfig.store_max_prob`), built once."""
+        if self._max_prob_kernel is None:
+            from tilegen.backends.hip import BACKEND
+            from tilegen.paths import cache_dir
+
+            cfg = self.config.replace(store_max_prob=True)
+            artifact = BACKEND.compile(self.spec, cfg, self.target,
+                                       BACKEND.render(self.spec, cfg, self.target),
+                                       cache_dir() / "hip-build")
+            self._max_prob_kernel = HipKernel.from_artifact(artifact)
+        return self._max_prob_kernel
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  topk_idx: torch.Tensor, vbs: torch.Tensor, counts: torch.Tensor | None = None,
                  *, sm_scale: float | None = None, return_lse: bool = True,
-                 ) -> tuple[torch.Tensor, torch.Tensor | None] | torch.Tensor:
-        """Validate (as `tilegen.ops` does), then launch; (o, lse), or o when return_lse=False."""
+                 return_max_prob: bool = False) -> Any:
+        """Validate (as `tilegen.ops` does), then launch; (o, lse), or o when return_lse=False,
+        or `AttentionOutput` with return_max_prob=True."""
         shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts)
         check_sm_scale(sm_scale)
         if needs_grad(q, k, v):
             from tilegen.backends.triton.op import differentiable_op
 
             return differentiable_op(self.spec, self.target, "hip")(
-                q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale, return_lse=return_lse)
+                q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale, return_lse=return_lse,
+                return_max_prob=return_max_prob)
         if q.device.type != "cuda" or not getattr(torch.version, "hip", None):
             raise ValueError(f"the HIP backend runs on ROCm devices; q is on {q.device}")
         check_alignment(q=q, k=k, v=v)
-        o, lse = self.launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale)
+        mp = None
+        if return_max_prob:  # every row-owning wave adds to the cube: always zeroed
+            mp = empty_buffers(shapes.batch, shapes.heads, shapes.seq_len, shapes.num_q_blocks,
+                               q.device, zero_cube=True)
+        o, lse = self.launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
+                             max_prob_out=mp)
+        if mp is not None:
+            return AttentionOutput(o, lse if return_lse else None, *mp)
         return (o, lse) if return_lse else o
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.Tensor,
                vbs: torch.Tensor, counts: torch.Tensor | None = None, *,
                shapes: Shapes | None = None, sm_scale: float | None = None,
                out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+               max_prob_out: tuple[torch.Tensor, torch.Tensor] | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Launch with no input checks (validate once first), like
-        `tilegen.ops.BlockSparseAttention.launch`, so bench and tune can time it."""
+        `tilegen.ops.BlockSparseAttention.launch`, so bench and tune can time it.
+        ``max_prob_out=(max_prob, max_prob_cube)`` (the cube buffer zeroed) runs the kernel with
+        the signal into them."""
         if shapes is None:
             shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
                                      check_values=False)
@@ -190,8 +239,10 @@ class HipBlockSparseAttention:
         else:
             o, lse = out
         scale = sm_scale if sm_scale is not None else self.spec.sm_scale
-        values = kernel_values(q, k, v, topk_idx, vbs, counts, o, lse, shapes, scale * LOG2E)
+        values = kernel_values(q, k, v, topk_idx, vbs, counts, o, lse, shapes, scale * LOG2E,
+                               max_prob_out)
         grid, block = launch_geometry(self.plan, shapes)
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        self.kernel.launch(grid, block, pack_kernargs(values), stream)
+        kernel = self.kernel if max_prob_out is None else self.max_prob_kernel()
+        kernel.launch(grid, block, pack_kernargs(values), stream)
         return o, lse

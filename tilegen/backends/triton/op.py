@@ -48,6 +48,7 @@ from tilegen.inputs import (
     needs_grad,
     validate_inputs,
 )
+from tilegen.maxprob import AttentionOutput, cube_mean, empty_buffers
 from tilegen.reference import LOG2E, attention_backward_fp32, attention_fp32
 from tilegen.spec import Spec
 from tilegen.targets import Target
@@ -65,12 +66,14 @@ def note_once(message: str, level: int = logging.INFO) -> None:
 
 class _Attention(torch.autograd.Function):
     """Forward launch saving (o, lse) and the backward kernels: o and lse are differentiable
-    outputs (a gradient of lse folds into delta); topk_idx, vbs and counts get none."""
+    outputs (a gradient of lse folds into delta); topk_idx, vbs and counts get none.
+    ``max_prob_out`` (a pair of buffers or None) is filled by the same launch; the signal has no
+    gradient."""
 
     @staticmethod
-    def forward(ctx, op, q, k, v, topk_idx, vbs, counts, sm_scale, shapes):
+    def forward(ctx, op, q, k, v, topk_idx, vbs, counts, sm_scale, shapes, max_prob_out):
         o, lse, o_acc = op.forward_for_grad(q, k, v, topk_idx, vbs, counts, shapes=shapes,
-                                            sm_scale=sm_scale)
+                                            sm_scale=sm_scale, max_prob_out=max_prob_out)
         ctx.save_for_backward(q, k, v, o_acc, lse, topk_idx, vbs, counts)
         ctx.op, ctx.sm_scale = op, sm_scale
         ctx.set_materialize_grads(False)
@@ -83,13 +86,15 @@ class _Attention(torch.autograd.Function):
             do = torch.zeros_like(o)
         dq, dk, dv = ctx.op.backward(do, q, k, v, o, lse, topk_idx, vbs, counts,
                                      sm_scale=ctx.sm_scale, dlse=dlse)
-        return None, dq, dk, dv, None, None, None, None, None
+        return None, dq, dk, dv, None, None, None, None, None, None
 
 
 class BlockSparseAttention:
     """A loaded kernel: ``o, lse = op(q, k, v, topk_idx, vbs, counts=None)``."""
 
     backend = "triton"
+    #: writes the softmax-normalizer signal (``return_max_prob=True``, `tilegen.maxprob`)
+    provides_max_prob = True
 
     def __init__(self, spec: Spec, config: KernelConfig, target: Target | None,
                  source: str = "default") -> None:
@@ -121,57 +126,88 @@ class BlockSparseAttention:
         *,
         sm_scale: float | None = None,
         return_lse: bool = True,
+        return_max_prob: bool = False,
         check_values: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | AttentionOutput:
         """Validate, then run. Returns (o, lse), or o alone when return_lse=False (lse is then
         never computed). ``check_values`` checks index, vbs and count values before launch (one
-        host sync); on the CPU they are always checked."""
+        host sync); on the CPU they are always checked.
+
+        ``return_max_prob=True`` returns ``AttentionOutput(o, lse, max_prob, max_prob_cube)``
+        (`tilegen.maxprob`; lse None when return_lse=False): the softmax-normalizer signal
+        ``1 / l`` per row, fp32 (B, H, S), and its mean over each query cube's real rows, fp32
+        (B, H, NQ), written by the same launch's epilogue."""
         on_cpu = q.device.type == "cpu"
         shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
                                  check_values=check_values or on_cpu)
         check_sm_scale(sm_scale)
+        mp = self.max_prob_buffers(q, shapes) if return_max_prob else None
         if needs_grad(q, k, v):  # lse is computed (and saved) whatever return_lse says
-            o, lse = _Attention.apply(self, q, k, v, topk_idx, vbs, counts, sm_scale, shapes)
+            o, lse = _Attention.apply(self, q, k, v, topk_idx, vbs, counts, sm_scale, shapes, mp)
         else:
-            o, lse = self._forward(q, k, v, topk_idx, vbs, counts, shapes, sm_scale, return_lse)
+            o, lse = self._forward(q, k, v, topk_idx, vbs, counts, shapes, sm_scale, return_lse,
+                                   mp)
+        if mp is not None:
+            return AttentionOutput(o, lse if return_lse else None, *mp)
         return (o, lse) if return_lse else o
+
+    def max_prob_buffers(self, q: torch.Tensor, shapes: Shapes
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(max_prob, max_prob_cube) buffers for one call: the cube buffer is zeroed when
+        programs of one cube add their shares atomically (block_m < block_q)."""
+        split = self.spec.block_q // self.kernel_config(q.device).block_m > 1
+        return empty_buffers(shapes.batch, shapes.heads, shapes.seq_len, shapes.num_q_blocks,
+                             q.device, zero_cube=split)
 
     def _pytorch_path(self, device: torch.device) -> bool:
         return device.type == "cpu" and not interpreting()
 
-    def _forward(self, q, k, v, topk_idx, vbs, counts, shapes, sm_scale, store_lse):
+    def _forward(self, q, k, v, topk_idx, vbs, counts, shapes, sm_scale, store_lse,
+                 max_prob_out=None):
         if self._pytorch_path(q.device):
-            o, lse = attention_fp32(
-                q, k, v, topk_idx, vbs if self.spec.variable_block_sizes else None, counts,
-                layout=self.spec.layout, block=self.spec.block_kv, sm_scale=sm_scale)
+            o, lse = self._pytorch_forward(q, k, v, topk_idx, vbs, counts, sm_scale,
+                                           max_prob_out)
             return o.to(q.dtype), lse
         self.errors.raise_pending(q.device)
         return self.launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
-                           store_lse=store_lse)
+                           store_lse=store_lse, max_prob_out=max_prob_out)
+
+    def _pytorch_forward(self, q, k, v, topk_idx, vbs, counts, sm_scale, max_prob_out=None):
+        """The CPU PyTorch path: the fp32 reference; the signal, when asked, from the same
+        softmax (`attention_fp32(max_prob=True)`) and its cube mean (`tilegen.maxprob`)."""
+        vbs_ = vbs if self.spec.variable_block_sizes else None
+        out = attention_fp32(q, k, v, topk_idx, vbs_, counts, layout=self.spec.layout,
+                             block=self.spec.block_kv, sm_scale=sm_scale,
+                             max_prob=max_prob_out is not None)
+        if max_prob_out is not None:
+            max_prob_out[0].copy_(out[2])
+            max_prob_out[1].copy_(cube_mean(out[2], vbs_, self.spec.block_q))
+        return out[0], out[1]
 
     def forward_for_grad(self, q, k, v, topk_idx, vbs, counts=None, *,
                          shapes: Shapes | None = None, sm_scale: float | None = None,
+                         max_prob_out: tuple[torch.Tensor, torch.Tensor] | None = None,
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The forward of a call that needs gradients: (o, lse, o_acc), o_acc being o before
         its rounding to the input dtype (fp32), which the backward's delta = rowsum(dO * O)
         needs: with the rounded o, delta is off by ~2^-9 |dO||O| per row, and on a head whose
         softmax is nearly one-hot (the outlier head) dS = P (dP - delta) cancels to the size of
         that error (dQ's per-head cosine drops to ~0.998). The kernel writes fp32 directly
-        (Triton specialises the store on the output pointer's dtype); o is its rounding."""
+        (Triton specialises the store on the output pointer's dtype); o is its rounding.
+        ``max_prob_out`` (see `launch`) is filled by the same launch."""
         if shapes is None:
             shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
                                      check_values=False)
         if self._pytorch_path(q.device):
-            o_acc, lse = attention_fp32(
-                q, k, v, topk_idx, vbs if self.spec.variable_block_sizes else None, counts,
-                layout=self.spec.layout, block=self.spec.block_kv, sm_scale=sm_scale)
+            o_acc, lse = self._pytorch_forward(q, k, v, topk_idx, vbs, counts, sm_scale,
+                                               max_prob_out)
         else:
             self.errors.raise_pending(q.device)
             o_acc = torch.empty_like(q, dtype=torch.float32)
             lse = torch.empty((shapes.batch, shapes.heads, shapes.seq_len),
                               dtype=torch.float32, device=q.device)
             self.launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
-                        out=(o_acc, lse))
+                        out=(o_acc, lse), max_prob_out=max_prob_out)
         return o_acc.to(q.dtype), lse, o_acc
 
     def backward(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -318,8 +354,9 @@ class BlockSparseAttention:
         count (the explicit check of the no-sync path)."""
         self.errors.check()
 
-    def kernel_config(self, device: torch.device, store_lse: bool = True) -> KernelConfig:
-        cfg = self.config.replace(store_lse=store_lse)
+    def kernel_config(self, device: torch.device, store_lse: bool = True,
+                      store_max_prob: bool = False) -> KernelConfig:
+        cfg = self.config.replace(store_lse=store_lse, store_max_prob=store_max_prob)
         if device.type == "cpu" and self.spec.dtype == "bf16":
             cfg = cfg.replace(interp_bf16=True)
         return cfg
@@ -329,12 +366,18 @@ class BlockSparseAttention:
                shapes: Shapes | None = None, sm_scale: float | None = None,
                store_lse: bool = True,
                out: tuple[torch.Tensor, torch.Tensor] | None = None,
+               max_prob_out: tuple[torch.Tensor, torch.Tensor] | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Launch the Triton kernel with no input checks (call `validate_inputs` once first)."""
+        """Launch the Triton kernel with no input checks (call `validate_inputs` once first).
+
+        ``max_prob_out=(max_prob, max_prob_cube)``, fp32 (B, H, S) and (B, H, NQ) buffers
+        (`max_prob_buffers`), renders the kernel with the signal and fills them; the cube buffer
+        must be zero when block_m < block_q (its programs add their shares atomically).
+        Without it the kernel is the one without the signal: no extra argument or store."""
         if shapes is None:
             shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
                                      check_values=False)
-        cfg = self.kernel_config(q.device, store_lse)
+        cfg = self.kernel_config(q.device, store_lse, max_prob_out is not None)
         if cfg.interp_bf16:
             note_once("Triton interpreter with bf16: rendering the kernel with interp_bf16 "
                       "(fp32 dots on bf16-rounded operands, output rounded by torch), since "
@@ -353,9 +396,10 @@ class BlockSparseAttention:
         grid = (shapes.num_q_blocks * (self.spec.block_q // cfg.block_m),
                 shapes.batch * shapes.heads)
         err = self.errors.buffer(q.device)
+        extra = () if max_prob_out is None else tuple(max_prob_out)
         kernel[grid](
             q, k, v, topk_idx, counts if counts is not None else topk_idx, vbs, o, lse, err,
-            shapes.seq_len, shapes.heads, shapes.num_q_blocks, shapes.num_kv_blocks,
+            *extra, shapes.seq_len, shapes.heads, shapes.num_q_blocks, shapes.num_kv_blocks,
             shapes.topk, scale * LOG2E,
             HAS_COUNTS=counts is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -13,6 +13,8 @@ unpacked by the AMDGPU kernarg rules) and the grid and block of
 `tilegen.backends.hip.runtime.launch_geometry`, so a run also checks the launcher's half.
 
     o, lse = run(spec, cfg, q, k, v, topk_idx, vbs, counts)   # CPU tensors in, CPU tensors out
+    kernel = HostKernel(spec, cfg.replace(store_max_prob=True))   # with the signal:
+    o, lse = kernel(q, k, v, topk_idx, vbs, counts); kernel.max_prob  # (max_prob, max_prob_cube)
 
 Nothing here has run on an MI300: this executes the C++ source's semantics on the CPU with
 ISA-documented MFMA semantics, not the compiled gfx942 code object.
@@ -186,6 +188,8 @@ class HostKernel:
         self.path = build_library(self.source)
         self.lib = _load(self.path)
         self.stats: LaunchStats | None = None
+        #: (max_prob, max_prob_cube) of the last call, for a config with ``store_max_prob``
+        self.max_prob: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  topk_idx: torch.Tensor, vbs: torch.Tensor, counts: torch.Tensor | None = None,
@@ -196,7 +200,10 @@ class HostKernel:
         `tilegen.ops` does) and return (o, lse) of the first; RaceDetected if another order
         gives an output that differs in any bit. o and lse start as NaN, so anything the kernel
         fails to write shows up; LDS starts as 0xff bytes (NaN) in every workgroup unless
-        `poison_lds` is False. `stats` holds the first run's instruction counts."""
+        `poison_lds` is False. `stats` holds the first run's instruction counts. With
+        ``store_max_prob`` the signal lands in `max_prob`: max_prob (NaN-initialised) is
+        compared bit for bit too; max_prob_cube (zeroed, the waves add to it atomically) to
+        1e-6 relative, since the order of the adds may change its last bits."""
         unknown = [s for s in schedules if s not in SCHEDULES]
         if unknown or not schedules:
             raise ValueError(f"schedules={schedules!r}; allowed: {sorted(SCHEDULES)}")
@@ -218,8 +225,14 @@ class HostKernel:
             o = torch.full_like(q, float("nan"))
             lse = (torch.full((shapes.batch, shapes.heads, shapes.seq_len), float("nan"),
                               dtype=torch.float32) if self.plan.store_lse else None)
+            mp = None
+            if self.plan.store_max_prob:
+                mp = (torch.full((shapes.batch, shapes.heads, shapes.seq_len), float("nan"),
+                                 dtype=torch.float32),
+                      torch.zeros((shapes.batch, shapes.heads, shapes.num_q_blocks),
+                                  dtype=torch.float32))
             values = kernel_values(q, k, v, topk_idx, vbs, counts, o, lse, shapes,
-                                   scale * LOG2E)
+                                   scale * LOG2E, mp)
             kernargs = pack_kernargs(values)
             launch = _Launch()
             launch.grid[:] = list(grid)
@@ -234,13 +247,18 @@ class HostKernel:
             if not results:
                 self.stats = LaunchStats(launch.lds_bytes, launch.workgroups, launch.barriers,
                                          launch.mfma, launch.bpermute, launch.readfirstlane)
-            results.append((o, lse))
-        o, lse = results[0]
-        for schedule, (o2, lse2) in zip(schedules[1:], results[1:], strict=True):
-            if not (_bits_equal(o, o2) and (lse is None or _bits_equal(lse, lse2))):
+            results.append((o, lse, mp))
+        o, lse, mp = results[0]
+        for schedule, (o2, lse2, mp2) in zip(schedules[1:], results[1:], strict=True):
+            same = _bits_equal(o, o2) and (lse is None or _bits_equal(lse, lse2))
+            if mp is not None:
+                same = same and _bits_equal(mp[0], mp2[0]) and torch.allclose(
+                    mp[1], mp2[1], rtol=1e-6, atol=0.0, equal_nan=True)
+            if not same:
                 raise RaceDetected(f"{self.source.name}: waves {schedules[0]} and {schedule} "
                                    "between barriers give different outputs (an LDS access "
                                    "that no barrier orders)")
+        self.max_prob = mp
         return o, lse
 
     @property

@@ -355,16 +355,19 @@ def cost(rounds: int) -> dict:
     cap = captures.synthesize_for(spec, seed=0, device="cuda")
     args = tuple(cap[n] for n in ("q", "k", "v", "topk_idx", "vbs"))
     out = {}
-    ops = {"triton": tilegen.load(spec, backend="triton")}
+    ops = {"triton": tilegen.load(spec, backend="triton"),
+           "default (tilegen.load)": tilegen.load(spec)}
     ops["triton_bm32"] = tilegen.load(spec, ops["triton"].config.replace(block_m=32),
                                       backend="triton")
     try:
         ops["cuda"] = tilegen.load(spec, backend="cuda")
     except Exception as exc:  # noqa: BLE001 - no nvcc here: recorded, the rest goes on
         out["cuda_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    ref = None
     for name, op in ops.items():
         try:
             res = op(*args, return_max_prob=True)  # builds the signal variant; sanity below
+            ref = res if ref is None else ref  # the Triton family's signal: the others vs it
             off = bare_launch(op, cap, cap["topk_idx"], None)
             on = bare_launch(op, cap, cap["topk_idx"], None, max_prob=True)
             offs, ons = [], []
@@ -377,6 +380,11 @@ def cost(rounds: int) -> dict:
             out[name] = {"config": cfg.name if cfg else "target default",
                          "off_ms": offs, "on_ms": ons, "median_off_ms": med_off,
                          "median_on_ms": med_on, "overhead_pct": 100 * (med_on / med_off - 1),
+                         "family": getattr(op, "backend", "?"),
+                         "max_prob_vs_triton_max_abs": float(
+                             (res.max_prob - ref.max_prob).abs().max()),
+                         "max_prob_cube_vs_triton_max_abs": float(
+                             (res.max_prob_cube - ref.max_prob_cube).abs().max()),
                          "max_prob_finite": bool(torch.isfinite(res.max_prob).all()),
                          "max_prob_cube_range": [float(res.max_prob_cube.min()),
                                                  float(res.max_prob_cube.max())]}

@@ -100,7 +100,7 @@ class GluonLaunch:
                                 layout)
 
     def __call__(self, q, k, v, topk_idx, vbs, counts, o, lse, err, sm_scale: float,
-                 zero_pad_rows: bool = False) -> None:
+                 zero_pad_rows: bool = False, max_prob_out=None) -> None:
         """Pre-pass and kernel on validated inputs (`tilegen.inputs.validate_inputs`)."""
         B, S, H, D = q.shape
         nq, nkv, topk = S // 64, vbs.shape[0], topk_idx.shape[3]
@@ -124,6 +124,7 @@ class GluonLaunch:
             self._desc(q, 64), *kd, *vd, self._desc(o, 64),
             bufs["sidx"], bufs["tinfo"], *([bufs["tmask"]] if share else []), bufs["meta"], vbs,
             lse if lse is not None else bufs["meta"],
+            *(max_prob_out if self.cfg["store_max_prob"] else ()),
             S, H, nq, topk, float(sm_scale) * LOG2E,
             ZERO_PAD_ROWS=bool(zero_pad_rows) and nkv == nq,
             num_warps=self.num_warps, maxnreg=self.maxnreg,
@@ -151,10 +152,11 @@ def signature(opts: dict, head_dim: int, dtype: str) -> tuple[dict, dict]:
     sig.update({"o_desc": td(64), "sidx_ptr": "*i32", "tinfo_ptr": "*i32"})
     if opts["share_kv"]:
         sig["tmask_ptr"] = "*i32"
-    sig.update({"meta_ptr": "*i32",
-                "vbs_ptr": "*i32", "lse_ptr": "*fp32", "seq_len": "i32", "num_heads": "i32",
-                "num_q_blocks": "i32", "topk": "i32", "qk_scale": "fp32",
-                "ZERO_PAD_ROWS": "constexpr"})
+    sig.update({"meta_ptr": "*i32", "vbs_ptr": "*i32", "lse_ptr": "*fp32"})
+    if opts["store_max_prob"]:
+        sig.update({"mp_ptr": "*fp32", "mpc_ptr": "*fp32"})
+    sig.update({"seq_len": "i32", "num_heads": "i32", "num_q_blocks": "i32", "topk": "i32",
+                "qk_scale": "fp32", "ZERO_PAD_ROWS": "constexpr"})
     return sig, {"ZERO_PAD_ROWS": False}
 
 

@@ -19,12 +19,15 @@ from tilegen.inputs import (
     needs_grad,
     validate_inputs,
 )
+from tilegen.maxprob import AttentionOutput, empty_buffers
 from tilegen.spec import Spec
 from tilegen.targets import Target
 
 
 class GluonBlockSparseAttention:
     backend = "gluon"
+    #: writes the softmax-normalizer signal (``return_max_prob=True``, `tilegen.maxprob`)
+    provides_max_prob = True
 
     def __init__(self, spec: Spec, config: KernelConfig, target: Target | None,
                  config_source: str = "explicit") -> None:
@@ -43,23 +46,26 @@ class GluonBlockSparseAttention:
                 f"config={self.config.name}, target={self.target.name}, "
                 f"from={self.config_source})")
 
-    def _launch_for(self, store_lse: bool):
-        run = self._launches.get(store_lse)
+    def _launch_for(self, store_lse: bool, store_max_prob: bool = False):
+        run = self._launches.get((store_lse, store_max_prob))
         if run is None:
             from tilegen.backends.gluon import BACKEND
             from tilegen.backends.gluon.launch import GluonLaunch
             from tilegen.backends.gluon.render import options_of
 
-            cfg = self.config.replace(store_lse=store_lse)
+            cfg = self.config.replace(store_lse=store_lse, store_max_prob=store_max_prob)
             run = GluonLaunch(BACKEND.render(self.spec, cfg, self.target), options_of(cfg),
                               self.spec.head_dim, self.target)
-            self._launches[store_lse] = run
+            self._launches[(store_lse, store_max_prob)] = run
         return run
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  topk_idx: torch.Tensor, vbs: torch.Tensor, counts: torch.Tensor | None = None,
                  *, sm_scale: float | None = None, return_lse: bool = True,
-                 check_values: bool = False):
+                 return_max_prob: bool = False, check_values: bool = False):
+        """(o, lse), or o with return_lse=False; with return_max_prob=True an
+        `AttentionOutput(o, lse, max_prob, max_prob_cube)` whose signal the kernel's epilogue
+        writes (gradient calls get it from the Triton family's op, which computes them)."""
         shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
                                  check_values=check_values)
         check_sm_scale(sm_scale)
@@ -69,10 +75,14 @@ class GluonBlockSparseAttention:
         if needs_grad(q, k, v):
             return differentiable_op(self.spec, self.target, "gluon")(
                 q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale, return_lse=return_lse,
-                check_values=check_values)
+                return_max_prob=return_max_prob, check_values=check_values)
         self.errors.raise_pending(q.device)
+        mp = (empty_buffers(shapes.batch, shapes.heads, shapes.seq_len, shapes.num_q_blocks,
+                            q.device, zero_cube=False) if return_max_prob else None)
         o, lse = self.launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
-                             store_lse=return_lse)
+                             store_lse=return_lse, max_prob_out=mp)
+        if mp is not None:
+            return AttentionOutput(o, lse, *mp)
         return (o, lse) if return_lse else o
 
     def check(self) -> None:
@@ -80,7 +90,8 @@ class GluonBlockSparseAttention:
         self.errors.check()
 
     def launch(self, q, k, v, topk_idx, vbs, counts=None, *, shapes: Shapes | None = None,
-               sm_scale: float | None = None, store_lse: bool = True, out=None):
+               sm_scale: float | None = None, store_lse: bool = True, out=None,
+               max_prob_out=None):
         """Pre-pass and kernel with no input checks (validate once first)."""
         if shapes is None:
             shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
@@ -92,7 +103,8 @@ class GluonBlockSparseAttention:
         else:
             o, lse = out
         scale = sm_scale if sm_scale is not None else self.spec.sm_scale
-        self._launch_for(store_lse)(q, k, v, topk_idx, vbs, counts, o, lse,
-                                    self.errors.buffer(q.device), scale)
+        self._launch_for(store_lse, max_prob_out is not None)(
+            q, k, v, topk_idx, vbs, counts, o, lse, self.errors.buffer(q.device), scale,
+            max_prob_out=max_prob_out)
         self.errors.after_launch(q.device)
         return o, lse

@@ -12,6 +12,7 @@ taken from the KernelConfig's `options` (`options_of`):
     fence_wait      put the P.V wait behind an (always true) branch so ptxas keeps it after
                     the softmax instead of hoisting it to the top of the block
     store_lse       write the base-2 log-sum-exp
+    store_max_prob  write the softmax-normalizer signal 1 / l and its per-cube mean
     share_kv        two consumers on neighbouring query cubes share one K/V ring that walks the
                     union of their LUT rows (a cube both chose is loaded once); needs
                     num_consumers 2
@@ -45,6 +46,7 @@ DEFAULTS: dict[str, Any] = {
     "qk_ahead": True,
     "fence_wait": True,
     "store_lse": False,
+    "store_max_prob": False,
     "share_kv": False,
     "consumer_regs": 232,
     "producer_regs": 24,
@@ -140,5 +142,7 @@ def render_gluon(spec: Spec, cfg: KernelConfig, target: Target) -> Source:
 
 
 def options_of(cfg: KernelConfig) -> dict[str, Any]:
-    """The Gluon knobs of a KernelConfig: its `options` over `DEFAULTS`, plus store_lse."""
-    return resolve({**dict(cfg.options), "store_lse": cfg.store_lse})
+    """The Gluon knobs of a KernelConfig: its `options` over `DEFAULTS`, plus the outputs it
+    stores (store_lse, store_max_prob)."""
+    return resolve({**dict(cfg.options), "store_lse": cfg.store_lse,
+                    "store_max_prob": cfg.store_max_prob})

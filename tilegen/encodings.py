@@ -33,7 +33,7 @@ from tilegen.inputs import (
 )
 from tilegen.spec import Spec
 
-__all__ = ["MaskAttention", "call_args", "mask_to_lut_device", "reference_lut",
+__all__ = ["MaskAttention", "call_args", "lut_spec", "mask_to_lut_device", "reference_lut",
            "sliding_tile_lut", "validate", "window_table"]
 
 
@@ -201,6 +201,12 @@ def call_args(spec: Spec, cap: dict) -> tuple[torch.Tensor, ...]:
     if spec.encoding == "sliding_tile":
         return q, k, v, vbs
     return q, k, v, cap["topk_idx"], vbs
+
+
+def lut_spec(spec: Spec, topk: int) -> Spec:
+    """The LUT spec of the same kernel fields and workload with LUT width `topk`: the spec of
+    the LUT reference kernel that yardsticks any encoding on `reference_lut`."""
+    return spec.replace(encoding="lut", window=None, topk=topk)
 
 
 def validate(spec: Spec, *args: torch.Tensor, check_values: bool = False) -> Shapes:

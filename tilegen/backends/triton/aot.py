@@ -29,6 +29,7 @@ from tilegen.render import Source
 from tilegen.spec import Spec
 from tilegen.targets import Target
 
+
 def cursor_signature(spec: Spec) -> tuple[dict[str, str], dict[str, str], dict[str, bool]]:
     """The encoding cursor's arguments (attention_macros.j2 `cursor_params`, `cursor_scalars`,
     `cursor_constexprs`): pointers, scalars, and the constexprs with their AOT values."""

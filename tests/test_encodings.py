@@ -363,3 +363,24 @@ def test_bench_runs_an_encoding_beside_lut_and_flex(tmp_path, interpreter, encod
     assert rows["default"]["ms_bare"] == 2.0
     if encoding == "sliding_tile":
         assert rows["default"]["topk"] == 3 and rows["default"]["sparsity"] == 0.5
+
+
+def test_every_familys_lut_op_takes_what_the_mask_op_passes():
+    """MaskAttention calls the family's LUT op with (q, k, v, idx, vbs, counts, sm_scale=,
+    return_lse=) and check_values only when asked, and its launch with (..., counts) plus the
+    caller's options: every family's op accepts that call (the C++ ops run only on their GPUs,
+    so their signatures are what can be checked here)."""
+    import inspect
+
+    from tilegen.backends.cuda.runtime import CudaBlockSparseAttention
+    from tilegen.backends.gluon.op import GluonBlockSparseAttention
+    from tilegen.backends.hip.runtime import HipBlockSparseAttention
+    from tilegen.backends.triton.op import BlockSparseAttention
+
+    for cls in (BlockSparseAttention, GluonBlockSparseAttention, CudaBlockSparseAttention,
+                HipBlockSparseAttention):
+        sig = inspect.signature(cls.__call__)
+        sig.bind(None, "q", "k", "v", "idx", "vbs", "counts", sm_scale=None, return_lse=False)
+        sig = inspect.signature(cls.launch)
+        sig.bind(None, "q", "k", "v", "idx", "vbs", "counts", shapes=None, sm_scale=None,
+                 out=None)  # MaskAttention.launch forwards its options as they are

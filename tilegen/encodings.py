@@ -115,17 +115,17 @@ class MaskAttention:
         """Validate (before any launch), convert, run the LUT op with counts."""
         validate_mask_inputs(self.spec, q, k, v, mask, vbs, check_values=False)
         idx, counts = mask_to_lut_device(mask)
+        # the C++ families' ops check values eagerly always and take no check_values
+        extra = {"check_values": True} if check_values else {}
         return self.lut_op(q, k, v, idx, vbs, counts, sm_scale=sm_scale, return_lse=return_lse,
-                           check_values=check_values)
+                           **extra)
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-               vbs: torch.Tensor, *, shapes: Shapes | None = None, sm_scale: float | None = None,
-               store_lse: bool = True, out: tuple[torch.Tensor, torch.Tensor] | None = None
-               ) -> Any:
-        """The bare launch (no input checks): the conversion and the LUT kernel."""
+               vbs: torch.Tensor, **options: Any) -> Any:
+        """The bare launch (no input checks): the conversion and the LUT kernel. ``options``
+        (shapes, sm_scale, out, store_lse, ...) go to the family's `launch` as they are."""
         idx, counts = mask_to_lut_device(mask)
-        return self.lut_op.launch(q, k, v, idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
-                                  store_lse=store_lse, out=out)
+        return self.lut_op.launch(q, k, v, idx, vbs, counts, **options)
 
 
 # -- sliding tile -------------------------------------------------------------------------------

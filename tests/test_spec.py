@@ -37,7 +37,7 @@ def test_round_trips(spec, tmp_path):
     ("head_dim", 128.0, "[64, 128]"),
     ("dtype", "fp32", "['bf16', 'fp16']"),
     ("layout", "sbhd", "['bshd', 'bhsd']"),
-    ("encoding", "csr", "['lut']"),
+    ("encoding", "csr", "['lut', 'mask', 'sliding_tile']"),
     ("block_q", 48, "[16, 32, 64, 128]"),
 ])
 def test_invalid_choices_name_field_and_allowed_values(field, value, allowed):
@@ -47,7 +47,7 @@ def test_invalid_choices_name_field_and_allowed_values(field, value, allowed):
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    ({"encoding": "mask"}, "planned but not implemented"),
+    ({"encoding": "mask", "window": (3, 3, 3)}, "Spec.window applies to encoding 'sliding_tile'"),
     ({"cube": (4, 4)}, "Spec.cube"),
     ({"cube": (4, 4, 2)}, "Spec.block_kv"),
     ({"block_q": 32, "block_kv": 64}, "Spec.block_q"),
@@ -57,7 +57,7 @@ def test_invalid_choices_name_field_and_allowed_values(field, value, allowed):
     ({"grid": (21, 30, -1)}, "Spec.grid"),
     ({"cube": (4, 4, 4.5)}, "Spec.cube"),  # never truncated to 4
     ({"grid": (21, 30, 52.0)}, "Spec.grid"),
-    ({"window": (3, 3, 3)}, "unknown Spec field"),  # a ValueError naming it, not a TypeError
+    ({"windows": (3, 3, 3)}, "unknown Spec field"),  # a ValueError naming it, not a TypeError
 ])
 def test_invalid_values(kwargs, needle):
     with pytest.raises(ValueError, match=needle.replace(".", r"\.")):

@@ -82,7 +82,7 @@ import torch
 
 from tilegen import captures
 from tilegen.config import KernelConfig, reference_config
-from tilegen.inputs import validate_inputs
+from tilegen.encodings import call_args, lut_spec, reference_lut, validate
 from tilegen.spec import Spec
 
 #: the sparsity sweep of issue #8: 95%, 87.5% (the default spec), 80%, 70% and 50% of 624 cubes
@@ -172,6 +172,21 @@ def parse_backends(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def encoding_spec(spec: Spec, encoding: str | None = None,
+                  window: Sequence[int] | None = None) -> Spec:
+    """The spec with `--encoding` / `--window` applied (a window implies sliding_tile). Invalid
+    combinations raise ValueError naming the field."""
+    if encoding is None and window is None:
+        return spec
+    encoding = encoding or ("sliding_tile" if window is not None else spec.encoding)
+    if encoding != "sliding_tile":
+        if window is not None:
+            raise ValueError(f"--window applies to --encoding sliding_tile, not {encoding!r}")
+        return spec.replace(encoding=encoding, window=None)
+    return spec.replace(encoding=encoding, window=tuple(window) if window is not None
+                        else spec.window)
+
+
 def workload_spec(spec: Spec, grid: Sequence[int] | None = None,
                   heads: int | None = None) -> Spec:
     """The spec with `--grid` / `--heads` applied (workload fields only; the kernel is the
@@ -198,6 +213,11 @@ def sweep_topks(spec: Spec, topk: Sequence[int] | None = None, sweep: bool = Fal
     """The TOPK values to run: `topk` if given, else `SWEEP_TOPK` with `sweep`, else the spec's
     own. Returns (kept, dropped): values above the grid's NKV are dropped (ValueError if none
     is left)."""
+    if spec.encoding == "sliding_tile":
+        if topk or sweep:
+            raise ValueError("--topk and --sweep set the LUT width of lut and mask specs; a "
+                             "sliding_tile spec attends its window (--window)")
+        return [spec.topk], []  # one point: the window decides the pattern, TOPK is unused
     wanted = list(topk) if topk else list(SWEEP_TOPK) if sweep else [spec.topk]
     nkv = spec.num_cubes
     kept = [t for t in wanted if 1 <= t <= nkv]
@@ -211,18 +231,25 @@ def sweep_topks(spec: Spec, topk: Sequence[int] | None = None, sweep: bool = Fal
 # ============================================================================ FLOPs
 
 
-def real_key_flops(topk_idx: torch.Tensor, vbs: torch.Tensor, block_q: int, head_dim: int
-                   ) -> float:
+def real_key_flops(topk_idx: torch.Tensor, vbs: torch.Tensor, block_q: int, head_dim: int,
+                   counts: torch.Tensor | None = None) -> float:
     """4 * D * sum over (b, h, query row) of the real keys attended: each of the block_q rows of
-    query cube i attends vbs[c] keys of every cube c in its LUT row (padded query rows count)."""
-    keys = vbs.to(torch.float64)[topk_idx.long()].sum()
-    return float(4.0 * head_dim * block_q * keys)
+    query cube i attends vbs[c] keys of every cube c in its LUT row (the first counts[row]
+    entries when counts is given; padded query rows count)."""
+    keys = vbs.to(torch.float64)[topk_idx.long()]
+    if counts is not None:
+        slot = torch.arange(topk_idx.shape[-1], device=topk_idx.device)
+        keys = keys * (slot < counts.long()[..., None])
+    return float(4.0 * head_dim * block_q * keys.sum())
 
 
-def slot_flops(topk_idx: torch.Tensor, block_q: int, block_kv: int, head_dim: int) -> float:
-    """4 * D * rows * TOPK * block_kv: every key slot the sparse kernel multiplies."""
+def slot_flops(topk_idx: torch.Tensor, block_q: int, block_kv: int, head_dim: int,
+               counts: torch.Tensor | None = None) -> float:
+    """4 * D * rows * TOPK * block_kv: every key slot the sparse kernel multiplies (the sum of
+    counts instead of rows * TOPK when counts is given)."""
     B, H, NQ, K = topk_idx.shape
-    return 4.0 * head_dim * B * H * NQ * block_q * K * block_kv
+    cubes = float(counts.sum()) if counts is not None else float(B * H * NQ * K)
+    return 4.0 * head_dim * block_q * cubes * block_kv
 
 
 def dense_flops(batch: int, heads: int, seq_len: int, head_dim: int, vbs: torch.Tensor
@@ -242,8 +269,10 @@ def backward_flops(forward_flops: float, label: str = "bwd kernels") -> float | 
 
 
 def flops_of(cap: dict, spec: Spec) -> float:
-    """Real-key FLOPs of a capture (`real_key_flops`); kept for `tilegen.tune`."""
-    return real_key_flops(cap["topk_idx"], cap["vbs"], spec.block_q, spec.head_dim)
+    """Real-key FLOPs of a capture under the spec's encoding (`real_key_flops` of its
+    `tilegen.encodings.reference_lut`); kept for `tilegen.tune`."""
+    idx, counts = reference_lut(spec, cap)
+    return real_key_flops(idx, cap["vbs"], spec.block_q, spec.head_dim, counts)
 
 
 # ============================================================================ FlexAttention
@@ -396,7 +425,12 @@ class Plan:
                  f"{s.layout}, D={s.head_dim}, blocks {s.block_q}x{s.block_kv}, cube {s.cube})",
                  f"  workload: batch {s.batch}, grid {s.grid} -> NKV {s.num_cubes} cubes, "
                  f"S {s.seq_len}, heads {s.num_heads}"]
-        if self.synthetic:
+        if self.synthetic and s.encoding == "sliding_tile":
+            seeds = f"seeds 0..{self.seeds - 1}" if self.seeds > 1 else "seed 0"
+            lines.append(f"  captures: synthetic (seeded, with an outlier head), {seeds}; window "
+                         f"{s.window}: {s.kv_per_query:g} KV cubes per query cube "
+                         f"({100 * (1 - s.kv_per_query / s.num_cubes):.1f}% sparsity)")
+        elif self.synthetic:
             spars = ", ".join(f"{t} ({100 * (1 - t / s.num_cubes):.1f}%)" for t in self.topks)
             seeds = f"seeds 0..{self.seeds - 1}" if self.seeds > 1 else "seed 0"
             lines.append(f"  captures: synthetic (seeded, with an outlier head), {seeds} x TOPK "
@@ -441,8 +475,12 @@ def make_plan(spec: Spec, captures_dir: str = "synthetic", *, seeds: int = 1,
               backends: Sequence[str] = (), flex: bool = True, dense: bool = True,
               json_path: str | Path = "bench_results.json", plot_path: str | Path | None = None,
               warmup_ms: int = DEFAULT_WARMUP_MS, rep_ms: int = DEFAULT_REP_MS,
-              backward: bool = False) -> Plan:
-    """Check the options and list what will run (no GPU needed)."""
+              backward: bool = False, encoding: str | None = None,
+              window: Sequence[int] | None = None) -> Plan:
+    """Check the options and list what will run (no GPU needed). `encoding` / `window` bench
+    another encoding (`encoding_spec`); for mask and sliding_tile a "lut" row runs the LUT op
+    on the same pattern (`tilegen.encodings.reference_lut`), and FlexAttention's BlockMask is
+    built from that pattern too."""
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
     if warmup_ms < 1 or rep_ms < 1:
@@ -453,7 +491,10 @@ def make_plan(spec: Spec, captures_dir: str = "synthetic", *, seeds: int = 1,
                          f"files ({captures_dir}) bring their own workload")
     if not synthetic and not Path(captures_dir).is_dir():
         raise FileNotFoundError(f"--captures {captures_dir}: not a directory (or 'synthetic')")
-    spec = workload_spec(spec, grid, heads)
+    spec = workload_spec(encoding_spec(spec, encoding, window), grid, heads)
+    if backward and spec.encoding != "lut":
+        raise ValueError(f"--backward times the LUT encoding's backward rows; spec encoding "
+                         f"is {spec.encoding!r}")
     topks, dropped = sweep_topks(spec, topk, sweep) if synthetic else ([], [])
     default_calls = ("tilegen.load(spec, --config)" if config is not None else "tilegen.load(spec)")
     variants = [
@@ -463,13 +504,19 @@ def make_plan(spec: Spec, captures_dir: str = "synthetic", *, seeds: int = 1,
                 f"{default_calls}: op(..., return_lse=False), block_sparse_attention(...), "
                 "launch"),
     ]
+    if spec.encoding != "lut":
+        variants.append(Variant("lut", "tilegen", "auto",
+                                "tilegen.load(LUT spec): op(q, k, v, idx, vbs, counts, "
+                                "return_lse=False) on the same pattern, launch"))
     for name in backends:
         variants.append(Variant(name, "tilegen", name,
                                 f"tilegen.load(spec, backend={name!r}): op(..., "
                                 "return_lse=False), launch"))
     if flex:
+        pattern = "LUT" if spec.encoding == "lut" else f"{spec.encoding} pattern"
         variants.append(Variant("flex", "peer", "flex",
-                                "torch.compile(flex_attention)(BHSD, BlockMask from the LUT, "
+                                "torch.compile(flex_attention)(BHSD, BlockMask from the "
+                                f"{pattern}, "
                                 f"kernel_options BLOCK_M/N={spec.block_q}/{spec.block_kv})"))
     if dense:
         for label, member in DENSE_PEERS.items():
@@ -896,6 +943,11 @@ def spec_for_capture(spec: Spec, cap: dict) -> Spec:
 
 def iter_points(plan: Plan) -> list[Point]:
     if plan.synthetic:
+        if plan.spec.encoding == "sliding_tile":
+            w = plan.spec.window
+            label = ("window" + "x".join(map(str, w))) if isinstance(w[0], int) else "windows"
+            return [Point(f"synthetic_seed{seed}_{label}", plan.spec, seed=seed)
+                    for seed in range(plan.seeds)]
         return [Point(f"synthetic_seed{seed}_topk{topk}", plan.spec.replace(topk=topk), seed=seed)
                 for topk in plan.topks for seed in range(plan.seeds)]
     paths = sorted(Path(plan.captures).glob("*.pt"))
@@ -975,8 +1027,8 @@ def run_points(plan: Plan, *, device: str = "cuda", timer: Callable | None = Non
 def _new_row(point: Point, spec: Spec, env: dict[str, str], variant: str, kind: str,
              backend: str, config: str = "") -> Row:
     return Row(capture=point.name, variant=variant, kind=kind, backend=backend, config=config,
-               topk=spec.topk, num_kv_blocks=spec.num_cubes,
-               sparsity=1.0 - spec.topk / spec.num_cubes, grid=list(spec.grid),
+               topk=round(spec.kv_per_query), num_kv_blocks=spec.num_cubes,
+               sparsity=1.0 - spec.kv_per_query / spec.num_cubes, grid=list(spec.grid),
                heads=spec.num_heads, batch=spec.batch, seq_len=spec.seq_len,
                head_dim=spec.head_dim, seed=point.seed, device=env.get("device"),
                torch=env.get("torch"), triton=env.get("triton"), date=env.get("date"))
@@ -1018,9 +1070,11 @@ def _run_point(plan: Plan, point: Point, device: str, timer: Callable, loader: C
     reporter.step(f"{point.name}: capture ready in {time.perf_counter() - t0:.1f}s "
                   f"(TOPK {spec.topk}, outlier heads {cap.get('outlier_heads', [])})")
     layout = spec.layout
-    args = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"])
-    sparse_flops = (real_key_flops(cap["topk_idx"], cap["vbs"], spec.block_q, spec.head_dim),
-                    slot_flops(cap["topk_idx"], spec.block_q, spec.block_kv, spec.head_dim))
+    args = call_args(spec, cap)
+    idx, counts = reference_lut(spec, cap)  # the pattern as a LUT: lut row, flex, oracle
+    lut_args = (cap["q"], cap["k"], cap["v"], idx, cap["vbs"], counts)
+    sparse_flops = (real_key_flops(idx, cap["vbs"], spec.block_q, spec.head_dim, counts),
+                    slot_flops(idx, spec.block_q, spec.block_kv, spec.head_dim, counts))
     all_flops = dense_flops(spec.batch, spec.num_heads, spec.seq_len, spec.head_dim, cap["vbs"])
     o_ref = cap.get("o_ref")
     against = "bundled o_ref" if o_ref is not None else "reference variant"
@@ -1033,7 +1087,11 @@ def _run_point(plan: Plan, point: Point, device: str, timer: Callable, loader: C
         oracle: Row | None = None
         try:
             if variant.kind == "tilegen":
-                out = _run_tilegen(plan, variant, spec, args, loader, timer, row, device)
+                if variant.label == "lut":
+                    out = _run_tilegen(plan, variant, lut_spec(spec, idx.shape[-1]), lut_args,
+                                       loader, timer, row, device)
+                else:
+                    out = _run_tilegen(plan, variant, spec, args, loader, timer, row, device)
                 if variant.label == "reference":
                     if o_ref is None:
                         o_ref = out
@@ -1041,7 +1099,7 @@ def _run_point(plan: Plan, point: Point, device: str, timer: Callable, loader: C
                                       "itself (it is the reference)")
                     else:
                         row.set_score(captures.score(out, o_ref, layout=layout), against)
-                    oracle = _oracle_row(spec, cap, args, out,
+                    oracle = _oracle_row(spec, cap, lut_args, out,
                                          _new_row(point, spec, env, "reference-vs-fp32",
                                                   "oracle", "fp32"))
                 elif o_ref is None:
@@ -1054,7 +1112,8 @@ def _run_point(plan: Plan, point: Point, device: str, timer: Callable, loader: C
                 if peer_inputs is None:
                     peer_inputs = tuple(_to_bhsd(t, layout) for t in args[:3])
                 if variant.backend == "flex":
-                    _run_flex(spec, cap, peer_inputs, flex, timer, row, o_ref, against, device)
+                    _run_flex(spec, idx, cap["vbs"], peer_inputs, flex, timer, row, o_ref,
+                              against, device)
                 else:
                     _run_dense(spec, variant, peer_inputs, timer, row, device)
         except Exception as exc:  # noqa: BLE001 - a failing variant must not stop the bench
@@ -1093,7 +1152,7 @@ def _run_tilegen(plan: Plan, variant: Variant, spec: Spec, args: tuple, loader: 
     launch. Returns the op's output."""
     if variant.label == "reference":
         op = loader(spec, reference_config(spec))
-    elif variant.label in ("default", "config"):
+    elif variant.label in ("default", "config", "lut"):
         op = loader(spec, plan.config)
     else:
         op = loader(spec, backend=variant.backend)
@@ -1109,8 +1168,7 @@ def _run_tilegen(plan: Plan, variant: Variant, spec: Spec, args: tuple, loader: 
     if variant.label in ("default", "config"):
         _time_custom_op(spec, args, timer, row)
     try:
-        shapes = validate_inputs(op.spec if hasattr(op, "spec") else spec, *args,
-                                 check_values=False)
+        shapes = validate(op.spec if hasattr(op, "spec") else spec, *args)
         q = args[0]
         out = (torch.empty_like(q), torch.empty((shapes.batch, shapes.heads, shapes.seq_len),
                                                 dtype=torch.float32, device=q.device))
@@ -1139,6 +1197,10 @@ def _time_custom_op(spec: Spec, args: tuple, timer: Callable, row: Row) -> None:
     from tilegen.ops import _op_for, block_sparse_attention
 
     plain = Spec(head_dim=spec.head_dim, dtype=spec.dtype, layout=spec.layout)
+    if spec.encoding != "lut":
+        row.add_note(f"block_sparse_attention not timed: it takes a LUT, not encoding "
+                     f"{spec.encoding!r}")
+        return
     if plain.kernel_dict() != spec.kernel_dict():
         row.add_note("block_sparse_attention not timed: it runs the default kernel fields, "
                      "not this spec's")
@@ -1167,7 +1229,8 @@ def _oracle_row(spec: Spec, cap: dict, args: tuple, o_variant: torch.Tensor, row
         q, k, v = (_heads_of(t, layout, heads).contiguous() for t in args[:3])
         idx = args[3][:, heads].contiguous()
         vbs = args[4] if spec.variable_block_sizes else None
-        o32, _ = attention_fp32(q, k, v, idx, vbs, layout=layout, block=spec.block_kv)
+        counts = args[5][:, heads].contiguous() if len(args) > 5 and args[5] is not None else None
+        o32, _ = attention_fp32(q, k, v, idx, vbs, counts, layout=layout, block=spec.block_kv)
         s = captures.score(_heads_of(o_variant, layout, heads), o32.to(q.dtype), layout=layout)
         row.set_score(s, f"fp32 oracle, heads {heads}")
         del q, k, v, idx, o32
@@ -1176,14 +1239,17 @@ def _oracle_row(spec: Spec, cap: dict, args: tuple, o_variant: torch.Tensor, row
     return row
 
 
-def _run_flex(spec: Spec, cap: dict, peer_inputs: tuple, flex: FlexPeer, timer: Callable,
-              row: Row, o_ref: torch.Tensor | None, against: str, device: str) -> None:
+def _run_flex(spec: Spec, idx: torch.Tensor, vbs: torch.Tensor, peer_inputs: tuple,
+              flex: FlexPeer, timer: Callable, row: Row, o_ref: torch.Tensor | None,
+              against: str, device: str) -> None:
+    """FlexAttention with the BlockMask of the pattern `idx` (a LUT whose rows may repeat a
+    cube past their count: scattered into a block mask, repeats collapse)."""
     row.config = (f"BlockMask {spec.block_q}x{spec.block_kv}, "
                   + ("torch.compile" if flex.compile else "eager"))
     if flex.failed:
         row.fail(f"skipped: FlexAttention failed earlier ({flex.failed[:300]})")
         return
-    idx, vbs, block = cap["topk_idx"], cap["vbs"], spec.block_kv
+    block = spec.block_kv
     bm = flex.block_mask(idx, vbs, block)
     row.ms_mask = timer(lambda: flex.block_mask(idx, vbs, block))
     q, k, v = peer_inputs
@@ -1474,8 +1540,8 @@ def time_op(op: Any, cap: dict, *, store_lse: bool = True, warmup: int = 100,
             rep: int = 500) -> float:
     """Median ms of the bare launch (inputs validated once, outputs preallocated), as
     `tilegen.tune` times trials."""
-    args = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"])
-    shapes = validate_inputs(op.spec, *args, check_values=False)
+    args = call_args(op.spec, cap)
+    shapes = validate(op.spec, *args)
     out = (torch.empty_like(cap["q"]),
            torch.empty(shapes.batch, shapes.heads, shapes.seq_len, dtype=torch.float32,
                        device=cap["q"].device))

@@ -36,22 +36,39 @@ class PlannedSource:
 
 
 def plan(spec: Spec, target: Target, config: KernelConfig | None = None,
-         backends: tuple[str, ...] | None = None) -> list[PlannedSource]:
+         backends: tuple[str, ...] | None = None,
+         skipped: list[str] | None = None) -> list[PlannedSource]:
     """What a build of `target` renders: each backend's `sources()` (registry order; the Triton
     family's forward and backward), for `config` or each backend's default. Invalid configs
-    raise before anything renders."""
+    raise before anything renders.
+
+    A spec is built as its kernel (`Spec.kernel_spec`: a mask spec builds the LUT kernels it
+    runs). Without `backends`, a family that does not implement the spec's encoding is left
+    out, its reason appended to `skipped`; a family named in `backends` that cannot raises, and
+    so does a target none of whose families can."""
+    spec = spec.kernel_spec
     chosen = backends or target.backends
     unknown = [b for b in chosen if b not in target.backends]
     if unknown:
         raise ValueError(f"backend(s) {unknown} not available for {target.name}; "
                          f"allowed values: {list(target.backends)}")
     items = []
+    reasons = []
     for impl in registry.for_target(target):
         if impl.name not in chosen:
+            continue
+        refused = impl.spec_violations(spec, target)
+        if refused and backends is None:
+            reasons.append(f"{target.name}/{impl.name}: " + "; ".join(refused))
             continue
         cfg = config or impl.default_config(spec, target)
         impl.check(spec, target, cfg)
         items.extend(PlannedSource(impl.name, cfg, src) for src in impl.sources(spec, cfg, target))
+    if not items:
+        raise ValueError(f"no family of {target.name} can build spec {spec.short_hash}: "
+                         + "; ".join(reasons))
+    if skipped is not None:
+        skipped.extend(reasons)
     return items
 
 
@@ -62,14 +79,19 @@ def build(spec: Spec, target: Target, out_dir: Path, config: KernelConfig | None
 
     All or nothing: missing compilers are reported before any work, everything is compiled
     into a staging folder beside `out_dir`, and files move into `out_dir` only when every
-    backend succeeded (a failed build leaves `out_dir` as it was)."""
-    items = plan(spec, target, config, backends)
+    backend succeeded (a failed build leaves `out_dir` as it was). Families left out for the
+    spec's encoding are reported through `progress` and listed in the manifest ("skipped")."""
+    skipped: list[str] = []
+    items = plan(spec, target, config, backends, skipped)
+    for why in skipped:
+        progress(f"[{target.name}] skipped {why}")
     for item in items:
         registry.get(item.backend).require_toolchain(target)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         manifest = _build_into(staging, items, spec, target, progress)
+        manifest["skipped"] = skipped
         manifest["files"] = sorted(p.name for p in staging.iterdir()) + ["manifest.json"]
         cache.atomic_write(staging / "manifest.json", json.dumps(manifest, indent=2) + "\n")
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -103,7 +125,7 @@ def _build_into(out_dir: Path, items: list[PlannedSource], spec: Spec, target: T
         src_path = cache.atomic_write(out_dir / item.source.name, item.source.text)
         progress(f"[{target.name}] {item.backend}: compiling {item.source.name}")
         impl = registry.get(item.backend)
-        compiled = impl.compile(spec, item.config, target, item.source, out_dir)
+        compiled = impl.compile(spec.kernel_spec, item.config, target, item.source, out_dir)
         key = impl.variant_key(spec, item.config, target, item.source)
         for art in compiled if isinstance(compiled, list) else [compiled]:
             art.source = src_path

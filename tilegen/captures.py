@@ -767,6 +767,8 @@ def for_spec(cap: dict, spec: Any) -> dict:
     for field_name, have, want in (("head_dim", D, spec.head_dim), ("batch", B, spec.batch),
                                    ("seq_len (grid, cube)", S, spec.seq_len),
                                    ("num_heads", H, spec.num_heads), ("topk", topk, spec.topk)):
+        if field_name == "topk" and getattr(spec, "encoding", "lut") == "sliding_tile":
+            continue  # the window decides which cubes a sliding_tile spec attends
         if have != want:
             raise ValueError(f"capture q {tuple(cap['q'].shape)} (BSHD) does not fit the spec: "
                              f"{field_name} is {have}, spec wants {want}")
@@ -782,6 +784,7 @@ def synthesize_for(spec: Any, seed: int = 0, device: torch.device | str = "cpu",
     """`synthesize` at the spec's workload (grid, heads, head dim, topk, batch, cube, dtype),
     returned in the spec's layout (see `for_spec`)."""
     cap = synthesize(seed=seed, grid=spec.grid, heads=spec.num_heads, head_dim=spec.head_dim,
-                     topk=spec.topk, outlier=outlier, batch=spec.batch,
+                     topk=min(spec.topk, spec.num_cubes),  # sliding_tile ignores topk
+                     outlier=outlier, batch=spec.batch,
                      dtype=spec.torch_dtype, device=device, cube=spec.cube)
     return for_spec(cap, spec)

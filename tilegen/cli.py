@@ -50,6 +50,11 @@ def cmd_build(args: argparse.Namespace) -> int:
     for art in manifest["artifacts"]:
         print(f"  {art['backend']:7s} {art['path']:70s} regs={art['registers']} "
               f"shared={art['shared_bytes']} spills={art['spill_bytes']}")
+    for why in manifest.get("skipped", []):
+        print(f"  skipped {why}")
+    if spec.kernel_spec != spec:
+        print(f"  encoding {spec.encoding!r} runs the {spec.kernel_spec.encoding!r} kernel "
+              "(tilegen.encodings converts its input on the device)")
     print(f"  manifest: {out / 'manifest.json'}")
     return 0
 
@@ -209,7 +214,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _spec(args), args.captures, seeds=args.seeds, config=_config(args), topk=args.topk,
         sweep=args.sweep, grid=args.grid, heads=args.heads, backends=args.backends or (),
         flex=not args.no_flex, dense=not args.no_dense, json_path=args.json,
-        plot_path=args.plot, warmup_ms=args.warmup, rep_ms=args.rep, backward=args.backward)
+        plot_path=args.plot, warmup_ms=args.warmup, rep_ms=args.rep, backward=args.backward,
+        encoding=args.encoding, window=args.window)
     if args.dry_run:
         print(plan.describe())
         return 0
@@ -294,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         "  tilegen bench --grid 21,30,52 --heads 12 --topk 78\n"
         "  tilegen bench --captures caps/ --no-flex\n"
         "  tilegen bench --backward                # + the backward rows (issue #10)\n"
+        "  tilegen bench --encoding sliding_tile --window 3,3,3   # STA beside FlexAttention\n"
+        "  tilegen bench --encoding mask           # block mask beside the LUT, same cubes\n"
         "  tilegen bench --sweep --dry-run         # print the plan, touch no GPU")
     p.add_argument("--spec", help="spec file (.toml or .json); default: the Wan2.2 workload spec")
     p.add_argument("--captures", default="synthetic",
@@ -308,6 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grid", type=_bench_type("parse_grid"), metavar="T,H,W",
                    help="latent grid of another model (overrides the spec's grid)")
     p.add_argument("--heads", type=int, metavar="N", help="number of heads (overrides the spec)")
+    p.add_argument("--encoding", choices=["lut", "mask", "sliding_tile"],
+                   help="bench this encoding (overrides the spec's): mask runs on the capture's "
+                   "LUT as a block mask, sliding_tile on its window; both beside a 'lut' row and "
+                   "FlexAttention on the same pattern")
+    p.add_argument("--window", type=_bench_type("parse_grid"), metavar="T,H,W",
+                   help="sliding_tile window in cubes, odd sizes (implies --encoding "
+                   "sliding_tile; default: the spec's, else 3,3,3)")
     p.add_argument("--backends", type=_bench_type("parse_backends"), metavar="NAME[,NAME...]",
                    help="also bench these kernel families' defaults, e.g. triton,gluon,cuda")
     p.add_argument("--backward", action="store_true",

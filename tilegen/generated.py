@@ -1,6 +1,7 @@
 """Committed generated sources and the CI regeneration check (`tilegen check`).
 
-For the default spec and each target x backend, the rendered source is committed under
+For the default spec (and the default sliding_tile spec: `GENERATED_SPECS`) and each target x
+backend that implements it, the rendered source is committed under
 `targets/<target>/generated/`. `check()` re-renders everything with `build.plan()` and compares
 byte for byte: a template or spec change that was not regenerated is drift. Every drift carries
 a `target/backend` label: the Triton source of each target has the same file name.
@@ -40,19 +41,27 @@ class Drift:
         return f"{self.label}: {shown} ({self.kind})"
 
 
+#: The specs whose sources are committed: the default (LUT) spec, and the default spec of each
+#: other kernel encoding (`Spec.kernel_spec`; "mask" runs the LUT kernel, nothing of its own),
+#: rendered for the families that implement it.
+GENERATED_SPECS = (Spec(), Spec(encoding="sliding_tile"))
+
+
 def _planned(targets: tuple[str, ...]) -> dict[Path, tuple[str, str]]:
     """Every committed file -> (``target/backend`` label, the text it must hold)."""
     files: dict[Path, tuple[str, str]] = {}
     for name in targets:
         target = get_target(name)
-        for item in plan(Spec(), target):
-            path = target.generated_dir / item.source.name
-            files[path] = (f"{target.name}/{item.backend}", item.source.text)
+        for spec in GENERATED_SPECS:
+            for item in plan(spec, target):
+                path = target.generated_dir / item.source.name
+                files[path] = (f"{target.name}/{item.backend}", item.source.text)
     return files
 
 
 def expected(targets: tuple[str, ...] = TARGET_NAMES) -> dict[Path, str]:
-    """Every committed file and the text it must hold (default spec, each target's default)."""
+    """Every committed file and the text it must hold (`GENERATED_SPECS`, each target's
+    default config)."""
     return {path: text for path, (_, text) in _planned(targets).items()}
 
 

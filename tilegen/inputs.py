@@ -32,6 +32,50 @@ def _tensor(name: str, x: object) -> torch.Tensor:
     return x
 
 
+def validate_qkv(spec: Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 vbs: torch.Tensor, extra: tuple[tuple[str, object], ...] = ()
+                 ) -> tuple[int, int, int, int, int, int]:
+    """The checks every encoding shares: q, k, v (dtype, 4-D, one shape, device, contiguity,
+    head dim, whole cubes) and vbs (int32, (NKV,)); ``extra`` names more tensors that must be
+    tensors on q's device. Returns (B, S, H, D, NQ, NKV)."""
+    for name, x in (("q", q), ("k", k), ("v", v), *extra, ("vbs", vbs)):
+        _tensor(name, x)
+    want = spec.torch_dtype
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype != want:
+            raise TypeError(f"{name} has dtype {x.dtype}, spec wants {want} (dtype={spec.dtype!r})")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be 4-D {spec.layout.upper()}, "
+                             f"got shape {tuple(x.shape)}")
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must have one shape; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    device = q.device
+    for name, x in (("k", k), ("v", v), *extra, ("vbs", vbs)):
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but q is on {device}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not x.is_contiguous():
+            raise ValueError(f"{name} is not contiguous in {spec.layout.upper()}; pass "
+                             f"{name}.contiguous() or use a spec with the layout it has")
+    if spec.layout == "bshd":
+        B, S, H, D = q.shape
+    else:
+        B, H, S, D = q.shape
+    if D != spec.head_dim:
+        raise ValueError(f"q has head dim {D}, spec wants head_dim={spec.head_dim}")
+    if S % spec.block_q:
+        raise ValueError(f"q has sequence length {S}, not a multiple of block_q={spec.block_q} "
+                         "(pad to whole cubes: tilegen.layout.to_cubes)")
+    nq = S // spec.block_q
+    nkv = S // spec.block_kv
+    if vbs.dtype != torch.int32:
+        raise TypeError(f"vbs has dtype {vbs.dtype}, expected torch.int32")
+    if tuple(vbs.shape) != (nkv,):
+        raise ValueError(f"vbs must have shape (NKV,) = ({nkv},), got {tuple(vbs.shape)}")
+    return B, S, H, D, nq, nkv
+
+
 def validate_inputs(
     spec: Spec,
     q: torch.Tensor,
@@ -50,37 +94,7 @@ def validate_inputs(
     one host sync. Backends whose kernels guard their loads and flag bad values on the device
     (`DeviceErrorFlag`) pass False on GPUs.
     """
-    for name, x in (("q", q), ("k", k), ("v", v), ("topk_idx", topk_idx), ("vbs", vbs)):
-        _tensor(name, x)
-    want = spec.torch_dtype
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dtype != want:
-            raise TypeError(f"{name} has dtype {x.dtype}, spec wants {want} (dtype={spec.dtype!r})")
-        if x.dim() != 4:
-            raise ValueError(f"{name} must be 4-D {spec.layout.upper()}, "
-                             f"got shape {tuple(x.shape)}")
-    if k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q, k, v must have one shape; got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    device = q.device
-    for name, x in (("k", k), ("v", v), ("topk_idx", topk_idx), ("vbs", vbs)):
-        if x.device != device:
-            raise ValueError(f"{name} is on {x.device} but q is on {device}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not x.is_contiguous():
-            raise ValueError(f"{name} is not contiguous in {spec.layout.upper()}; pass "
-                             f"{name}.contiguous() or use a spec with the layout it has")
-    if spec.layout == "bshd":
-        B, S, H, D = q.shape
-    else:
-        B, H, S, D = q.shape
-    if D != spec.head_dim:
-        raise ValueError(f"q has head dim {D}, spec wants head_dim={spec.head_dim}")
-    if S % spec.block_q:
-        raise ValueError(f"q has sequence length {S}, not a multiple of block_q={spec.block_q} "
-                         "(pad to whole cubes: tilegen.layout.to_cubes)")
-    nq = S // spec.block_q
-    nkv = S // spec.block_kv
+    B, S, H, D, nq, nkv = validate_qkv(spec, q, k, v, vbs, extra=(("topk_idx", topk_idx),))
     if topk_idx.dtype != torch.int32:
         raise TypeError(f"topk_idx has dtype {topk_idx.dtype}, expected torch.int32")
     if topk_idx.dim() != 4 or tuple(topk_idx.shape[:3]) != (B, H, nq):
@@ -91,10 +105,6 @@ def validate_inputs(
         raise ValueError(f"topk_idx has TOPK={topk}; need 1 <= TOPK <= NKV={nkv}")
     if not topk_idx.is_contiguous():
         raise ValueError("topk_idx must be contiguous")
-    if vbs.dtype != torch.int32:
-        raise TypeError(f"vbs has dtype {vbs.dtype}, expected torch.int32")
-    if tuple(vbs.shape) != (nkv,):
-        raise ValueError(f"vbs must have shape (NKV,) = ({nkv},), got {tuple(vbs.shape)}")
     if counts is not None:
         _tensor("counts", counts)
         if counts.dtype != torch.int32:
@@ -102,12 +112,62 @@ def validate_inputs(
         if tuple(counts.shape) != (B, H, nq) or not counts.is_contiguous():
             raise ValueError(f"counts must be a contiguous (B, H, NQ) = ({B}, {H}, {nq}) tensor, "
                              f"got shape {tuple(counts.shape)}")
-        if counts.device != device:
-            raise ValueError(f"counts is on {counts.device} but q is on {device}")
+        if counts.device != q.device:
+            raise ValueError(f"counts is on {counts.device} but q is on {q.device}")
     shapes = Shapes(B, S, H, D, nq, nkv, topk)
     if check_values:
         check_input_values(spec, shapes, topk_idx, vbs, counts)
     return shapes
+
+
+def validate_mask_inputs(spec: Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         mask: torch.Tensor, vbs: torch.Tensor, *, check_values: bool = True
+                         ) -> Shapes:
+    """The checks of encoding "mask": q, k, v and vbs as every encoding (`validate_qkv`), and
+    ``mask`` a contiguous (B, H, NQ, NKV) bool or uint8 tensor (nonzero = the KV cube is
+    attended). Shapes.topk is NKV, the width of the LUT the mask turns into. ``check_values``
+    checks the vbs values (one host sync); a mask has no bad values."""
+    B, S, H, D, nq, nkv = validate_qkv(spec, q, k, v, vbs, extra=(("mask", mask),))
+    if mask.dtype not in (torch.bool, torch.uint8):
+        raise TypeError(f"mask has dtype {mask.dtype}, expected torch.bool or torch.uint8")
+    if mask.dim() != 4 or tuple(mask.shape) != (B, H, nq, nkv):
+        raise ValueError(f"mask must have shape (B, H, NQ, NKV) = ({B}, {H}, {nq}, {nkv}), "
+                         f"got {tuple(mask.shape)}")
+    if not mask.is_contiguous():
+        raise ValueError("mask must be contiguous")
+    if check_values:
+        check_vbs_values(spec, vbs)
+    return Shapes(B, S, H, D, nq, nkv, nkv)
+
+
+def validate_sliding_tile_inputs(spec: Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 vbs: torch.Tensor, *, check_values: bool = True) -> Shapes:
+    """The checks of encoding "sliding_tile": q, k, v and vbs as every encoding
+    (`validate_qkv`); the sequence holds exactly the cubes of the spec's grid (the windows
+    follow its cube grid), and per-head windows need q's head count to be the spec's.
+    Shapes.topk is the largest window volume. ``check_values`` checks the vbs values (one host
+    sync)."""
+    B, S, H, D, nq, nkv = validate_qkv(spec, q, k, v, vbs)
+    if nq != spec.num_cubes:
+        raise ValueError(f"q has {nq} cubes (S={S}) but the spec's grid {spec.grid} with cube "
+                         f"{spec.cube} has {spec.num_cubes} (cube grid {spec.cube_grid}); "
+                         "sliding_tile windows follow the spec's cube grid (Spec.grid)")
+    per_head = isinstance(spec.window[0], tuple)
+    if per_head and H != spec.num_heads:
+        raise ValueError(f"q has {H} heads but Spec.window lists {spec.num_heads} windows, one "
+                         "per head")
+    if check_values:
+        check_vbs_values(spec, vbs)
+    volumes = [math.prod(w) for w in spec.windows]
+    return Shapes(B, S, H, D, nq, nkv, max(volumes))
+
+
+def check_vbs_values(spec: Spec, vbs: torch.Tensor) -> None:
+    """vbs values in 1..block (when the spec masks partial cubes); one host sync."""
+    if spec.variable_block_sizes and vbs.numel():
+        lo, hi = int(vbs.min()), int(vbs.max())
+        if lo < 1 or hi > spec.block_kv:
+            raise ValueError(f"vbs holds values in [{lo}, {hi}], outside 1..{spec.block_kv}")
 
 
 def check_sm_scale(sm_scale: object) -> None:
@@ -130,10 +190,7 @@ def check_input_values(spec: Spec, shapes: Shapes, topk_idx: torch.Tensor, vbs: 
         lo, hi = int(topk_idx.min()), int(topk_idx.max())
         if lo < 0 or hi >= nkv:
             raise ValueError(f"topk_idx holds values in [{lo}, {hi}], outside [0, NKV={nkv})")
-    if spec.variable_block_sizes and vbs.numel():
-        lo, hi = int(vbs.min()), int(vbs.max())
-        if lo < 1 or hi > spec.block_kv:
-            raise ValueError(f"vbs holds values in [{lo}, {hi}], outside 1..{spec.block_kv}")
+    check_vbs_values(spec, vbs)
     if counts is not None and counts.numel():
         lo, hi = int(counts.min()), int(counts.max())
         if lo < 0 or hi > topk:

@@ -55,7 +55,8 @@ def resolve_config(spec: Spec, target: Target | None, backend: str | None = None
         return backend or "triton", cfgmod.reference_config(spec), "reference"
     from tilegen.winners import find_winner
 
-    names = [backend] if backend else [b.name for b in backends.for_target(target)]
+    names = [backend] if backend else [b.name for b in backends.for_target(target)
+                                       if not b.spec_violations(spec, target)]
     best = None
     misses = []
     for name in names:
@@ -101,6 +102,11 @@ def load(spec: Spec | None = None, config: KernelConfig | None = None, *,
     workload counts), else the target's default config. Configs are checked against the
     target's and the backend's rules before anything is compiled.
 
+    The op's arguments follow the spec's encoding: ``op(q, k, v, topk_idx, vbs, counts=None)``
+    (lut), ``op(q, k, v, mask, vbs)`` (mask: `tilegen.encodings.MaskAttention`, the family's
+    LUT op behind an on-device conversion) and ``op(q, k, v, vbs)`` (sliding_tile: the Triton
+    family; the other families refuse it, naming why).
+
     `backend` names a kernel family of the registry (`tilegen.backends.names()`): "triton"
     (CUDA and ROCm GPUs, the interpreter, CPU), "gluon" (the warp-specialized Hopper kernel),
     "cuda" (CK-style CUDA C++ through nvcc and the CUDA driver API) or "hip" (CK-style HIP C++
@@ -111,6 +117,12 @@ def load(spec: Spec | None = None, config: KernelConfig | None = None, *,
     spec = spec or Spec()
     if not isinstance(spec, Spec):
         raise TypeError(f"spec must be a tilegen.Spec, got {type(spec).__name__}")
+    if spec.encoding == "mask":
+        # the LUT kernel of the family (and its tuned winners) behind the on-device conversion
+        from tilegen.encodings import MaskAttention
+
+        return MaskAttention(spec, load(spec.kernel_spec, config, target=target,
+                                        backend=backend))
     if config is not None:
         if not isinstance(config, KernelConfig):
             raise TypeError(f"config must be a tilegen.KernelConfig, got {type(config).__name__}")

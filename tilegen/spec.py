@@ -20,10 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: Encodings the kernel generator implements today. "mask" (block mask, Jenga style) and
-#: "sliding_tile" (STA) are planned; the field is a string so they slot in without a new schema.
-ENCODINGS = ("lut",)
-PLANNED_ENCODINGS = ("mask", "sliding_tile")
+#: How the op is told which KV cubes each query cube attends (README "Encodings"):
+#: "lut" (VSA: index list + optional counts), "mask" (Jenga: a (B, H, NQ, NKV) block mask,
+#: turned into a LUT + counts on the device and run by the LUT kernel) and "sliding_tile" (STA:
+#: a 3-D window of cubes around the query cube, computed from coordinates in the kernel).
+ENCODINGS = ("lut", "mask", "sliding_tile")
+#: The encoding whose kernel computes each encoding: "mask" runs the LUT kernel (tilegen.encodings)
+KERNEL_ENCODING = {"lut": "lut", "mask": "lut", "sliding_tile": "sliding_tile"}
+#: The sliding_tile window when a spec gives none: STA's (3, 3, 3) cubes around the query cube
+DEFAULT_WINDOW = (3, 3, 3)
 HEAD_DIMS = (64, 128)
 DTYPES = ("bf16", "fp16")
 LAYOUTS = ("bshd", "bhsd")
@@ -37,7 +42,7 @@ SPEC_SCHEMA = 1
 KERNEL_FIELDS = ("encoding", "block_q", "block_kv", "cube", "head_dim", "dtype", "layout",
                  "variable_block_sizes")
 #: Fields that only describe the shape tuning and benchmarks run on (the kernel takes any).
-WORKLOAD_FIELDS = ("grid", "num_heads", "topk", "batch")
+WORKLOAD_FIELDS = ("grid", "num_heads", "topk", "batch", "window")
 
 
 def _as_int_tuple(name: str, value: Any, length: int) -> tuple[int, ...]:
@@ -67,7 +72,13 @@ class Spec:
     tail of partial cubes using ``vbs``; off means every cube is full and ``vbs`` is ignored).
 
     Workload fields (the shape tuning and benchmarks use; the kernel accepts any shape):
-    ``grid`` (latent t, h, w), ``num_heads``, ``topk``, ``batch``.
+    ``grid`` (latent t, h, w, in tokens; the cube grid is ``cube_grid``), ``num_heads``,
+    ``topk`` (KV cubes per query cube of lut/mask; unused by sliding_tile), ``batch`` and
+    ``window`` (sliding_tile only: the window in cubes, odd sizes per side, no larger than the
+    cube grid; one (t, h, w) triple for every head, or a list of ``num_heads`` triples, STA's
+    head specialization; None for the other encodings, (3, 3, 3) when sliding_tile gives none).
+    The sliding_tile kernel reads the cube grid and the windows at run time, so they are
+    workload fields too: its source does not depend on them.
     """
 
     encoding: str = "lut"
@@ -82,14 +93,10 @@ class Spec:
     num_heads: int = 40
     topk: int = 78
     batch: int = 1
+    window: Any = None
     _hash: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.encoding in PLANNED_ENCODINGS:
-            raise ValueError(
-                f"Spec.encoding={self.encoding!r} is planned but not implemented yet; "
-                f"allowed values: {list(ENCODINGS)}"
-            )
         _choice("encoding", self.encoding, ENCODINGS)
         _choice("head_dim", self.head_dim, HEAD_DIMS)
         _choice("dtype", self.dtype, DTYPES)
@@ -116,7 +123,8 @@ class Spec:
                 f"Spec.block_q={self.block_q} must equal Spec.block_kv={self.block_kv} for "
                 "encoding 'lut': each LUT row belongs to one query cube"
             )
-        if self.topk > self.num_cubes:
+        object.__setattr__(self, "window", self._checked_window())
+        if self.encoding != "sliding_tile" and self.topk > self.num_cubes:
             raise ValueError(
                 f"Spec.topk={self.topk} exceeds the {self.num_cubes} KV cubes of "
                 f"grid {self.grid} with cube {self.cube}"
@@ -124,7 +132,60 @@ class Spec:
         digest = hashlib.sha256(self.canonical_json().encode()).hexdigest()
         object.__setattr__(self, "_hash", digest)
 
+    def _checked_window(self) -> tuple | None:
+        """The window in canonical form: a tuple of 3 ints, or a tuple of num_heads of them."""
+        if self.encoding != "sliding_tile":
+            if self.window is not None:
+                raise ValueError(f"Spec.window applies to encoding 'sliding_tile' only, got "
+                                 f"window={self.window!r} with encoding={self.encoding!r}")
+            return None
+        window = DEFAULT_WINDOW if self.window is None else self.window
+        try:
+            items = list(window)
+        except TypeError:
+            raise ValueError(f"Spec.window must be a (t, h, w) triple of odd ints or a list of "
+                             f"them (one per head), got {window!r}") from None
+        per_head = bool(items) and all(not isinstance(w, int) for w in items)
+        triples = [_as_int_tuple("window", w, 3) for w in items] if per_head else [
+            _as_int_tuple("window", items, 3)]
+        if per_head and len(triples) != self.num_heads:
+            raise ValueError(f"Spec.window lists {len(triples)} windows but Spec.num_heads="
+                             f"{self.num_heads}; give one window per head, or one triple")
+        grid = self.cube_grid
+        for w in triples:
+            if any(x % 2 == 0 for x in w):
+                raise ValueError(f"Spec.window {w} has an even size; window sizes are odd "
+                                 "(the query cube sits in the middle)")
+            if any(x > g for x, g in zip(w, grid, strict=True)):
+                raise ValueError(f"Spec.window {w} is larger than the cube grid {grid} of "
+                                 f"grid {self.grid} with cube {self.cube}")
+        return tuple(triples) if per_head else triples[0]
+
     # -- derived quantities ------------------------------------------------------------------
+    @property
+    def kernel_spec(self) -> Spec:
+        """The spec whose kernel computes this one: a "mask" spec runs the LUT kernel after an
+        on-device mask -> LUT conversion (`tilegen.encodings`); other specs are their own."""
+        if KERNEL_ENCODING[self.encoding] == self.encoding:
+            return self
+        return self.replace(encoding=KERNEL_ENCODING[self.encoding])
+
+    @property
+    def windows(self) -> tuple[tuple[int, int, int], ...]:
+        """sliding_tile: one (t, h, w) window per head (`num_heads` of them)."""
+        if self.window is None:
+            raise ValueError(f"Spec.window is unset: encoding {self.encoding!r} has no window")
+        if isinstance(self.window[0], tuple):
+            return self.window
+        return (self.window,) * self.num_heads
+
+    @property
+    def kv_per_query(self) -> float:
+        """KV cubes each query cube attends: topk (lut, mask) or the mean window volume."""
+        if self.encoding == "sliding_tile":
+            return sum(math.prod(w) for w in self.windows) / self.num_heads
+        return float(self.topk)
+
     @property
     def cube_grid(self) -> tuple[int, int, int]:
         return tuple(-(-g // c) for g, c in zip(self.grid, self.cube, strict=True))  # type: ignore[return-value]
@@ -160,14 +221,17 @@ class Spec:
 
     # -- kernel fields vs workload fields ------------------------------------------------------
     def kernel_dict(self) -> dict[str, Any]:
-        """The fields that decide the generated kernel (`KERNEL_FIELDS`)."""
+        """The fields that decide the generated kernel (`KERNEL_FIELDS`). A "mask" spec's
+        kernel is the LUT kernel (`kernel_spec`): its kernel fields say encoding "lut", so the
+        two share a kernel hash, compiled variants and tuned winners."""
         d = self.to_dict()
+        d["encoding"] = KERNEL_ENCODING[self.encoding]
         return {k: d[k] for k in KERNEL_FIELDS}
 
     def workload_dict(self) -> dict[str, Any]:
         """The fields that only describe the tuned / benchmarked shape (`WORKLOAD_FIELDS`)."""
         d = self.to_dict()
-        return {k: d[k] for k in WORKLOAD_FIELDS}
+        return {k: d[k] for k in WORKLOAD_FIELDS if k in d}  # window only where it is set
 
     @property
     def kernel_hash(self) -> str:
@@ -180,12 +244,13 @@ class Spec:
 
     def workload_distance(self, other: Spec) -> float:
         """How far apart two workloads are, for picking the nearest tuned one: the sum of the
-        absolute log ratios of query tokens, heads, top-k and batch (0 for equal workloads)."""
+        absolute log ratios of query tokens, heads, KV cubes per query cube (`kv_per_query`)
+        and batch (0 for equal workloads)."""
         def tokens(s: Spec) -> int:
             return math.prod(s.grid)
 
         pairs = ((tokens(self), tokens(other)), (self.num_heads, other.num_heads),
-                 (self.topk, other.topk), (self.batch, other.batch))
+                 (self.kv_per_query, other.kv_per_query), (self.batch, other.batch))
         return sum(abs(math.log(a / b)) for a, b in pairs)
 
     # -- serialisation -----------------------------------------------------------------------
@@ -195,7 +260,9 @@ class Spec:
             if not f.init:
                 continue
             value = getattr(self, f.name)
-            out[f.name] = list(value) if isinstance(value, tuple) else value
+            if value is None:  # window of a non-sliding_tile spec: left out, so the hashes of
+                continue       # the specs that predate it are unchanged
+            out[f.name] = _plain(value)
         return out
 
     def canonical_json(self) -> str:
@@ -276,6 +343,11 @@ class Spec:
     def from_file_or_default(cls, path: str | Path | None) -> Spec:
         """`from_file(path)`, or the default spec when no path is given (the CLI's --spec)."""
         return cls.from_file(path) if path else cls()
+
+
+def _plain(value: Any) -> Any:
+    """Tuples (nested too: per-head windows) as lists, for JSON and TOML."""
+    return [_plain(v) for v in value] if isinstance(value, tuple) else value
 
 
 def _digest(obj: dict[str, Any]) -> str:

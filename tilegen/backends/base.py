@@ -36,6 +36,11 @@ class Backend(ABC):
     templates: ClassVar[str] = ""
     #: the registry name of the backward kernel set of this family, if it has one
     backward: ClassVar[str | None] = None
+    #: the kernel encodings its templates implement (`Spec.kernel_spec`: a "mask" spec reaches
+    #: every family as the LUT kernel, behind the op layer's on-device conversion)
+    encodings: ClassVar[tuple[str, ...]] = ("lut",)
+    #: why a kernel encoding it lacks is missing (said by `spec_violations`)
+    missing_encoding_reason: ClassVar[str] = ""
 
     # -- what it accepts ---------------------------------------------------------------------
     def spec_violations(self, spec: Spec, target: Target) -> list[str]:
@@ -43,6 +48,14 @@ class Backend(ABC):
         if self.name not in target.backends:
             return [f"target {target.name} has no {self.name} backend "
                     f"(its backends: {list(target.backends)})"]
+        encoding = spec.kernel_spec.encoding
+        if encoding not in self.encodings:
+            from tilegen import backends
+
+            having = [n for n in backends.names() if encoding in backends.get(n).encodings]
+            why = f": {self.missing_encoding_reason}" if self.missing_encoding_reason else ""
+            return [f"the {self.name} family implements encodings {list(self.encodings)}, not "
+                    f"{encoding!r}{why} (families with it: {having})"]
         return []
 
     def config_violations(self, spec: Spec, target: Target, cfg: KernelConfig) -> list[str]:
@@ -50,7 +63,9 @@ class Backend(ABC):
         return []
 
     def violations(self, spec: Spec, target: Target, cfg: KernelConfig) -> list[str]:
-        """Every rule (spec, target and config) the variant breaks; empty when valid."""
+        """Every rule (spec, target and config) the variant breaks; empty when valid. A spec is
+        judged by its kernel (`Spec.kernel_spec`: a mask spec is the LUT kernel)."""
+        spec = spec.kernel_spec
         problems = self.spec_violations(spec, target)
         if problems:
             return problems
@@ -91,7 +106,9 @@ class Backend(ABC):
 
     def variant_key(self, spec: Spec, cfg: KernelConfig, target: Target,
                     source: Source | None = None) -> VariantKey:
-        """The one name of this compiled variant (`tilegen.identity`)."""
+        """The one name of this compiled variant (`tilegen.identity`), by the spec's kernel
+        (`Spec.kernel_spec`: a mask spec names the LUT kernel it runs)."""
+        spec = spec.kernel_spec
         src = source or self.render(spec, cfg, target)
         return VariantKey(kernel_hash=spec.kernel_hash, backend=self.name, config=cfg.name,
                           source_sha256=src.sha256, toolchain=self.toolchain(target),

@@ -414,19 +414,24 @@ class _WorkerState:
         fails (loudly, naming the capture and the scores) and no trial runs. A bundled
         ground truth (``o_ref``) is the contract's reference; its oracle score is reported.
         """
-        from tilegen import captures
+        from tilegen import captures, encodings
         from tilegen.config import reference_config
         from tilegen.inputs import validate_inputs
         from tilegen.ops import BlockSparseAttention
         from tilegen.reference import attention_fp32
 
-        args = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"])
         if self.gradients:
             return self._grad_reference(name, cap)
         try:
-            validate_inputs(self.spec, *args)
+            encodings.validate(self.spec, *encodings.call_args(self.spec, cap), check_values=True)
         except (TypeError, ValueError) as exc:
             raise WorkerSetupError(f"capture {name} does not fit the spec: {exc}") from exc
+        # every encoding's yardstick is the LUT reference on the equivalent LUT (the capture's
+        # own for lut and mask, the windows' for sliding_tile)
+        idx, counts = encodings.reference_lut(self.spec, cap)
+        args = (cap["q"], cap["k"], cap["v"], idx, cap["vbs"], counts)
+        ref_spec = encodings.lut_spec(self.spec, idx.shape[-1])
+        validate_inputs(ref_spec, *args)
         o32, _ = attention_fp32(*args, layout=self.spec.layout, block=self.spec.block_kv)
         oracle = o32.to(cap["q"].dtype)
         del o32
@@ -435,15 +440,15 @@ class _WorkerState:
             if not s.passed:
                 self.notes.append(f"bundled reference of {name} vs the fp32 oracle: {s}")
             return cap["o_ref"], "bundled", str(s)
-        cfg = reference_config(self.spec)
+        cfg = reference_config(ref_spec)
         try:
             if self.setup.reference_factory:
-                ref_op = _resolve(self.setup.reference_factory)(self.spec, cfg)
+                ref_op = _resolve(self.setup.reference_factory)(ref_spec, cfg)
             else:
                 # Built directly (not through load): the reference variant is the contract's
                 # kernel, used as the yardstick even where its tiles exceed a target's
                 # preference.
-                ref_op = BlockSparseAttention(self.spec, cfg, None, "reference")
+                ref_op = BlockSparseAttention(ref_spec, cfg, None, "reference")
             o, _ = ref_op(*args)
             self._sync()
         except Exception as exc:  # noqa: BLE001 - no reference: no gate
@@ -491,7 +496,7 @@ class _WorkerState:
             self.torch.cuda.synchronize()
 
     def run_trial(self, req: TrialRequest) -> TrialResult:
-        from tilegen import bench, captures
+        from tilegen import bench, captures, encodings
         from tilegen.config import KernelConfig
 
         t0 = time.perf_counter()
@@ -510,7 +515,7 @@ class _WorkerState:
                     if i == 0:
                         res.compile_s = time.perf_counter() - tc
                     continue
-                o, _ = op(cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"])
+                o, _ = op(*encodings.call_args(self.spec, cap))
                 self._sync()
                 if i == 0:
                     res.compile_s = time.perf_counter() - tc  # first call: JIT compile + run

@@ -20,6 +20,7 @@ class TritonBackend(Backend):
     name = "triton"
     runs_on_cpu = True
     backward = "triton_bwd"
+    encodings = ("lut", "sliding_tile")
 
     def config_violations(self, spec: Spec, target: Target, cfg: KernelConfig) -> list[str]:
         return []  # the generic predicates (tilegen.config) are the Triton kernel's rules
@@ -52,9 +53,10 @@ class TritonBackend(Backend):
 
     def make_op(self, spec: Spec, cfg: KernelConfig, target: Target | None,
                 config_source: str = "explicit") -> Any:
-        from tilegen.backends.triton.op import BlockSparseAttention
+        from tilegen.backends.triton.op import BlockSparseAttention, SlidingTileAttention
 
-        return BlockSparseAttention(spec, cfg, target, config_source)
+        cls = SlidingTileAttention if spec.encoding == "sliding_tile" else BlockSparseAttention
+        return cls(spec, cfg, target, config_source)
 
 
 BACKEND = TritonBackend()

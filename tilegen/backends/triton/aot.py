@@ -29,19 +29,25 @@ from tilegen.render import Source
 from tilegen.spec import Spec
 from tilegen.targets import Target
 
-# Dtypes of the kernel's pointer arguments in signature order (see lut_kernel.py.j2).
-_PTR_ARGS = ("Q", "K", "V", "LUT", "COUNTS", "VBS", "O", "LSE", "ERR")
+
+def cursor_signature(spec: Spec) -> tuple[dict[str, str], dict[str, str], dict[str, bool]]:
+    """The encoding cursor's arguments (attention_macros.j2 `cursor_params`, `cursor_scalars`,
+    `cursor_constexprs`): pointers, scalars, and the constexprs with their AOT values."""
+    if spec.kernel_spec.encoding == "sliding_tile":
+        return {"WINDOWS": "*i32"}, {"grid_t": "i32", "grid_h": "i32", "grid_w": "i32"}, {}
+    return {"LUT": "*i32", "COUNTS": "*i32"}, {"topk": "i32"}, {"HAS_COUNTS": False}
 
 
 def signature(spec: Spec) -> dict[str, str]:
-    """Triton signature of the generated kernel for this spec (runtime arguments only)."""
+    """Triton signature of the generated kernel for this spec (runtime arguments, then the
+    constexprs; pointers first, see lut_kernel.py.j2)."""
     elem = {"bf16": "*bf16", "fp16": "*fp16"}[spec.dtype]
-    ptr = {"Q": elem, "K": elem, "V": elem, "LUT": "*i32", "COUNTS": "*i32", "VBS": "*i32",
-           "O": elem, "LSE": "*fp32", "ERR": "*i32"}
-    sig = {name: ptr[name] for name in _PTR_ARGS}
+    ptrs, scalars, flags = cursor_signature(spec)
+    sig = {"Q": elem, "K": elem, "V": elem, **ptrs, "VBS": "*i32", "O": elem, "LSE": "*fp32",
+           "ERR": "*i32"}
     sig.update(seq_len="i32", num_heads="i32", num_q_blocks="i32", num_kv_blocks="i32",
-               topk="i32", qk_scale="fp32")
-    sig.update(HAS_COUNTS="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr")
+               **scalars, qk_scale="fp32")
+    sig.update({name: "constexpr" for name in flags}, BLOCK_M="constexpr", BLOCK_N="constexpr")
     return sig
 
 
@@ -96,10 +102,12 @@ def compile_triton(spec: Spec, cfg: KernelConfig, target: Target, out_dir: Path,
                    source: Source | None = None) -> Artifact:
     """Compile the generated Triton kernel for `target` into `out_dir`; return its Artifact."""
     source = source or render_triton(spec, cfg, target)
-    constexprs = {"HAS_COUNTS": False, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}
+    constexprs = {**cursor_signature(spec)[2], "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}
     stem = f"triton_{source.name.removesuffix('.py')}_{cfg.launch_name}"
-    return _compile_kernel(source, TRITON_KERNEL_NAME, signature(spec), constexprs,
-                           len(_PTR_ARGS), cfg.launch, target, out_dir, stem, cfg.name)
+    sig = signature(spec)
+    n_ptr = sum(1 for t in sig.values() if t.startswith("*"))
+    return _compile_kernel(source, TRITON_KERNEL_NAME, sig, constexprs, n_ptr, cfg.launch,
+                           target, out_dir, stem, cfg.name)
 
 
 def backward_signatures(spec: Spec, bwd: BackwardConfig | None = None
@@ -109,15 +117,16 @@ def backward_signatures(spec: Spec, bwd: BackwardConfig | None = None
     (`forward_for_grad`)."""
     elem = {"bf16": "*bf16", "fp16": "*fp16"}[spec.dtype]
     f32, i32 = "*fp32", "*i32"
+    ptrs, scalars, flags = cursor_signature(spec)
     sigs = {
         "preprocess": {"O": f32, "DO": elem, "DELTA": f32, "VBS": i32,
                        "seq_len": "i32", "num_heads": "i32", "BLOCK_M": "constexpr"},
         "dq": {"Q": elem, "K": elem, "V": elem, "DO": elem, "LSE": f32, "DELTA": f32,
-               "DSUM": f32, "LUT": i32, "COUNTS": i32, "VBS": i32, "DQ": elem, "ERR": i32,
+               "DSUM": f32, **ptrs, "VBS": i32, "DQ": elem, "ERR": i32,
                "seq_len": "i32", "num_heads": "i32", "num_q_blocks": "i32",
-               "num_kv_blocks": "i32", "topk": "i32", "qk_scale": "fp32", "sm_scale": "fp32",
-               "HAS_COUNTS": "constexpr", "HAS_DSUM": "constexpr", "BLOCK_M": "constexpr",
-               "BLOCK_N": "constexpr"},
+               "num_kv_blocks": "i32", **scalars, "qk_scale": "fp32", "sm_scale": "fp32",
+               **{name: "constexpr" for name in flags}, "HAS_DSUM": "constexpr",
+               "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
         "dkdv": {"Q": elem, "K": elem, "V": elem, "DO": elem, "LSE": f32, "DELTA": f32,
                  "KV_OFFSETS": i32, "KV_QCUBES": i32, "VBS": i32, "DK": elem, "DV": elem,
                  "DQ_ACC": f32, "DS_SUM": f32, "ERR": i32, "seq_len": "i32", "num_heads": "i32",
@@ -149,7 +158,7 @@ def compile_triton_backward(spec: Spec, cfg: KernelConfig, target: Target, out_d
     for kernel, sig in backward_signatures(spec, bwd).items():
         consts, launch = bwd.kernel_launch(kernel)
         if kernel == "dq":
-            consts = {"HAS_COUNTS": False, "HAS_DSUM": False, **consts}
+            consts = {**cursor_signature(spec)[2], "HAS_DSUM": False, **consts}
         if kernel == "dkdv":
             consts = {"ATOMIC_DQ": bwd.dq_atomic, **consts}
         n_ptr = sum(1 for t in sig.values() if t.startswith("*"))

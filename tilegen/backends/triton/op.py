@@ -47,6 +47,7 @@ from tilegen.inputs import (
     check_sm_scale,
     needs_grad,
     validate_inputs,
+    validate_sliding_tile_inputs,
 )
 from tilegen.maxprob import AttentionOutput, cube_mean, empty_buffers
 from tilegen.reference import LOG2E, attention_backward_fp32, attention_fp32
@@ -169,8 +170,8 @@ class BlockSparseAttention:
                                            max_prob_out)
             return o.to(q.dtype), lse
         self.errors.raise_pending(q.device)
-        return self.launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
-                           store_lse=store_lse, max_prob_out=max_prob_out)
+        return self._launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
+                            store_lse=store_lse, max_prob_out=max_prob_out)
 
     def _pytorch_forward(self, q, k, v, topk_idx, vbs, counts, sm_scale, max_prob_out=None):
         """The CPU PyTorch path: the fp32 reference; the signal, when asked, from the same
@@ -206,8 +207,8 @@ class BlockSparseAttention:
             o_acc = torch.empty_like(q, dtype=torch.float32)
             lse = torch.empty((shapes.batch, shapes.heads, shapes.seq_len),
                               dtype=torch.float32, device=q.device)
-            self.launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
-                        out=(o_acc, lse), max_prob_out=max_prob_out)
+            self._launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
+                         out=(o_acc, lse), max_prob_out=max_prob_out)
         return o_acc.to(q.dtype), lse, o_acc
 
     def backward(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -286,7 +287,6 @@ class BlockSparseAttention:
             B, H, S, _ = q.shape
         nq = S // spec.block_q
         nkv = S // spec.block_kv
-        topk = topk_idx.shape[-1]
         do = do.contiguous()
         if do.dtype != q.dtype:
             do = do.to(q.dtype)
@@ -330,11 +330,11 @@ class BlockSparseAttention:
             dq = torch.empty_like(q, dtype=buf)
             dq_acc = ds_sum = delta  # not touched
             consts, opts = bcfg.kernel_launch("dq")
+            tensors, scalars, flags = self.cursor_args(topk_idx, counts, H, q.device)
             kernels["dq"][(nq * (spec.block_q // consts["BLOCK_M"]), B * H)](
-                q, k, v, do, lse, delta, dsum if dsum is not None else delta, topk_idx,
-                counts if counts is not None else topk_idx, vbs, dq, err, *dq_extra,
-                S, H, nq, nkv, topk, scale * LOG2E, scale,
-                HAS_COUNTS=counts is not None, HAS_DSUM=dsum is not None, **consts, **opts)
+                q, k, v, do, lse, delta, dsum if dsum is not None else delta, *tensors, vbs, dq,
+                err, *dq_extra, S, H, nq, nkv, *scalars, scale * LOG2E, scale,
+                HAS_DSUM=dsum is not None, **flags, **consts, **opts)
         consts, opts = bcfg.kernel_launch("dkdv")
         kernels["dkdv"][(nkv * (spec.block_kv // consts["BLOCK_N"]), B * H)](
             q, k, v, do, lse, delta, offsets, qcubes, vbs, dk, dv, dq_acc, ds_sum, err,
@@ -377,6 +377,22 @@ class BlockSparseAttention:
         if shapes is None:
             shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
                                      check_values=False)
+        return self._launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
+                            store_lse=store_lse, out=out, max_prob_out=max_prob_out)
+
+    def cursor_args(self, topk_idx: torch.Tensor | None, counts: torch.Tensor | None,
+                    heads: int, device: torch.device
+                    ) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...], dict[str, bool]]:
+        """The kernel arguments of the encoding's cursor (attention_macros.j2 `cursor_params`,
+        `cursor_scalars`, `cursor_constexprs`): LUT and counts, the LUT width, HAS_COUNTS."""
+        return ((topk_idx, counts if counts is not None else topk_idx), (topk_idx.shape[-1],),
+                {"HAS_COUNTS": counts is not None})
+
+    def _launch(self, q, k, v, topk_idx, vbs, counts, *, shapes: Shapes,
+                sm_scale: float | None = None, store_lse: bool = True,
+                out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                max_prob_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg = self.kernel_config(q.device, store_lse, max_prob_out is not None)
         if cfg.interp_bf16:
             note_once("Triton interpreter with bf16: rendering the kernel with interp_bf16 "
@@ -396,18 +412,89 @@ class BlockSparseAttention:
         grid = (shapes.num_q_blocks * (self.spec.block_q // cfg.block_m),
                 shapes.batch * shapes.heads)
         err = self.errors.buffer(q.device)
+        tensors, scalars, flags = self.cursor_args(topk_idx, counts, shapes.heads, q.device)
         extra = () if max_prob_out is None else tuple(max_prob_out)
         kernel[grid](
-            q, k, v, topk_idx, counts if counts is not None else topk_idx, vbs, o, lse, err,
-            *extra, shapes.seq_len, shapes.heads, shapes.num_q_blocks, shapes.num_kv_blocks,
-            shapes.topk, scale * LOG2E,
-            HAS_COUNTS=counts is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            q, k, v, *tensors, vbs, o, lse, err, *extra,
+            shapes.seq_len, shapes.heads, shapes.num_q_blocks, shapes.num_kv_blocks,
+            *scalars, scale * LOG2E,
+            **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         self.errors.after_launch(q.device)
         if cfg.interp_bf16 and out is None:
             o = o.to(q.dtype)
         return o, (lse if store_lse else None)
+
+
+class SlidingTileAttention(BlockSparseAttention):
+    """A loaded sliding-tile kernel: ``o, lse = op(q, k, v, vbs)``. The kernel computes each
+    query cube's window of KV cubes from coordinates (`Spec.window`, one per head or one for
+    all; no index tensor). The window as a LUT (`tilegen.encodings.sliding_tile_lut`, built
+    once per device and shape) serves the CPU PyTorch path and the backward's inverse map; the
+    dQ kernel walks the window like the forward."""
+
+    def __init__(self, spec: Spec, config: KernelConfig, target: Target | None,
+                 source: str = "default") -> None:
+        super().__init__(spec, config, target, source)
+        self._tables: dict[tuple, object] = {}
+
+    def __repr__(self) -> str:
+        return "SlidingTile" + super().__repr__()
+
+    def __call__(  # type: ignore[override]
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        vbs: torch.Tensor,
+        *,
+        sm_scale: float | None = None,
+        return_lse: bool = True,
+        check_values: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """Validate, then run (as `BlockSparseAttention.__call__`, without an index tensor)."""
+        on_cpu = q.device.type == "cpu"
+        shapes = validate_sliding_tile_inputs(self.spec, q, k, v, vbs,
+                                              check_values=check_values or on_cpu)
+        check_sm_scale(sm_scale)
+        lut, counts = self.window_lut(q.device, shapes.batch, shapes.heads)
+        if needs_grad(q, k, v):
+            o, lse = _Attention.apply(self, q, k, v, lut, vbs, counts, sm_scale, shapes)
+        else:
+            o, lse = self._forward(q, k, v, lut, vbs, counts, shapes, sm_scale, return_lse)
+        return (o, lse) if return_lse else o
+
+    def window_lut(self, device: torch.device, batch: int, heads: int
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The windows as a LUT (and counts when heads' windows differ in volume), cached."""
+        key = ("lut", device, batch, heads)
+        found = self._tables.get(key)
+        if found is None:
+            from tilegen.encodings import sliding_tile_lut
+
+            found = self._tables[key] = sliding_tile_lut(self.spec, batch, heads, device)
+        return found  # type: ignore[return-value]
+
+    def cursor_args(self, topk_idx, counts, heads, device):
+        key = ("windows", device, heads)
+        table = self._tables.get(key)
+        if table is None:
+            from tilegen.encodings import window_table
+
+            table = self._tables[key] = window_table(self.spec, heads, device)
+        return (table,), self.spec.cube_grid, {}
+
+    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+               vbs: torch.Tensor, *, shapes: Shapes | None = None,
+               sm_scale: float | None = None, store_lse: bool = True,
+               out: tuple[torch.Tensor, torch.Tensor] | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Launch the kernel with no input checks (`validate_sliding_tile_inputs` first)."""
+        if shapes is None:
+            shapes = validate_sliding_tile_inputs(self.spec, q, k, v, vbs, check_values=False)
+        return self._launch(q, k, v, None, vbs, None, shapes=shapes, sm_scale=sm_scale,
+                            store_lse=store_lse, out=out)
 
 
 _grad_ops: dict[tuple[Spec, str | None], BlockSparseAttention] = {}

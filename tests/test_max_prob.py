@@ -322,3 +322,24 @@ def test_calibration_script_cpu_small(tmp_path, monkeypatch, capsys):
     assert not res["errors"] and res["calibration"]["pooled"]["W0.5"]["rho_max_prob_p0.9"] > 0
     assert res["calibration"]["cases"][0]["max_prob_max_rel_err"] < 1e-4
     assert "equal budget" in capsys.readouterr().out
+
+
+def test_every_encoding_writes_the_signal(interpreter):
+    """mask (the LUT kernel after the on-device conversion) and sliding_tile (its own cursor)
+    give the signal of attention over their cubes: the fp32 reference on the equivalent LUT."""
+    from tilegen.encodings import sliding_tile_lut
+
+    cap = small_case(3, 64, "fp16", "bshd")
+    base = spec_for(64, "fp16", "bshd")
+    mask = sparsity.lut_to_mask(cap["topk_idx"], 8)
+    res = tilegen.load(base.replace(encoding="mask"))(
+        cap["q"], cap["k"], cap["v"], mask, cap["vbs"], return_max_prob=True)
+    check_signal(res, cap, base)
+    st = base.replace(encoding="sliding_tile", window=(1, 1, 1), topk=8)
+    res = tilegen.load(st)(cap["q"], cap["k"], cap["v"], cap["vbs"], return_max_prob=True)
+    lut, counts = sliding_tile_lut(st, 1, HEADS, "cpu")
+    _, _, mp_ref = attention_fp32(cap["q"], cap["k"], cap["v"], lut, cap["vbs"], counts,
+                                  max_prob=True)
+    torch.testing.assert_close(res.max_prob, mp_ref, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(res.max_prob_cube, cube_mean(mp_ref, cap["vbs"], 64), rtol=1e-4,
+                               atol=1e-6)

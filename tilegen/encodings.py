@@ -111,12 +111,17 @@ class MaskAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                  vbs: torch.Tensor, *, sm_scale: float | None = None, return_lse: bool = True,
-                 check_values: bool = False) -> Any:
+                 return_max_prob: bool = False, check_values: bool = False) -> Any:
         """Validate (before any launch), convert, run the LUT op with counts."""
         validate_mask_inputs(self.spec, q, k, v, mask, vbs, check_values=False)
         idx, counts = mask_to_lut_device(mask)
         # the C++ families' ops check values eagerly always and take no check_values
-        extra = {"check_values": True} if check_values else {}
+        extra: dict[str, Any] = {"check_values": True} if check_values else {}
+        if return_max_prob:
+            if not getattr(self.lut_op, "provides_max_prob", False):
+                raise ValueError(f"return_max_prob: the {self.lut_op.backend} family does not "
+                                 "write the softmax-normalizer signal")
+            extra["return_max_prob"] = True
         return self.lut_op(q, k, v, idx, vbs, counts, sm_scale=sm_scale, return_lse=return_lse,
                            **extra)
 

@@ -110,8 +110,8 @@ def tilegen_bsa_bwd_dq(
         row_ok = row_ok & kv_ok & (n_valid >= 1) & (n_valid <= BLOCK_KV)
         for j in tl.static_range(BLOCK_KV // BLOCK_N):
             sub_start = j * BLOCK_N
+            kv_rows = kv_cube * BLOCK_KV + sub_start + offs_n
             if j == 0:
-                kv_rows = kv_cube * BLOCK_KV + sub_start + offs_n
                 k = tl.load(K + base + kv_rows[:, None] * row + offs_d[None, :])
                 v = tl.load(V + base + kv_rows[:, None] * row + offs_d[None, :])
                 qk = tl.dot(q, tl.trans(k)) * qk_scale
@@ -124,7 +124,6 @@ def tilegen_bsa_bwd_dq(
                 ds_sum += tl.sum(ds_op.to(tl.float32), 1)
 
             elif sub_start < n_valid:
-                kv_rows = kv_cube * BLOCK_KV + sub_start + offs_n
                 k = tl.load(K + base + kv_rows[:, None] * row + offs_d[None, :])
                 v = tl.load(V + base + kv_rows[:, None] * row + offs_d[None, :])
                 qk = tl.dot(q, tl.trans(k)) * qk_scale
@@ -181,9 +180,9 @@ def tilegen_bsa_bwd_dkdv(
         n_valid_q = tl.load(VBS + q_cube)
         for j in tl.static_range(BLOCK_Q // BLOCK_M):
             sub_m = j * BLOCK_M
+            q_rows = q_cube * BLOCK_Q + sub_m + offs_m
+            q_valid = (sub_m + offs_m) < n_valid_q
             if j == 0:
-                q_rows = q_cube * BLOCK_Q + sub_m + offs_m
-                q_valid = (sub_m + offs_m) < n_valid_q
                 q_offs = base + q_rows[:, None] * row + offs_d[None, :]
                 q = tl.load(Q + q_offs)
                 do = tl.load(DO + q_offs, mask=q_valid[:, None], other=0.0)
@@ -208,8 +207,6 @@ def tilegen_bsa_bwd_dkdv(
                                   sem="relaxed")
 
             elif sub_m < n_valid_q:
-                q_rows = q_cube * BLOCK_Q + sub_m + offs_m
-                q_valid = (sub_m + offs_m) < n_valid_q
                 q_offs = base + q_rows[:, None] * row + offs_d[None, :]
                 q = tl.load(Q + q_offs)
                 do = tl.load(DO + q_offs, mask=q_valid[:, None], other=0.0)

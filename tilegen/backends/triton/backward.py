@@ -110,6 +110,9 @@ class BackwardConfig:
         if self.dq_pack and self.dq_block_n != spec.block_kv:
             out.append(f"dq_pack packs whole {spec.block_kv}-key tiles: needs dq_block_n="
                        f"{spec.block_kv}, got {self.dq_block_n}")
+        if self.dq_pack and spec.encoding != "lut":
+            out.append(f"dq_pack packs the LUT rows' tiles; encoding {spec.encoding!r} walks its "
+                       "cubes through its own cursor")
         if self.dq_pack and self.dq_atomic:
             out.append("dq_pack packs the dQ kernel's tiles, which dq_atomic does not launch")
         if self.dkdv_pack and self.dkdv_block_m != spec.block_q:

@@ -451,18 +451,22 @@ class SlidingTileAttention(BlockSparseAttention):
         *,
         sm_scale: float | None = None,
         return_lse: bool = True,
+        return_max_prob: bool = False,
         check_values: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | AttentionOutput:
         """Validate, then run (as `BlockSparseAttention.__call__`, without an index tensor)."""
         on_cpu = q.device.type == "cpu"
         shapes = validate_sliding_tile_inputs(self.spec, q, k, v, vbs,
                                               check_values=check_values or on_cpu)
         check_sm_scale(sm_scale)
         lut, counts = self.window_lut(q.device, shapes.batch, shapes.heads)
+        mp = self.max_prob_buffers(q, shapes) if return_max_prob else None
         if needs_grad(q, k, v):
-            o, lse = _Attention.apply(self, q, k, v, lut, vbs, counts, sm_scale, shapes)
+            o, lse = _Attention.apply(self, q, k, v, lut, vbs, counts, sm_scale, shapes, mp)
         else:
-            o, lse = self._forward(q, k, v, lut, vbs, counts, shapes, sm_scale, return_lse)
+            o, lse = self._forward(q, k, v, lut, vbs, counts, shapes, sm_scale, return_lse, mp)
+        if mp is not None:
+            return AttentionOutput(o, lse if return_lse else None, *mp)
         return (o, lse) if return_lse else o
 
     def window_lut(self, device: torch.device, batch: int, heads: int

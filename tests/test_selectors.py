@@ -179,7 +179,7 @@ def test_row_topk_kernel_matches_torch_with_ties_and_inf(interpreter):
     compaction) picks what a stable descending sort picks, ids ascending."""
     import triton
 
-    from tilegen.rowtopk import _row_topk_kernel, row_topk_ids
+    from tilegen.coarse_gpu import _row_topk_kernel, row_topk_ids
 
     gen = torch.Generator().manual_seed(0)
     for n, k in ((624, 78), (100, 7), (33, 33), (5, 1)):
@@ -195,3 +195,17 @@ def test_row_topk_kernel_matches_torch_with_ties_and_inf(interpreter):
         assert torch.equal(got.view(3, 4, k), want)
         ref = torch.topk(s, k, dim=-1).indices.sort(-1).values.to(torch.int32)
         assert torch.equal(want[2:], ref[2:])  # no ties there: the same as torch.topk
+
+
+def test_pool_kernel_matches_pool_cubes(interpreter):
+    """The selection path's one-launch pooling (GPU) against `pool_cubes`: the same cube means
+    (sum in fp32, rounded once to the input dtype, divided by vbs), padding slots ignored."""
+    from tilegen.coarse_gpu import _pool_kernel
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 4 * 64, 2, 16, generator=gen).to(torch.float16)
+    vbs = torch.tensor([64, 32, 8, 1], dtype=torch.int32)
+    x[0, 64 + 32:128] = 1e4  # padding slots: must not count
+    out = torch.empty(1, 2, 4, 16)
+    _pool_kernel[(4, 2)](x, vbs, out, 256, 2, 4, HEAD_DIM=16, BLOCK=64)
+    torch.testing.assert_close(out, sparsity.pool_cubes(x, vbs), rtol=1e-3, atol=1e-4)

@@ -276,9 +276,13 @@ def mean_pool_topk(
     topk = _check_pos_int(topk, "topk")
     if topk > nkv:
         raise ValueError(f"topk={topk} exceeds the number of KV cubes NKV={nkv}")
-    scores = coarse_scores(q, k, vbs, block, q_vbs)
-    from tilegen.rowtopk import row_topk_ids
+    from tilegen.coarse_gpu import pool_means, row_topk_ids
 
+    if q.is_cuda:  # one launch per stage; the torch pooling is a dozen small launches
+        scores = pool_means(q.contiguous(), q_vbs.to(q.device), block) @ pool_means(
+            k.contiguous(), vbs.to(k.device), block).transpose(-1, -2)
+    else:
+        scores = coarse_scores(q, k, vbs, block, q_vbs)
     return row_topk_ids(scores, topk)
 
 

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from tilegen import layout, sparsity
-from tilegen.rowtopk import row_topk_ids
+from tilegen.coarse_gpu import row_topk_ids
 from tilegen.spec import Spec
 
 __all__ = ["default_topk", "check_args", "reorder", "coarse", "fine_spec", "combine",

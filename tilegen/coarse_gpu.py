@@ -5,10 +5,11 @@ H200 the launches, not the bytes, set its time: 1.5 ms against a 0.2 ms byte flo
 * `pool_means`: the mean of each cube over its real tokens, (B, S, H, D) -> (B, H, NC, D)
   fp32, one program per (cube, batch*head): the sum in fp32, rounded once to the input dtype,
   then divided by vbs in fp32 (`sparsity.pool_cubes`' arithmetic, up to fp32 summation order).
-* `row_topk_ids`: one program per row sorts the row's (score, id) pairs as 64-bit keys
-  (distinct: the id breaks ties, lower id first), reads the k-th key as the threshold and
-  compacts the ids at or above it in id order: `torch.topk`'s selection with lowest-id
-  tie-breaking, already ascending.
+* `row_topk_ids`: one single-warp program per row finds the k-th largest score by bisection
+  on its order-preserving int32 bits (32 steps of a count), takes the scores above it and the
+  lowest ids among those equal to it, and compacts the ids in id order: `torch.topk`'s
+  selection with lowest-id tie-breaking, already ascending (a full sort of the row in Triton
+  measured 1.4 ms, twice torch.topk).
 """
 
 from __future__ import annotations
@@ -57,13 +58,21 @@ def _row_topk_kernel(SCORES, OUT, n_cols, k, BLOCK: tl.constexpr):
     s = tl.load(SCORES + row * n_cols + col, mask=live, other=float("-inf"))
     bits = s.to(tl.int32, bitcast=True)
     # fp32 bits -> an int32 that orders like the float (negative floats flip their magnitude)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-    key = (ordered << 32) | (BLOCK - 1 - col).to(tl.int64)
-    # below every real key (the smallest is -inf's, -2^63 + ...): the padding never wins
-    key = tl.where(live, key, tl.full([BLOCK], -2147483648, tl.int64) << 32)
-    srt = tl.sort(key, 0, descending=True)
-    thr = tl.sum(tl.where(col == k - 1, srt, 0), 0)
-    take = live & (key >= thr)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+    key = tl.where(live, key, -(2 ** 40))  # below every real key
+    # the k-th largest key by bisection: the largest t with count(key >= t) >= k
+    lo = tl.full([], -(2 ** 31), tl.int64)
+    hi = tl.full([], 2 ** 31 - 1, tl.int64)
+    for _ in range(32):
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((key >= mid).to(tl.int32), 0) >= k
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    above = key > lo
+    # ties at the threshold: the lowest ids fill what the keys above leave
+    tie = (key == lo) & live
+    need = k - tl.sum(above.to(tl.int32), 0)
+    take = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need))
     pos = tl.cumsum(take.to(tl.int32), 0) - 1
     tl.store(OUT + row * k + pos, col, mask=take)
 
@@ -83,5 +92,5 @@ def row_topk_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
     out = torch.empty((flat.shape[0], k), dtype=torch.int32, device=scores.device)
     block = triton.next_power_of_2(n)
     _row_topk_kernel[(flat.shape[0],)](flat, out, n, k, BLOCK=block,
-                                       num_warps=4 if block <= 1024 else 8)
+                                       num_warps=1 if block <= 1024 else 4)
     return out.view(*scores.shape[:-1], k)

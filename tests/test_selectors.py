@@ -183,7 +183,7 @@ def test_row_topk_kernel_matches_torch_with_ties_and_inf(interpreter):
 
     gen = torch.Generator().manual_seed(0)
     for n, k in ((624, 78), (100, 7), (33, 33), (5, 1)):
-        s = torch.randn(3, 4, n, generator=gen)
+        s = torch.randn(3, 5, n, generator=gen)
         s[0, 0, :10] = 1.5  # ties: lower ids win
         s[1, 2, :] = float("-inf")
         s[1, 2, 3] = 0.0
@@ -191,8 +191,10 @@ def test_row_topk_kernel_matches_torch_with_ties_and_inf(interpreter):
         assert torch.equal(want, want.sort(-1).values)
         flat = s.reshape(-1, n).contiguous()
         got = torch.empty(flat.shape[0], k, dtype=torch.int32)
-        _row_topk_kernel[(flat.shape[0],)](flat, got, n, k, BLOCK=triton.next_power_of_2(n))
-        assert torch.equal(got.view(3, 4, k), want)
+        rows = flat.shape[0]
+        _row_topk_kernel[(triton.cdiv(rows, 4),)](flat, got, rows, n, k, ROWS=4,
+                                                  BLOCK=triton.next_power_of_2(n))
+        assert torch.equal(got.view(3, 5, k), want)
         ref = torch.topk(s, k, dim=-1).indices.sort(-1).values.to(torch.int32)
         assert torch.equal(want[2:], ref[2:])  # no ties there: the same as torch.topk
 
@@ -203,9 +205,11 @@ def test_pool_kernel_matches_pool_cubes(interpreter):
     from tilegen.coarse_gpu import _pool_kernel
 
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(1, 4 * 64, 2, 16, generator=gen).to(torch.float16)
+    x = torch.randn(1, 4 * 64, 6, 16, generator=gen).to(torch.float16)
     vbs = torch.tensor([64, 32, 8, 1], dtype=torch.int32)
     x[0, 64 + 32:128] = 1e4  # padding slots: must not count
-    out = torch.empty(1, 2, 4, 16)
-    _pool_kernel[(4, 2)](x, vbs, out, 256, 2, 4, HEAD_DIM=16, BLOCK=64)
-    torch.testing.assert_close(out, sparsity.pool_cubes(x, vbs), rtol=1e-3, atol=1e-4)
+    for heads in (2, 1):  # heads per program (a contiguous slice of each token's row)
+        out = torch.empty(1, 6, 4, 16)
+        _pool_kernel[(4, 6 // heads)](x, vbs, out, 256, 6, 4, HEAD_DIM=16, HEADS=heads,
+                                      BLOCK=64, ROWS=16)
+        torch.testing.assert_close(out, sparsity.pool_cubes(x, vbs), rtol=1e-3, atol=1e-4)

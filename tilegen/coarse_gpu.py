@@ -3,9 +3,10 @@ per-row top-k, each one Triton launch (the torch version is a dozen small launch
 H200 the launches, not the bytes, set its time: 1.5 ms against a 0.2 ms byte floor).
 
 * `pool_means`: the mean of each cube over its real tokens, (B, S, H, D) -> (B, H, NC, D)
-  fp32, one program per (cube, batch*head): the sum in fp32, rounded once to the input dtype,
-  then divided by vbs in fp32 (`sparsity.pool_cubes`' arithmetic, up to fp32 summation order).
-* `row_topk_ids`: one single-warp program per row finds the k-th largest score by bisection
+  fp32, one program per (cube, group of up to 4 heads: a contiguous 1 KB row slice): the sum
+  in fp32, rounded once to the input dtype, then divided by vbs in fp32 (`sparsity.pool_cubes`'
+  arithmetic, up to fp32 summation order).
+* `row_topk_ids`: one warp per row (4 rows per program) finds the k-th largest score by bisection
   on its order-preserving int32 bits (32 steps of a count), takes the scores above it and the
   lowest ids among those equal to it, and compacts the ids in id order: `torch.topk`'s
   selection with lowest-id tie-breaking, already ascending (a full sort of the row in Triton
@@ -21,22 +22,28 @@ import triton.language as tl
 
 @triton.jit
 def _pool_kernel(X, VBS, OUT, seq_len, num_heads, nc, HEAD_DIM: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 HEADS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """HEADS neighbouring heads of one cube: their H*D slice is contiguous in BSHD."""
     cube = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // num_heads
-    h = bh % num_heads
-    rows = tl.arange(0, BLOCK)
-    d = tl.arange(0, HEAD_DIM)
+    g = tl.program_id(1).to(tl.int64)
+    groups = num_heads // HEADS
+    b = g // groups
+    h0 = (g % groups) * HEADS
+    cols = tl.arange(0, HEADS * HEAD_DIM)
     n = tl.load(VBS + cube)
     ok = (n >= 1) & (n <= BLOCK)
-    tok = cube * BLOCK + rows
-    x = tl.load(X + ((b * seq_len + tok) * num_heads + h)[:, None] * HEAD_DIM + d[None, :],
-                mask=(rows < n)[:, None], other=0.0)
-    total = tl.sum(x.to(tl.float32), 0).to(X.dtype.element_ty).to(tl.float32)
+    acc = tl.zeros([HEADS * HEAD_DIM], tl.float32)
+    for r0 in range(0, BLOCK, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        tok = cube * BLOCK + rows
+        ptr = X + ((b * seq_len + tok) * num_heads + h0)[:, None] * HEAD_DIM + cols[None, :]
+        acc += tl.sum(tl.load(ptr, mask=(rows < n)[:, None], other=0.0).to(tl.float32), 0)
+    total = acc.to(X.dtype.element_ty).to(tl.float32)
     mean = total / tl.where(ok, n, 1).to(tl.float32)
     mean = tl.where(ok, mean, float("nan"))
-    tl.store(OUT + (bh * nc + cube) * HEAD_DIM + d, mean)
+    h = h0 + cols // HEAD_DIM
+    d = cols % HEAD_DIM
+    tl.store(OUT + ((b * num_heads + h) * nc + cube) * HEAD_DIM + d, mean)
 
 
 def pool_means(x: torch.Tensor, vbs: torch.Tensor, block: int = 64) -> torch.Tensor:
@@ -45,36 +52,42 @@ def pool_means(x: torch.Tensor, vbs: torch.Tensor, block: int = 64) -> torch.Ten
     b, s, h, d = x.shape
     nc = s // block
     x = x.contiguous()
+    heads = next(n for n in (4, 2, 1) if h % n == 0)  # 4 x 128 bf16 = 1 KB contiguous per row
     out = torch.empty((b, h, nc, d), dtype=torch.float32, device=x.device)
-    _pool_kernel[(nc, b * h)](x, vbs, out, s, h, nc, HEAD_DIM=d, BLOCK=block, num_warps=4)
+    _pool_kernel[(nc, b * h // heads)](x, vbs, out, s, h, nc, HEAD_DIM=d, HEADS=heads,
+                                       BLOCK=block, ROWS=16, num_warps=4)
     return out
 
 
 @triton.jit
-def _row_topk_kernel(SCORES, OUT, n_cols, k, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _row_topk_kernel(SCORES, OUT, n_rows, n_cols, k, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     col = tl.arange(0, BLOCK)
-    live = col < n_cols
-    s = tl.load(SCORES + row * n_cols + col, mask=live, other=float("-inf"))
+    live = (col[None, :] < n_cols) & (row[:, None] < n_rows)
+    s = tl.load(SCORES + row[:, None] * n_cols + col[None, :], mask=live, other=float("-inf"))
     bits = s.to(tl.int32, bitcast=True)
     # fp32 bits -> an int32 that orders like the float (negative floats flip their magnitude)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
     key = tl.where(live, key, -(2 ** 40))  # below every real key
-    # the k-th largest key by bisection: the largest t with count(key >= t) >= k
-    lo = tl.full([], -(2 ** 31), tl.int64)
-    hi = tl.full([], 2 ** 31 - 1, tl.int64)
+    # the k-th largest key of each row by bisection: the largest t with count(key >= t) >= k
+    lo = tl.full([ROWS], -(2 ** 31), tl.int64)
+    hi = tl.full([ROWS], 2 ** 31 - 1, tl.int64)
     for _ in range(32):
         mid = lo + (hi - lo + 1) // 2
-        enough = tl.sum((key >= mid).to(tl.int32), 0) >= k
+        enough = tl.sum((key >= mid[:, None]).to(tl.int32), 1) >= k
         lo = tl.where(enough, mid, lo)
         hi = tl.where(enough, hi, mid - 1)
-    above = key > lo
+    above = key > lo[:, None]
     # ties at the threshold: the lowest ids fill what the keys above leave
-    tie = (key == lo) & live
-    need = k - tl.sum(above.to(tl.int32), 0)
-    take = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need))
-    pos = tl.cumsum(take.to(tl.int32), 0) - 1
-    tl.store(OUT + row * k + pos, col, mask=take)
+    tie = (key == lo[:, None]) & live
+    need = k - tl.sum(above.to(tl.int32), 1)
+    take = above | (tie & (tl.cumsum(tie.to(tl.int32), 1) <= need[:, None]))
+    pos = tl.cumsum(take.to(tl.int32), 1) - 1
+    tl.store(OUT + row[:, None] * k + pos, col[None, :] + 0 * pos, mask=take)
+
+
+#: rows per program (one warp each): single-warp programs hit the per-SM CTA limit
+ROWS_PER_PROGRAM = 4
 
 
 def row_topk_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -91,6 +104,7 @@ def row_topk_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
     flat = scores.reshape(-1, n).float().contiguous()
     out = torch.empty((flat.shape[0], k), dtype=torch.int32, device=scores.device)
     block = triton.next_power_of_2(n)
-    _row_topk_kernel[(flat.shape[0],)](flat, out, n, k, BLOCK=block,
-                                       num_warps=1 if block <= 1024 else 4)
+    rows = ROWS_PER_PROGRAM
+    _row_topk_kernel[(triton.cdiv(flat.shape[0], rows),)](flat, out, flat.shape[0], n, k,
+                                                          ROWS=rows, BLOCK=block, num_warps=rows)
     return out.view(*scores.shape[:-1], k)

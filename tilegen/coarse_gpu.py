@@ -67,27 +67,29 @@ def _row_topk_kernel(SCORES, OUT, n_rows, n_cols, k, ROWS: tl.constexpr, BLOCK: 
     s = tl.load(SCORES + row[:, None] * n_cols + col[None, :], mask=live, other=float("-inf"))
     bits = s.to(tl.int32, bitcast=True)
     # fp32 bits -> an int32 that orders like the float (negative floats flip their magnitude)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-    key = tl.where(live, key, -(2 ** 40))  # below every real key
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    # padding: INT32_MIN, below every real key (-inf maps above it); compares stay 32-bit
+    key = tl.where(live, key, -2147483647 - 1)
     # the k-th largest key of each row by bisection: the largest t with count(key >= t) >= k
-    lo = tl.full([ROWS], -(2 ** 31), tl.int64)
+    lo = tl.full([ROWS], -(2 ** 31) + 1, tl.int64)
     hi = tl.full([ROWS], 2 ** 31 - 1, tl.int64)
     for _ in range(32):
         mid = lo + (hi - lo + 1) // 2
-        enough = tl.sum((key >= mid[:, None]).to(tl.int32), 1) >= k
+        enough = tl.sum((key >= mid.to(tl.int32)[:, None]).to(tl.int32), 1) >= k
         lo = tl.where(enough, mid, lo)
         hi = tl.where(enough, hi, mid - 1)
-    above = key > lo[:, None]
+    t = lo.to(tl.int32)[:, None]
+    above = key > t
     # ties at the threshold: the lowest ids fill what the keys above leave
-    tie = (key == lo[:, None]) & live
+    tie = (key == t) & live
     need = k - tl.sum(above.to(tl.int32), 1)
     take = above | (tie & (tl.cumsum(tie.to(tl.int32), 1) <= need[:, None]))
     pos = tl.cumsum(take.to(tl.int32), 1) - 1
     tl.store(OUT + row[:, None] * k + pos, col[None, :] + 0 * pos, mask=take)
 
 
-#: rows per program (one warp each): single-warp programs hit the per-SM CTA limit
-ROWS_PER_PROGRAM = 4
+#: rows per program (one warp each)
+ROWS_PER_PROGRAM = 1
 
 
 def row_topk_ids(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -43,6 +43,15 @@ def main() -> int:
         "sort rows, slice 78": ms(lambda: scores.sort(dim=-1, descending=True)),
         "sort 78 ids": ms(lambda: scores.topk(78, dim=-1, sorted=False).indices.sort(-1)),
     }
+    from tilegen.coarse_gpu import _pool_kernel
+
+    out = torch.empty((b, h, nc, d), dtype=torch.float32, device="cuda")
+    for heads, rows_, warps in ((4, 16, 4), (4, 32, 8), (2, 32, 4), (8, 8, 4), (8, 16, 8),
+                                (4, 8, 2)):
+        rows[f"pool kernel heads={heads} rows={rows_} warps={warps}"] = ms(
+            lambda heads=heads, rows_=rows_, warps=warps: _pool_kernel[(nc, b * h // heads)](
+                q, vbs, out, s, h, nc, HEAD_DIM=d, HEADS=heads, BLOCK=64, ROWS=rows_,
+                num_warps=warps))
     torch.cuda.set_sync_debug_mode("error")
     idx = sparsity.mean_pool_topk(q, k, vbs, 78)  # no host sync on the selection path
     torch.cuda.set_sync_debug_mode(0)

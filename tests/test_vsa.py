@@ -192,3 +192,15 @@ def test_gpu_script_dry_run(tmp_path):
     assert data["sections"]["correctness"]["passed"]
     assert "| VSA total, gate None |" in res.stdout.splitlines()[-30:][0] or \
         "recall study" in res.stdout
+
+
+def test_contract_spelling_after_a_bare_import():
+    """contract.md writes `tilegen.ops.video_sparse_attention` after `import tilegen`."""
+    import subprocess
+    import sys
+
+    code = ("import tilegen; f = tilegen.ops.video_sparse_attention; "
+            "assert callable(f) and callable(tilegen.sparsity.mean_pool_topk); "
+            "import sys; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"

@@ -19,4 +19,17 @@ def load(spec: "Spec | None" = None, config: "KernelConfig | None" = None, **kwa
     return _load(spec, config, **kwargs)
 
 
+#: submodules reachable as attributes after a bare ``import tilegen`` (the contract writes
+#: ``tilegen.ops.video_sparse_attention``), imported on first use: torch only when asked for
+_LAZY_SUBMODULES = ("ops", "sparsity", "layout", "captures", "quant", "vsa", "encodings")
+
+
+def __getattr__(name: str):  # noqa: ANN202
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"tilegen.{name}")
+    raise AttributeError(f"module 'tilegen' has no attribute {name!r}")
+
+
 __all__ = ["KernelConfig", "Spec", "__version__", "load"]

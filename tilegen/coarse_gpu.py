@@ -71,7 +71,7 @@ def _row_topk_kernel(SCORES, OUT, n_rows, n_cols, k, ROWS: tl.constexpr, BLOCK: 
     # fp32 bits -> an int32 that orders like the float (negative floats flip their magnitude)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     # padding: INT32_MIN, below every real key (-inf maps above it); compares stay 32-bit
-    key = tl.where(live, key, -2147483647 - 1)
+    key = tl.where(live, key, -2147483647 - 1)  # INT32_MIN: not a hardware fact
     # the k-th largest key of each row by bisection: the largest t with count(key >= t) >= k
     lo = tl.full([ROWS], -(2 ** 31) + 1, tl.int64)
     hi = tl.full([ROWS], 2 ** 31 - 1, tl.int64)

@@ -228,7 +228,14 @@ def _pool(x4: torch.Tensor, vbs: torch.Tensor, block: int) -> torch.Tensor:
 
 def _scores(q: torch.Tensor, k: torch.Tensor, vbs: torch.Tensor, q_vbs: torch.Tensor,
             block: int) -> torch.Tensor:
-    """Unchecked coarse scores ``(B, H, NQ, NKV)`` fp32 (inputs validated by the caller)."""
+    """Unchecked coarse scores ``(B, H, NQ, NKV)`` fp32 for a selection (inputs validated by the
+    caller; no gradient): on the GPU through one pooling launch per tensor
+    (`tilegen.coarse_gpu.pool_means`, the same means up to fp32 summation order)."""
+    if q.is_cuda:
+        from tilegen.coarse_gpu import pool_means
+
+        return pool_means(q, q_vbs.to(q.device), block) @ pool_means(
+            k, vbs.to(k.device), block).transpose(-1, -2)
     return pool_cubes(q, q_vbs, block) @ pool_cubes(k, vbs, block).transpose(-1, -2)
 
 
@@ -274,14 +281,9 @@ def mean_pool_topk(
     topk = _check_pos_int(topk, "topk")
     if topk > nkv:
         raise ValueError(f"topk={topk} exceeds the number of KV cubes NKV={nkv}")
-    from tilegen.coarse_gpu import pool_means, row_topk_ids
+    from tilegen.coarse_gpu import row_topk_ids
 
-    if q.is_cuda:  # one launch per stage; the torch pooling is a dozen small launches
-        scores = pool_means(q.contiguous(), q_vbs.to(q.device), block) @ pool_means(
-            k.contiguous(), vbs.to(k.device), block).transpose(-1, -2)
-    else:
-        scores = coarse_scores(q, k, vbs, block, q_vbs)
-    return row_topk_ids(scores, topk)
+    return row_topk_ids(_scores(q, k, vbs, q_vbs, block), topk)
 
 
 def cdf_mask(
@@ -468,7 +470,9 @@ def jenga_mask(
     scores = _scores(q, k, vbs, vbs, block)
     mask = torch.zeros(scores.shape, dtype=torch.bool, device=q.device)
     if topk:
-        mask.scatter_(-1, scores.topk(topk, dim=-1, sorted=False).indices, True)
+        from tilegen.coarse_gpu import row_topk_ids
+
+        mask.scatter_(-1, row_topk_ids(scores, topk).long(), True)
     if adjacency is not None:
         mask |= _adjacency_on(cgrid, adjacency, q.device)
     if extra is not None:

@@ -182,9 +182,11 @@ def test_row_topk_kernel_matches_torch_with_ties_and_inf(interpreter):
     from tilegen.coarse_gpu import _row_topk_kernel, row_topk_ids
 
     gen = torch.Generator().manual_seed(0)
-    for n, k in ((624, 78), (100, 7), (33, 33), (5, 1)):
+    for n, k in ((624, 78), (100, 7), (33, 33), (5, 1), (64, 9)):
         s = torch.randn(3, 5, n, generator=gen)
         s[0, 0, :10] = 1.5  # ties: lower ids win
+        # ties at the threshold across the kernel's two row pieces (block_a lanes, then the rest)
+        s[0, 1, max(0, (1 << (n.bit_length() - 1)) - 3):] = 9.0
         s[1, 2, :] = float("-inf")
         s[1, 2, 3] = 0.0
         want = row_topk_ids(s, k)  # CPU path: stable sort
@@ -192,8 +194,10 @@ def test_row_topk_kernel_matches_torch_with_ties_and_inf(interpreter):
         flat = s.reshape(-1, n).contiguous()
         got = torch.empty(flat.shape[0], k, dtype=torch.int32)
         rows = flat.shape[0]
-        _row_topk_kernel[(triton.cdiv(rows, 4),)](flat, got, rows, n, k, ROWS=4,
-                                                  BLOCK=triton.next_power_of_2(n))
+        block_a = 1 << (n.bit_length() - 1)
+        _row_topk_kernel[(triton.cdiv(rows, 4),)](
+            flat, got, rows, n, k, ROWS=4, BLOCK_A=block_a,
+            BLOCK_B=triton.next_power_of_2(max(n - block_a, 1)))
         assert torch.equal(got.view(3, 5, k), want)
         ref = torch.topk(s, k, dim=-1).indices.sort(-1).values.to(torch.int32)
         assert torch.equal(want[2:], ref[2:])  # no ties there: the same as torch.topk

@@ -62,32 +62,49 @@ def pool_means(x: torch.Tensor, vbs: torch.Tensor, block: int = 64) -> torch.Ten
 
 
 @triton.jit
-def _row_topk_kernel(SCORES, OUT, n_rows, n_cols, k, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    col = tl.arange(0, BLOCK)
+def _ordered_keys(SCORES, row, n_rows, n_cols, col):
+    """The scores of `col` as int32 keys that order like the floats (negative floats flip their
+    magnitude); padding lanes INT32_MIN, below every real key (-inf maps above it)."""
     live = (col[None, :] < n_cols) & (row[:, None] < n_rows)
     s = tl.load(SCORES + row[:, None] * n_cols + col[None, :], mask=live, other=float("-inf"))
     bits = s.to(tl.int32, bitcast=True)
-    # fp32 bits -> an int32 that orders like the float (negative floats flip their magnitude)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    # padding: INT32_MIN, below every real key (-inf maps above it); compares stay 32-bit
-    key = tl.where(live, key, -2147483647 - 1)  # INT32_MIN: not a hardware fact
+    return tl.where(live, key, -2147483647 - 1), live  # INT32_MIN: not a hardware fact
+
+
+@triton.jit
+def _row_topk_kernel(SCORES, OUT, n_rows, n_cols, k, ROWS: tl.constexpr, BLOCK_A: tl.constexpr,
+                     BLOCK_B: tl.constexpr):
+    """A row of n_cols scores as two power-of-two pieces, BLOCK_A lanes then BLOCK_B (624 ->
+    512 + 128 instead of 1024 lanes): fewer idle compares in the bisection."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    col_a = tl.arange(0, BLOCK_A)
+    col_b = BLOCK_A + tl.arange(0, BLOCK_B)
+    key_a, live_a = _ordered_keys(SCORES, row, n_rows, n_cols, col_a)
+    key_b, live_b = _ordered_keys(SCORES, row, n_rows, n_cols, col_b)
     # the k-th largest key of each row by bisection: the largest t with count(key >= t) >= k
     lo = tl.full([ROWS], -(2 ** 31) + 1, tl.int64)
     hi = tl.full([ROWS], 2 ** 31 - 1, tl.int64)
     for _ in range(32):
         mid = lo + (hi - lo + 1) // 2
-        enough = tl.sum((key >= mid.to(tl.int32)[:, None]).to(tl.int32), 1) >= k
+        m = mid.to(tl.int32)[:, None]
+        count = tl.sum((key_a >= m).to(tl.int32), 1) + tl.sum((key_b >= m).to(tl.int32), 1)
+        enough = count >= k
         lo = tl.where(enough, mid, lo)
         hi = tl.where(enough, hi, mid - 1)
     t = lo.to(tl.int32)[:, None]
-    above = key > t
     # ties at the threshold: the lowest ids fill what the keys above leave
-    tie = (key == t) & live
-    need = k - tl.sum(above.to(tl.int32), 1)
-    take = above | (tie & (tl.cumsum(tie.to(tl.int32), 1) <= need[:, None]))
-    pos = tl.cumsum(take.to(tl.int32), 1) - 1
-    tl.store(OUT + row[:, None] * k + pos, col[None, :] + 0 * pos, mask=take)
+    tie_a = (key_a == t) & live_a
+    tie_b = (key_b == t) & live_b
+    need = k - tl.sum((key_a > t).to(tl.int32), 1) - tl.sum((key_b > t).to(tl.int32), 1)
+    ties_a = tl.sum(tie_a.to(tl.int32), 1)
+    take_a = (key_a > t) | (tie_a & (tl.cumsum(tie_a.to(tl.int32), 1) <= need[:, None]))
+    take_b = (key_b > t) | (tie_b & (tl.cumsum(tie_b.to(tl.int32), 1)
+                                     <= (need - ties_a)[:, None]))
+    pos_a = tl.cumsum(take_a.to(tl.int32), 1) - 1
+    pos_b = tl.sum(take_a.to(tl.int32), 1)[:, None] + tl.cumsum(take_b.to(tl.int32), 1) - 1
+    tl.store(OUT + row[:, None] * k + pos_a, col_a[None, :] + 0 * pos_a, mask=take_a)
+    tl.store(OUT + row[:, None] * k + pos_b, col_b[None, :] + 0 * pos_b, mask=take_b)
 
 
 #: rows per program (one warp each)
@@ -107,8 +124,10 @@ def row_topk_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
         return ids.sort(dim=-1).values.to(torch.int32)
     flat = scores.reshape(-1, n).float().contiguous()
     out = torch.empty((flat.shape[0], k), dtype=torch.int32, device=scores.device)
-    block = triton.next_power_of_2(n)
+    block_a = 1 << (n.bit_length() - 1)  # the largest power of two <= n, then the rest
+    block_b = triton.next_power_of_2(max(n - block_a, 1))
     rows = ROWS_PER_PROGRAM
     _row_topk_kernel[(triton.cdiv(flat.shape[0], rows),)](flat, out, flat.shape[0], n, k,
-                                                          ROWS=rows, BLOCK=block, num_warps=rows)
+                                                          ROWS=rows, BLOCK_A=block_a,
+                                                          BLOCK_B=block_b, num_warps=rows)
     return out.view(*scores.shape[:-1], k)

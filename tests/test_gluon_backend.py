@@ -259,6 +259,12 @@ def test_rules_and_render():
     assert any("shared memory" in p for p in GLUON.violations(Spec(), SM90, bad))
     with pytest.raises(ValueError, match="unknown Gluon"):
         GLUON.render(Spec(), KernelConfig(options={"bogus": 1}), SM90)
+    share = {**dict(cfg.options), "share_kv": True, "num_consumers": 2}
+    assert GLUON.violations(Spec(), SM90, KernelConfig(options=share)) == []
+    assert GLUON.violations(Spec(), SM90, KernelConfig(options={**share, "num_consumers": 1}))
+    for knob in ("q_in_regs", "qk_ahead"):  # the pair consumer has one pipeline: no silent no-op
+        assert any("share_kv" in p for p in GLUON.violations(
+            Spec(), SM90, KernelConfig(options={**share, knob: False})))
 
 
 def test_aot_compile_uses_wgmma_without_spills(tmp_path):

@@ -174,9 +174,11 @@ def test_selectors_compile_fullgraph():
         assert torch.equal(torch.compile(fn, fullgraph=True, backend="eager")(*args), fn(*args))
 
 
-def test_row_topk_kernel_matches_torch_with_ties_and_inf(interpreter):
-    """The coarse stage's Triton top-k (one program per row: sort of (score, id) keys, threshold,
-    compaction) picks what a stable descending sort picks, ids ascending."""
+@pytest.mark.parametrize("rows_per_program", [1, 4])
+def test_row_topk_kernel_matches_torch_with_ties_and_inf(interpreter, rows_per_program):
+    """The coarse stage's Triton top-k (bisection on order-preserving score bits over two
+    power-of-two row pieces, ties to the lowest ids, compaction in id order) picks what a stable
+    descending sort picks, ids ascending; at the production rows per program and at 4."""
     import triton
 
     from tilegen.coarse_gpu import _row_topk_kernel, row_topk_ids
@@ -189,18 +191,21 @@ def test_row_topk_kernel_matches_torch_with_ties_and_inf(interpreter):
         s[0, 1, max(0, (1 << (n.bit_length() - 1)) - 3):] = 9.0
         s[1, 2, :] = float("-inf")
         s[1, 2, 3] = 0.0
+        s[2, 0, :] = 0.0  # +0 and -0 are equal scores: the lowest ids win, as in torch.topk
+        s[2, 0, ::2] = -0.0
         want = row_topk_ids(s, k)  # CPU path: stable sort
         assert torch.equal(want, want.sort(-1).values)
         flat = s.reshape(-1, n).contiguous()
         got = torch.empty(flat.shape[0], k, dtype=torch.int32)
         rows = flat.shape[0]
         block_a = 1 << (n.bit_length() - 1)
-        _row_topk_kernel[(triton.cdiv(rows, 4),)](
-            flat, got, rows, n, k, ROWS=4, BLOCK_A=block_a,
+        _row_topk_kernel[(triton.cdiv(rows, rows_per_program),)](
+            flat, got, rows, n, k, ROWS=rows_per_program, BLOCK_A=block_a,
             BLOCK_B=triton.next_power_of_2(max(n - block_a, 1)))
         assert torch.equal(got.view(3, 5, k), want)
+        assert torch.equal(want[2, 0], torch.arange(k, dtype=torch.int32))
         ref = torch.topk(s, k, dim=-1).indices.sort(-1).values.to(torch.int32)
-        assert torch.equal(want[2:], ref[2:])  # no ties there: the same as torch.topk
+        assert torch.equal(want[2, 1:], ref[2, 1:])  # no ties there: the same as torch.topk
 
 
 def test_pool_kernel_matches_pool_cubes(interpreter):
@@ -215,5 +220,5 @@ def test_pool_kernel_matches_pool_cubes(interpreter):
     for heads in (2, 1):  # heads per program (a contiguous slice of each token's row)
         out = torch.empty(1, 6, 4, 16)
         _pool_kernel[(4, 6 // heads)](x, vbs, out, 256, 6, 4, HEAD_DIM=16, HEADS=heads,
-                                      BLOCK=64, ROWS=16)
+                                      BLOCK=64, ROWS=8)
         torch.testing.assert_close(out, sparsity.pool_cubes(x, vbs), rtol=1e-3, atol=1e-4)

@@ -115,3 +115,13 @@ def test_op_backward_takes_the_backward_winner(tune_env: Path) -> None:
         db.set_winner(SMALL.hash, cid, device_name="cpu", median_ms=1.0, timer="do_bench")
     op = BlockSparseAttention(SMALL, KernelConfig(), target)
     assert op.backward_config == tuned
+
+
+def test_backward_tuning_refuses_other_encodings(tmp_path: Path, capsys) -> None:
+    """The gradient gate builds the LUT's maps: a sliding_tile spec is refused up front."""
+    from tilegen.cli import main
+
+    spec = tmp_path / "st.toml"
+    spec.write_text('encoding = "sliding_tile"\ngrid = [8, 12, 12]\nwindow = [1, 3, 3]\n')
+    assert main(["tune", "--backward", "--spec", str(spec), "--trials", "1"]) == 2
+    assert "LUT encoding" in capsys.readouterr().err

@@ -6,11 +6,11 @@ H200 the launches, not the bytes, set its time: 1.5 ms against a 0.2 ms byte flo
   fp32, one program per (cube, group of up to 4 heads: a contiguous 1 KB row slice): the sum
   in fp32, rounded once to the input dtype, then divided by vbs in fp32 (`sparsity.pool_cubes`'
   arithmetic, up to fp32 summation order).
-* `row_topk_ids`: one warp per row (4 rows per program) finds the k-th largest score by bisection
-  on its order-preserving int32 bits (32 steps of a count), takes the scores above it and the
-  lowest ids among those equal to it, and compacts the ids in id order: `torch.topk`'s
-  selection with lowest-id tie-breaking, already ascending (a full sort of the row in Triton
-  measured 1.4 ms, twice torch.topk).
+* `row_topk_ids`: one warp per row (`ROWS_PER_PROGRAM` rows a program) finds the k-th largest
+  score by bisection on its order-preserving int32 bits (32 steps of a count over the row as
+  two power-of-two pieces), takes the scores above it and the lowest ids among those equal to
+  it, and compacts the ids in id order: `torch.topk`'s selection with lowest-id tie-breaking,
+  already ascending (a full sort of the row in Triton measured 1.4 ms, twice torch.topk).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ def _ordered_keys(SCORES, row, n_rows, n_cols, col):
     magnitude); padding lanes INT32_MIN, below every real key (-inf maps above it)."""
     live = (col[None, :] < n_cols) & (row[:, None] < n_rows)
     s = tl.load(SCORES + row[:, None] * n_cols + col[None, :], mask=live, other=float("-inf"))
+    s = s + 0.0  # -0.0 -> +0.0: torch.topk treats the two zeros as equal
     bits = s.to(tl.int32, bitcast=True)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     return tl.where(live, key, -2147483647 - 1), live  # INT32_MIN: not a hardware fact

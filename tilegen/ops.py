@@ -206,15 +206,14 @@ def _block_sparse_attention_fake(q, k, v, topk_idx, vbs, counts, layout, sm_scal
 
 
 def _max_prob_op_for(q: torch.Tensor, layout: str) -> Any:
-    """The op for a call with ``return_max_prob=True``: the fastest family's op when it
-    provides the signal (``provides_max_prob``), else the Triton family's (said once)."""
+    """The op for a call with ``return_max_prob=True``: the fastest family's op; a family that
+    does not write the signal is an error, not a silent switch to another family."""
     op = _op_for(q, layout)
-    if getattr(op, "provides_max_prob", False):
-        return op
-    family = getattr(op, "backend", type(op).__name__)
-    _note_once(f"the {family} family does not provide max_prob yet: calls with "
-               "return_max_prob=True run the Triton family's op")
-    return _op_for(q, layout, "triton")
+    if not getattr(op, "provides_max_prob", False):
+        family = getattr(op, "backend", type(op).__name__)
+        raise ValueError(f"return_max_prob: the {family} family does not write the "
+                         "softmax-normalizer signal; pass backend='triton' to tilegen.load")
+    return op
 
 
 @torch.library.custom_op("tilegen::block_sparse_attention_max_prob", mutates_args=())
@@ -365,8 +364,8 @@ def block_sparse_attention(
     each query cube's real rows, fp32 (B, H, NQ), from the same launch
     (``torch.ops.tilegen.block_sparse_attention_max_prob``). The signal has no gradient: in a
     call that needs gradients it comes from a second, gradient-free launch with the signal on
-    (the differentiable forward is unchanged), so ask for it in inference calls. A family
-    without the signal (today: gluon) hands such calls to the Triton family's op (logged once).
+    (the differentiable forward is unchanged), so ask for it in inference calls. Every family
+    writes it (triton, gluon, cuda, hip).
 
     A `torch.library` custom op (``torch.ops.tilegen.block_sparse_attention``) with a fake
     implementation and a registered backward (``torch.ops.tilegen.block_sparse_attention_backward``,

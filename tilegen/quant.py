@@ -1,6 +1,7 @@
-"""FP8 (e4m3) quantization of K and V for the quantized kernels (`Spec(quant="fp8")`, issue #13).
+"""FP8 (e4m3) quantization of K and V: the groundwork of issue #13 (no quantized kernel and no
+``Spec(quant=...)`` field exist yet: bench/fp8_error_budget.py shows why, bench/NOTES.md).
 
-One light pre-pass on the GPU, before the attention kernel, whose time the op's time includes:
+The pre-pass a quantized kernel would read, on the GPU, before the attention kernel:
 
 * **K**: subtract a per-(batch, head) channel mean (SageAttention's smoothing: softmax is
   invariant to a vector added to every key, and it removes the range of a channel shared by
@@ -12,7 +13,8 @@ One light pre-pass on the GPU, before the attention kernel, whose time the op's 
   P.V reads it K-major as the 8-bit MMAs require. The scale is the channel's amax over the
   cubes' first tokens times `V_HEADROOM`; values above 448 x scale saturate (satfinite), and
   e4m3 is floating point, so the headroom costs no precision, only range at the small end.
-* **Q** is quantized by the kernel itself, per query tile (its amax), as it loads it.
+* **Q** would be quantized by the kernel itself, per query tile (its amax), as it loads it
+  (`quantize_q_tile` is its model).
 * **P** (<= 1 after the row max) is e4m3 with the fixed scale `P_SCALE`.
 
 `quantize_kv` returns the tensors the kernels read; `emulate` computes attention with exactly
@@ -93,6 +95,9 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor, block: int 
     v_scale = (_first_tokens(v, block).abs().amax(1) * (V_HEADROOM / E4M3_MAX)).clamp_min(1e-30)
     if k.device.type == "cpu":
         return quantize_kv_torch(k, v, vbs, k_mean, v_scale, block)
+    if D & (D - 1):
+        raise ValueError(f"head_dim {D}: the pre-pass kernel takes a power-of-two head dim")
+    k, v = k.contiguous(), v.contiguous()
     k8 = torch.empty((B, S, H, D), dtype=torch.float8_e4m3fn, device=k.device)
     v8t = torch.empty((B, H, D, S), dtype=torch.float8_e4m3fn, device=k.device)
     k_scale = torch.empty((B, H, nkv), dtype=torch.float32, device=k.device)
@@ -120,11 +125,11 @@ def quantize_kv_torch(k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
     return QuantizedKV(k8, k_scale, v8t, v_scale.contiguous(), k_mean)
 
 
-def quantize_q_tile(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q per (b, h, query cube) as the kernels do it: (q8 as fp32 values, scale (B, H, NQ))."""
+def quantize_q_tile(q: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q per (b, h, query cube): (q8 as fp32 values, scale (B, H, NQ))."""
     B, S, H, D = q.shape
-    nq = S // 64
-    qv = q.float().view(B, nq, 64, H, D)
+    nq = S // block
+    qv = q.float().view(B, nq, block, H, D)
     amax = qv.abs().amax(dim=(2, 4))                                 # (B, NQ, H)
     scale = torch.where(amax > 0, amax / E4M3_MAX, 1.0)
     q8 = (qv / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).float()
@@ -141,7 +146,7 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.T
     nq = S // block
     scale = sm_scale if sm_scale is not None else D ** -0.5
     qkv = quantize_kv(k.cpu(), v.cpu(), vbs.cpu(), block)
-    q8, q_scale = quantize_q_tile(q.cpu())
+    q8, q_scale = quantize_q_tile(q.cpu(), block)
     k8 = qkv.k8.float()
     v8 = qkv.v8t.float().permute(0, 3, 1, 2)                         # (B, S, H, D)
     o = torch.zeros(B, S, H, D)

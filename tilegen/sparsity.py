@@ -231,7 +231,8 @@ def _scores(q: torch.Tensor, k: torch.Tensor, vbs: torch.Tensor, q_vbs: torch.Te
     """Unchecked coarse scores ``(B, H, NQ, NKV)`` fp32 for a selection (inputs validated by the
     caller; no gradient): on the GPU through one pooling launch per tensor
     (`tilegen.coarse_gpu.pool_means`, the same means up to fp32 summation order)."""
-    if q.is_cuda:
+    d = q.shape[-1]
+    if q.is_cuda and d & (d - 1) == 0:  # the kernel's lanes: a power-of-two head dim
         from tilegen.coarse_gpu import pool_means
 
         return pool_means(q, q_vbs.to(q.device), block) @ pool_means(
@@ -518,9 +519,10 @@ def ranked_topk(
     block: int = 64,
     q_vbs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The coarse stage's top-k (:func:`mean_pool_topk`'s cubes) with each row ordered by
-    **descending** coarse score, so a row's first ``n`` entries are its best ``n`` cubes: the LUT
-    that ``counts`` (e.g. from :func:`adaptive_topk`) cut down. ``(B, H, NQ, topk)`` int32."""
+    """The coarse stage's top-k (:func:`mean_pool_topk`'s rule; ties may fall differently) with
+    each row ordered by **descending** coarse score, so a row's first ``n`` entries are its best
+    ``n`` cubes: the LUT that ``counts`` (e.g. from :func:`adaptive_topk`) cut down.
+    ``(B, H, NQ, topk)`` int32."""
     nq, nkv, q_vbs = _check_qkv_cubes(q, k, vbs, block, q_vbs)
     topk = _check_pos_int(topk, "topk")
     if topk > nkv:

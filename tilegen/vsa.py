@@ -10,8 +10,9 @@ heads, D)`` tokens row-major over (t, h, w) (the model's order), in five stages:
    cubes, then divided by ``vbs`` in fp32) into ``q̄, k̄, v̄`` ``(B, H, NC, D)``. Per head,
    ``P = softmax(q̄ k̄ᵀ · sm_scale)`` over all ``NC`` KV cubes (fp32), and the **coarse output**
    of query cube ``i`` is ``(P v̄)[i]``, the same vector for every token of the cube. The
-   **selection** is the top-``topk`` KV cubes of row ``i`` of ``q̄ k̄ᵀ`` (exactly
-   ``sparsity.mean_pool_topk``), ids ascending.
+   **selection** is the top-``topk`` KV cubes of row ``i`` of ``q̄ k̄ᵀ`` (the rule of
+   ``sparsity.mean_pool_topk``, whose GPU pooling sums in another order: a near-tie can fall
+   the other way), ids ascending.
 3. **fine**: block-sparse attention of every token over the real tokens of its query cube's
    selected KV cubes: the tuned kernel ``tilegen.load(spec)`` for the workload's spec
    (`fine_spec`: grid, heads, topk; the nearest tuned workload's winner otherwise), output in
@@ -116,7 +117,8 @@ def coarse(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, vbs: torch.Tens
     km = sparsity.pool_cubes(kc, vbs, block)
     vm = sparsity.pool_cubes(vc, vbs, block)
     raw = qm @ km.transpose(-1, -2)
-    # the top-k of the unscaled scores: exactly sparsity.mean_pool_topk's selection
+    # the top-k of the unscaled scores: sparsity.mean_pool_topk's rule (on the GPU its pooling
+    # kernel sums in another order, so a near-tie can fall the other way)
     idx = row_topk_ids(raw.detach(), topk)
     out = torch.softmax(raw * sm_scale, dim=-1) @ vm
     return out, idx

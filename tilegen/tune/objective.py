@@ -343,6 +343,11 @@ class _WorkerState:
         from tilegen import backends
 
         self.gradients = backends.get(setup.backend).gradients
+        if self.gradients and self.spec.encoding != "lut":
+            raise WorkerSetupError(
+                f"tuning the backward kernels takes a LUT spec; encoding "
+                f"{self.spec.encoding!r} reaches them through its own cursor and maps, which "
+                "the gradient gate does not build (tune its forward instead)")
         self.caps: list[tuple[str, dict]] = []
         self.refs: list[Any] = []
         self.infos: list[CaptureInfo] = []

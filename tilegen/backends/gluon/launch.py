@@ -57,6 +57,9 @@ def _layout(rows: int, head_dim: int, gl_dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
 
 
+#: the widest LUT the pair pre-pass takes (its row x row compare lives in one program's registers)
+PAIR_MAX_TOPK = 256
+
 #: box heights of the K/V descriptors: whole cubes, then the packed partial sizes
 PACKED_BOXES = (32, 16, 8)
 
@@ -106,6 +109,11 @@ class GluonLaunch:
         nq, nkv, topk = S // 64, vbs.shape[0], topk_idx.shape[3]
         share = self.cfg["share_kv"]
         nc = self.cfg["num_consumers"]
+        if share and topk > PAIR_MAX_TOPK:
+            raise ValueError(f"share_kv: the pair pre-pass compares two LUT rows entry by entry "
+                             f"in one program, up to {PAIR_MAX_TOPK} entries a row; this LUT has "
+                             f"{topk} (a mask spec's LUT is NKV wide): use a config without "
+                             "share_kv")
         rows = B * H * (-(-nq // nc) if share else nq)
         bufs = self._buffers(q.device, rows, topk)
         if share:

@@ -15,7 +15,7 @@ taken from the KernelConfig's `options` (`options_of`):
     store_max_prob  write the softmax-normalizer signal 1 / l and its per-cube mean
     share_kv        two consumers on neighbouring query cubes share one K/V ring that walks the
                     union of their LUT rows (a cube both chose is loaded once); needs
-                    num_consumers 2
+                    num_consumers 2, q_in_regs, qk_ahead and no debug
     consumer_regs   setmaxnreg of the consumer warpgroups (the launch's maxnreg must fit them)
     debug           "" (real kernel), or a timing experiment with garbage results:
                     "no_loads" (producer issues no TMA) / "no_mma" (consumer does no math)
@@ -114,6 +114,9 @@ def check(spec: Spec, cfg: Mapping[str, Any], target: Target | None = None) -> s
         return "num_consumers must be 1, 2 or 3"
     if cfg["share_kv"] and cfg["num_consumers"] != 2:
         return "share_kv pairs two query cubes: it needs num_consumers 2"
+    if cfg["share_kv"] and not (cfg["q_in_regs"] and cfg["qk_ahead"] and not cfg["debug"]):
+        return ("share_kv's consumers hold Q in registers and issue Q.K ahead, with no timing "
+                "experiments: it needs q_in_regs, qk_ahead and no debug")
     if target is not None:
         if smem_bytes(cfg, 64, head_dim) > target.max_shared_bytes:
             return (f"shared memory {smem_bytes(cfg, 64, head_dim)} B over "

@@ -493,12 +493,14 @@ class SlidingTileAttention(BlockSparseAttention):
                vbs: torch.Tensor, *, shapes: Shapes | None = None,
                sm_scale: float | None = None, store_lse: bool = True,
                out: tuple[torch.Tensor, torch.Tensor] | None = None,
+               max_prob_out: tuple[torch.Tensor, torch.Tensor] | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Launch the kernel with no input checks (`validate_sliding_tile_inputs` first)."""
+        """Launch the kernel with no input checks (`validate_sliding_tile_inputs` first);
+        ``max_prob_out`` as in `BlockSparseAttention.launch`."""
         if shapes is None:
             shapes = validate_sliding_tile_inputs(self.spec, q, k, v, vbs, check_values=False)
         return self._launch(q, k, v, None, vbs, None, shapes=shapes, sm_scale=sm_scale,
-                            store_lse=store_lse, out=out)
+                            store_lse=store_lse, out=out, max_prob_out=max_prob_out)
 
 
 _grad_ops: dict[tuple[Spec, str | None], BlockSparseAttention] = {}

@@ -230,7 +230,18 @@ def sliding_section(spec, cap, device) -> None:
                                                               return_lse=False),
         flops, against=o_ref, score_against="reference variant on window LUT",
         config=config_name(lut_op))
+    gl_op = None
     if device == "cuda":
+        # the Gluon family on the window (pre-pass from coordinates), at the LUT winner's config
+        cfg = lut_op.config if getattr(lut_op, "backend", "") == "gluon" else None
+        gl_op = tilegen.load(sspec, cfg, backend="gluon")
+        o_gl = row("sliding", "sliding_tile op (3,3,3), gluon",
+                   lambda: gl_op(q, k, v, vbs, return_lse=False), flops, against=o_ref,
+                   score_against="reference variant on window LUT", config=config_name(gl_op))
+        if o_gl is not None:
+            oracle_check("sliding_tile gluon op vs fp32", spec, cap, idx, counts, o_gl, heads)
+        row("sliding", "sliding_tile gluon bare launch",
+            lambda: gl_op.launch(q, k, v, vbs, shapes=shapes, out=out, store_lse=False), flops)
         flex = bench.FlexPeer(compile=True)
         bm = flex.block_mask(idx, vbs, spec.block_kv)
         qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
@@ -250,6 +261,12 @@ def sliding_section(spec, cap, device) -> None:
     row("sliding", "sliding_tile per-head (3,3,3)/(1,3,5)",
         lambda: pop(q, k, v, vbs, return_lse=False), pflops, against=po_ref,
         score_against="reference variant on the per-head window LUT", config=config_name(pop))
+    if gl_op is not None:
+        pgl = tilegen.load(pspec, gl_op.config, backend="gluon")
+        row("sliding", "sliding_tile per-head, gluon",
+            lambda: pgl(q, k, v, vbs, return_lse=False), pflops, against=po_ref,
+            score_against="reference variant on the per-head window LUT",
+            config=config_name(pgl))
 
 
 # ---------------------------------------------------------------------------- table

@@ -22,6 +22,7 @@ from tilegen.backends.gluon.prepass import (
     prepass_buffers,
     run_pair_prepass,
     run_prepass,
+    run_window_prepass,
 )
 from tilegen.config import KernelConfig
 from tilegen.targets import get_target
@@ -224,6 +225,33 @@ def test_pair_prepass_flags_bad_values_and_poisons_only_that_row(interpreter):
     run_pair_prepass(idx, vbs, None, bufs, 3, nq, nq, topk, err)
     assert int(err) == 1
     assert bufs["meta"][:, 2:].tolist() == [[0, 0], [0, 1], [0, 0]]
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_window_prepass_gives_the_sliding_tile_attention(interpreter, pack):
+    """sliding_tile on the Gluon family: the pre-pass computes each row's window from the
+    query cube's coordinates (no index tensor); its tiles give attention over exactly the
+    cubes of `encodings.window_cubes` (clamped at every face), per-head windows included."""
+    from tilegen.encodings import sliding_tile_lut, window_table
+
+    spec = Spec(encoding="sliding_tile", grid=(12, 12, 16), num_heads=2,
+                window=((3, 3, 3), (1, 3, 1)))
+    gen = torch.Generator().manual_seed(7 + pack)
+    B, H, D = 1, 2, 16
+    nq = spec.num_cubes  # 3 x 3 x 4 cubes
+    sizes = (64, 32, 16, 8, 64, 33)
+    vbs = torch.tensor([sizes[i % len(sizes)] for i in range(nq)], dtype=torch.int32)
+    q, k, v = (torch.randn(B, nq * 64, H, D, generator=gen) for _ in range(3))
+    topk = 27
+    bufs = prepass_buffers("cpu", B * H * nq, topk)
+    err = torch.zeros(1, dtype=torch.int32)
+    run_window_prepass(window_table(spec, H, "cpu"), vbs, bufs, B * H * nq, H, nq,
+                       spec.cube_grid, topk, err, pack=pack)
+    assert int(err) == 0
+    idx, counts = sliding_tile_lut(spec, B, H, "cpu")
+    got = _tiles_attention(q, k, v, vbs, bufs, D ** -0.5)
+    want = _row_attention(q, k, v, idx, vbs, counts, D ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_prepass_flags_bad_values_and_poisons_their_rows(interpreter):

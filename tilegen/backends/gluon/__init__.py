@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 class GluonBackend(Backend):
     name = "gluon"
+    #: the kernel walks the pre-pass's tile plan: a LUT row, or a window from coordinates
+    encodings = ("lut", "sliding_tile")
 
     def spec_violations(self, spec: Spec, target: Target) -> list[str]:
         problems = super().spec_violations(spec, target)
@@ -61,8 +63,10 @@ class GluonBackend(Backend):
 
     def make_op(self, spec: Spec, cfg: KernelConfig, target: Target | None,
                 config_source: str = "explicit") -> Any:
-        from tilegen.backends.gluon.op import GluonBlockSparseAttention
+        from tilegen.backends.gluon.op import GluonBlockSparseAttention, GluonSlidingTileAttention
 
+        if spec.encoding == "sliding_tile":
+            return GluonSlidingTileAttention(spec, cfg, target, config_source)
         return GluonBlockSparseAttention(spec, cfg, target, config_source)
 
 

@@ -25,6 +25,7 @@ from tilegen.backends.gluon.prepass import (
     prepass_buffers,
     run_pair_prepass,
     run_prepass,
+    run_window_prepass,
 )
 from tilegen.reference import LOG2E
 from tilegen.render import Source
@@ -103,10 +104,15 @@ class GluonLaunch:
                                 layout)
 
     def __call__(self, q, k, v, topk_idx, vbs, counts, o, lse, err, sm_scale: float,
-                 zero_pad_rows: bool = False, max_prob_out=None) -> None:
-        """Pre-pass and kernel on validated inputs (`tilegen.inputs.validate_inputs`)."""
+                 zero_pad_rows: bool = False, max_prob_out=None, windows=None,
+                 cube_grid: tuple[int, int, int] | None = None, topk: int = 0) -> None:
+        """Pre-pass and kernel on validated inputs (`tilegen.inputs.validate_inputs`). A
+        sliding-tile call passes `windows` (`tilegen.encodings.window_table`), the cube grid and
+        the largest window volume as `topk` instead of a LUT."""
         B, S, H, D = q.shape
-        nq, nkv, topk = S // 64, vbs.shape[0], topk_idx.shape[3]
+        nq, nkv = S // 64, vbs.shape[0]
+        if windows is None:
+            topk = topk_idx.shape[3]
         share = self.cfg["share_kv"]
         nc = self.cfg["num_consumers"]
         if share and topk > PAIR_MAX_TOPK:
@@ -116,7 +122,10 @@ class GluonLaunch:
                              "share_kv")
         rows = B * H * (-(-nq // nc) if share else nq)
         bufs = self._buffers(q.device, rows, topk)
-        if share:
+        if windows is not None:
+            run_window_prepass(windows, vbs, bufs, rows, H, nq, cube_grid, topk, err,
+                               pack=self.cfg["pack_partials"])
+        elif share:
             run_pair_prepass(topk_idx, vbs, counts, bufs, rows, nq, nkv, topk, err,
                              pack=self.cfg["pack_partials"])
         else:

@@ -108,3 +108,74 @@ class GluonBlockSparseAttention:
             max_prob_out=max_prob_out)
         self.errors.after_launch(q.device)
         return o, lse
+
+
+class GluonSlidingTileAttention(GluonBlockSparseAttention):
+    """The Gluon kernel on a sliding-tile spec: ``o, lse = op(q, k, v, vbs)``. No index
+    tensor: the pre-pass computes each query cube's window of KV cubes from its coordinates
+    (`prepass._window_entries`, the centre clamped inside the cube grid; one window per head or
+    one for all) and plans the tiles as for a LUT row; the kernel is the LUT kernel."""
+
+    def __init__(self, spec: Spec, config: KernelConfig, target: Target | None,
+                 config_source: str = "explicit") -> None:
+        super().__init__(spec, config, target, config_source)
+        self._windows: dict[tuple[str, int], torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return "SlidingTile" + super().__repr__()
+
+    def windows(self, device: torch.device, heads: int) -> torch.Tensor:
+        key = (str(device), heads)
+        table = self._windows.get(key)
+        if table is None:
+            from tilegen.encodings import window_table
+
+            table = self._windows[key] = window_table(self.spec, heads, device)
+        return table
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+                 vbs: torch.Tensor, *, sm_scale: float | None = None, return_lse: bool = True,
+                 return_max_prob: bool = False, check_values: bool = False):
+        """As `GluonBlockSparseAttention.__call__`, without an index tensor."""
+        from tilegen.inputs import validate_sliding_tile_inputs
+
+        shapes = validate_sliding_tile_inputs(self.spec, q, k, v, vbs,
+                                              check_values=check_values)
+        check_sm_scale(sm_scale)
+        if q.device.type != "cuda":
+            raise ValueError(f"q is on {q.device}; the gluon backend runs on CUDA devices with "
+                             "wgmma (sm_90)")
+        if needs_grad(q, k, v):
+            return differentiable_op(self.spec, self.target, "gluon")(
+                q, k, v, vbs, sm_scale=sm_scale, return_lse=return_lse,
+                return_max_prob=return_max_prob, check_values=check_values)
+        self.errors.raise_pending(q.device)
+        mp = (empty_buffers(shapes.batch, shapes.heads, shapes.seq_len, shapes.num_q_blocks,
+                            q.device, zero_cube=False) if return_max_prob else None)
+        o, lse = self.launch(q, k, v, vbs, shapes=shapes, sm_scale=sm_scale,
+                             store_lse=return_lse, max_prob_out=mp)
+        if mp is not None:
+            return AttentionOutput(o, lse, *mp)
+        return (o, lse) if return_lse else o
+
+    def launch(self, q, k, v, vbs, *, shapes: Shapes | None = None,  # type: ignore[override]
+               sm_scale: float | None = None, store_lse: bool = True, out=None,
+               max_prob_out=None):
+        """Pre-pass (windows from coordinates) and kernel with no input checks."""
+        from tilegen.inputs import validate_sliding_tile_inputs
+
+        if shapes is None:
+            shapes = validate_sliding_tile_inputs(self.spec, q, k, v, vbs, check_values=False)
+        if out is None:
+            o = torch.empty_like(q)
+            lse = (torch.empty((shapes.batch, shapes.heads, shapes.seq_len),
+                               dtype=torch.float32, device=q.device) if store_lse else None)
+        else:
+            o, lse = out
+        scale = sm_scale if sm_scale is not None else self.spec.sm_scale
+        self._launch_for(store_lse, max_prob_out is not None)(
+            q, k, v, None, vbs, None, o, lse, self.errors.buffer(q.device), scale,
+            max_prob_out=max_prob_out, windows=self.windows(q.device, shapes.heads),
+            cube_grid=self.spec.cube_grid, topk=shapes.topk)
+        self.errors.after_launch(q.device)
+        return o, lse

@@ -46,12 +46,56 @@ def _row_entries(LUT, COUNTS, VBS, row, row_live, NKV, TOPK, HAS_COUNTS: tl.cons
 
 
 @triton.jit
+def _window_entries(WINDOWS, VBS, row, num_heads, nq, GT, GH, GW, BLOCK_T: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """The sliding-tile window of one row (b, h, query cube), from coordinates (no index
+    tensor): row-major over the window, its centre clamped so it stays inside the cube grid
+    (STA; `tilegen.encodings.window_cubes` is the PyTorch model). Same outputs as
+    `_row_entries`; the windows fit the grid (`Spec.window`), so only vbs can be bad."""
+    bh = row // nq
+    qc = row - bh * nq
+    h = bh % num_heads
+    wt = tl.load(WINDOWS + h * 3)
+    wh = tl.load(WINDOWS + h * 3 + 1)
+    ww = tl.load(WINDOWS + h * 3 + 2)
+    i = tl.arange(0, BLOCK_T)
+    live = i < wt * wh * ww
+    ct = qc // (GH * GW)
+    ch = qc // GW % GH
+    cw = qc % GW
+    st = tl.minimum(tl.maximum(ct - wt // 2, 0), GT - wt)
+    sh = tl.minimum(tl.maximum(ch - wh // 2, 0), GH - wh)
+    sw = tl.minimum(tl.maximum(cw - ww // 2, 0), GW - ww)
+    cube = ((st + i // (wh * ww)) * GH + sh + i // ww % wh) * GW + sw + i % ww
+    cube = tl.where(live, cube, 0)
+    v = tl.load(VBS + cube, mask=live, other=BLOCK)
+    bad_v = live & ((v < 1) | (v > BLOCK))
+    return cube, v, live, tl.max(bad_v.to(tl.int32), 0) * 2
+
+
+@triton.jit
 def _gluon_lut_prepass(LUT, COUNTS, VBS, SIDX, TINFO, META, ERR, NKV, TOPK,
                        HAS_COUNTS: tl.constexpr, PACK: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cube, v, live, err = _row_entries(LUT, COUNTS, VBS, row, True, NKV, TOPK, HAS_COUNTS,
                                       BLOCK_T, BLOCK)
+    _plan_row(cube, v, live, err, row, SIDX, TINFO, META, ERR, TOPK, PACK, BLOCK)
+
+
+@triton.jit
+def _gluon_window_prepass(WINDOWS, VBS, SIDX, TINFO, META, ERR, TOPK, num_heads, nq, GT, GH,
+                          GW, PACK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cube, v, live, err = _window_entries(WINDOWS, VBS, row, num_heads, nq, GT, GH, GW, BLOCK_T,
+                                         BLOCK)
+    _plan_row(cube, v, live, err, row, SIDX, TINFO, META, ERR, TOPK, PACK, BLOCK)
+
+
+@triton.jit
+def _plan_row(cube, v, live, err, row, SIDX, TINFO, META, ERR, TOPK, PACK: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """Order one row's cubes into 64-key tiles (see the module docstring) and store the plan."""
     n = tl.sum(live.to(tl.int32), 0)
 
     if PACK:
@@ -232,6 +276,19 @@ def run_prepass(idx, vbs, counts, bufs: dict, rows: int, nkv: int, topk: int, er
         idx, counts if counts is not None else bufs["meta"], vbs, bufs["sidx"], bufs["tinfo"],
         bufs["meta"], err, nkv, topk,
         HAS_COUNTS=counts is not None, PACK=pack, BLOCK_T=block_t, BLOCK=block,
+        num_warps=1 if block_t <= 128 else 4,
+    )
+
+
+def run_window_prepass(windows, vbs, bufs: dict, rows: int, heads: int, nq: int,
+                       cube_grid: tuple[int, int, int], topk: int, err, pack: bool = True,
+                       block: int = 64) -> None:
+    """The sliding-tile plan: `windows` (heads * 3,) int32 (`tilegen.encodings.window_table`),
+    `topk` the largest window volume (the width of sidx/tinfo rows)."""
+    block_t = max(16, triton.next_power_of_2(topk))
+    _gluon_window_prepass[(rows,)](
+        windows, vbs, bufs["sidx"], bufs["tinfo"], bufs["meta"], err, topk, heads, nq,
+        *cube_grid, PACK=pack, BLOCK_T=block_t, BLOCK=block,
         num_warps=1 if block_t <= 128 else 4,
     )
 

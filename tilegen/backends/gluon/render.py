@@ -108,8 +108,10 @@ def check(spec: Spec, cfg: Mapping[str, Any], target: Target | None = None) -> s
         return "dtype must be bf16 or fp16"
     if spec.layout != "bshd":
         return "the Gluon kernel reads BSHD only (TMA boxes over the (B*S, H*D) view)"
-    if spec.encoding != "lut":
-        return "the Gluon kernel implements the LUT encoding only"
+    if spec.encoding not in ("lut", "sliding_tile"):
+        return "the Gluon kernel walks a LUT row or a sliding-tile window (pre-pass)"
+    if spec.encoding == "sliding_tile" and cfg["share_kv"]:
+        return "share_kv merges two LUT rows; sliding_tile has none (its windows overlap anyway)"
     if cfg["num_consumers"] not in (1, 2, 3):
         return "num_consumers must be 1, 2 or 3"
     if cfg["share_kv"] and cfg["num_consumers"] != 2:

@@ -324,6 +324,24 @@ def test_op_refuses_cpu_tensors():
         op(q, q, q, idx, torch.full((1,), 64, dtype=torch.int32))
 
 
+
+def test_sliding_tile_op_takes_no_index_and_refuses_what_it_lacks():
+    """sliding_tile reaches the Gluon family through the pre-pass: op(q, k, v, vbs); the pair
+    pre-pass merges LUT rows, so share_kv is refused for it with the reason."""
+    from tilegen.backends.gluon.op import GluonSlidingTileAttention
+
+    spec = Spec(encoding="sliding_tile", grid=(4, 4, 8), num_heads=1, window=(1, 1, 1))
+    cfg = GLUON.default_config(spec, SM90)
+    assert GLUON.violations(spec, SM90, cfg) == []
+    share = cfg.replace(options={**dict(cfg.options), "share_kv": True, "num_consumers": 2})
+    assert any("sliding_tile" in p for p in GLUON.violations(spec, SM90, share))
+    op = GLUON.make_op(spec, cfg, SM90)
+    assert isinstance(op, GluonSlidingTileAttention)
+    q = torch.zeros(1, 128, 1, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA"):
+        op(q, q, q, torch.full((2,), 64, dtype=torch.int32))
+    assert "sliding_tile" in GLUON.render(spec, cfg, SM90).name
+
 def test_tuning_space_of_the_family():
     """The family's knobs come from targets/sm_90/target.toml [tunable.gluon]; `--space`
     overrides type option values too; every point round-trips through the space."""

@@ -1,5 +1,10 @@
 """GPU pre-pass of the Gluon kernel: validate the LUT rows and order them into 64-key tiles.
 
+The kernel reads only this plan, so other ways of naming a row's cubes plug in here: the
+sliding-tile pre-pass (`_gluon_window_prepass`) computes each row's window from the query
+cube's coordinates instead of reading a LUT, and the pair pre-pass (`_gluon_pair_prepass`,
+share_kv) plans the union of two neighbouring rows. Both end in the same planning as below.
+
 One program per LUT row (b, h, query cube). For its first n = counts[row] (or TOPK) entries it
 
 * checks the values without a host sync: index in [0, NKV), vbs[index] in 1..64, counts in

@@ -204,3 +204,17 @@ def test_contract_spelling_after_a_bare_import():
             "import sys; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"
+
+
+def test_fused_reorder_matches_to_cubes(interpreter):
+    """The forward's one-launch reorder of q, k and v gives `layout.to_cubes` exactly (padding
+    slots zero), on a grid with partial cubes along every axis."""
+    from tilegen.reorder_gpu import to_cubes3
+
+    grid, cube = (5, 6, 7), (4, 4, 4)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 5 * 6 * 7, 3, 16, generator=gen).to(torch.bfloat16)
+               for _ in range(3))
+    got = to_cubes3(q, k, v, grid, cube)
+    for x, xc in zip((q, k, v), got, strict=True):
+        assert torch.equal(xc, layout.to_cubes(x, grid, cube)[0])

@@ -174,7 +174,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Triple, top
     vol = math.prod(cube)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     vbs = layout.vbs_for_grid(grid, cube, device=q.device)
-    qc, kc, vc = (reorder(t, grid, cube) for t in (q, k, v))
+    if q.is_cuda and not differentiable and q.shape == k.shape == v.shape and all(
+            t.is_contiguous() for t in (q, k, v)):
+        from tilegen.reorder_gpu import to_cubes3
+
+        qc, kc, vc = to_cubes3(q, k, v, grid, cube)  # one launch for the three
+    else:
+        qc, kc, vc = (reorder(t, grid, cube) for t in (q, k, v))
     co, idx = coarse(qc, kc, vc, vbs, topk, vol, scale)
     fine_c = fine(qc, kc, vc, idx, vbs, grid, cube, sm_scale, differentiable)
     out = combine(fine_c, co, gate, grid, cube, differentiable)

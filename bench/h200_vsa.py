@@ -224,9 +224,10 @@ def main(argv=None) -> int:
         co, idx = vsa.coarse(cqc, ckc, cvc, vbs, topk, vol, scale)
         fine_c = vsa_fine(cqc, ckc, cvc, idx, vbs, grid, cube, None)
         out["reorder_ms"] = bench(lambda: [vsa.reorder(t, grid, cube) for t in (q, k, v)])
-        from tilegen.reorder_gpu import to_cubes3
+        if q.is_cuda:  # a Triton launch (the CPU dry run has no interpreter)
+            from tilegen.reorder_gpu import to_cubes3
 
-        out["reorder_fused_ms"] = bench(lambda: to_cubes3(q, k, v, grid, cube))
+            out["reorder_fused_ms"] = bench(lambda: to_cubes3(q, k, v, grid, cube))
         out["coarse_ms"] = bench(lambda: vsa.coarse(cqc, ckc, cvc, vbs, topk, vol, scale))
         out["fine_ms"] = bench(lambda: vsa_fine(cqc, ckc, cvc, idx, vbs, grid, cube, None))
         out["combine_gate_none_ms"] = bench(lambda: vsa.combine(fine_c, co, None, grid, cube))

@@ -364,22 +364,37 @@ def cost(rounds: int) -> dict:
     except Exception as exc:  # noqa: BLE001 - no nvcc here: recorded, the rest goes on
         out["cuda_error"] = f"{type(exc).__name__}: {exc}"[:300]
     ref = None
+    from tilegen.config import REFERENCE_CONFIG
+
+    o_ref = tilegen.load(spec, REFERENCE_CONFIG)(*args, return_lse=False)
+
+    def median(xs):
+        return sorted(xs)[len(xs) // 2]
+
     for name, op in ops.items():
         try:
             res = op(*args, return_max_prob=True)  # builds the signal variant; sanity below
             ref = res if ref is None else ref  # the Triton family's signal: the others vs it
             off = bare_launch(op, cap, cap["topk_idx"], None)
             on = bare_launch(op, cap, cap["topk_idx"], None, max_prob=True)
-            offs, ons = [], []
-            for _ in range(rounds):  # interleaved rounds
+            offs, ons, op_offs, op_ons = [], [], [], []
+            for _ in range(rounds):  # interleaved rounds: bare launches, then the op as called
                 offs.append(time_ms(off))
                 ons.append(time_ms(on))
-            med_off = sorted(offs)[len(offs) // 2]
-            med_on = sorted(ons)[len(ons) // 2]
+                op_offs.append(time_ms(lambda op=op: op(*args, return_lse=False)))
+                op_ons.append(time_ms(lambda op=op: op(*args, return_lse=False,
+                                                       return_max_prob=True)))
+            med_off = median(offs)
+            med_on = median(ons)
             cfg = getattr(op, "config", None) or getattr(op, "_config", None)
             out[name] = {"config": cfg.name if cfg else "target default",
                          "off_ms": offs, "on_ms": ons, "median_off_ms": med_off,
                          "median_on_ms": med_on, "overhead_pct": 100 * (med_on / med_off - 1),
+                         "op_off_ms": op_offs, "op_on_ms": op_ons,
+                         "op_overhead_pct": 100 * (median(op_ons) / median(op_offs) - 1),
+                         # the output of the variant that writes the signal, by the contract
+                         "o_with_signal_vs_reference": str(captures.score(res.o, o_ref)),
+                         "o_with_signal_passed": captures.score(res.o, o_ref).passed,
                          "family": getattr(op, "backend", "?"),
                          "max_prob_vs_triton_max_abs": float(
                              (res.max_prob - ref.max_prob).abs().max()),
@@ -474,6 +489,12 @@ def table() -> str:
                 lines.append(f"cost {name:<12} off {c['median_off_ms']:.3f} ms  on "
                              f"{c['median_on_ms']:.3f} ms  overhead {c['overhead_pct']:+.2f}%  "
                              f"({c['config']})")
+                if "op_off_ms" in c:
+                    op_off = sorted(c["op_off_ms"])[len(c["op_off_ms"]) // 2]
+                    op_on = sorted(c["op_on_ms"])[len(c["op_on_ms"]) // 2]
+                    lines.append(f"     op(...) as called: off {op_off:.3f} ms  on {op_on:.3f} ms"
+                                 f"  overhead {c['op_overhead_pct']:+.2f}%  o with the signal: "
+                                 f"{c['o_with_signal_vs_reference']}")
             else:
                 lines.append(f"cost {name}: {c}")
     for name, err in RESULTS["errors"].items():
@@ -490,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
                     default=(0.5, 0.125),
                     help="LUT widths W as fractions of NKV (default 0.5,0.125: room for the "
                          "budget, and the contract's 87.5%% sparsity); the first is plotted")
+    ap.add_argument("--cost-only", action="store_true",
+                    help="GPU: only the cost section (signal on vs off, bare and as called)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the cost timing")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     opts = ap.parse_args(argv)
@@ -504,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS["adaptive_defaults"] = dict(sparsity.ADAPTIVE_DEFAULTS)
     if cpu:
         state = calibration(CPU_CASES, "cpu", 64, opts.width_fracs, 8)
+    elif opts.cost_only:
+        state = None
     else:
         torch.backends.cuda.matmul.allow_tf32 = False  # the dense reference stays fp32
         state = calibration(GPU_CASES, "cuda", 128, opts.width_fracs, 16)

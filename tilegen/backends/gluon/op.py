@@ -68,19 +68,27 @@ class GluonBlockSparseAttention:
         writes (gradient calls get it from the Triton family's op, which computes them)."""
         shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
                                  check_values=check_values)
+        return self._call(q, k, v, vbs, (topk_idx, vbs, counts), shapes,
+                          dict(topk_idx=topk_idx, counts=counts), sm_scale, return_lse,
+                          return_max_prob, check_values)
+
+    def _call(self, q, k, v, vbs, cubes: tuple, shapes: Shapes, plan: dict, sm_scale,
+              return_lse: bool, return_max_prob: bool, check_values: bool):
+        """What every encoding's call does after its own input checks: ``cubes`` are the
+        arguments after q, k, v (what the differentiable op takes), ``plan`` what the launch's
+        pre-pass reads (`GluonLaunch.__call__`)."""
         check_sm_scale(sm_scale)
         if q.device.type != "cuda":
             raise ValueError(f"q is on {q.device}; the gluon backend runs on CUDA devices with "
                              "wgmma (sm_90)")
         if needs_grad(q, k, v):
             return differentiable_op(self.spec, self.target, "gluon")(
-                q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale, return_lse=return_lse,
+                q, k, v, *cubes, sm_scale=sm_scale, return_lse=return_lse,
                 return_max_prob=return_max_prob, check_values=check_values)
         self.errors.raise_pending(q.device)
         mp = (empty_buffers(shapes.batch, shapes.heads, shapes.seq_len, shapes.num_q_blocks,
                             q.device, zero_cube=False) if return_max_prob else None)
-        o, lse = self.launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
-                             store_lse=return_lse, max_prob_out=mp)
+        o, lse = self._launch_plan(q, k, v, vbs, shapes, plan, sm_scale, return_lse, None, mp)
         if mp is not None:
             return AttentionOutput(o, lse, *mp)
         return (o, lse) if return_lse else o
@@ -96,6 +104,12 @@ class GluonBlockSparseAttention:
         if shapes is None:
             shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
                                      check_values=False)
+        return self._launch_plan(q, k, v, vbs, shapes, dict(topk_idx=topk_idx, counts=counts),
+                                 sm_scale, store_lse, out, max_prob_out)
+
+    def _launch_plan(self, q, k, v, vbs, shapes: Shapes, plan: dict, sm_scale, store_lse: bool,
+                     out, max_prob_out):
+        """Outputs, then the pre-pass named by ``plan`` and the kernel."""
         if out is None:
             o = torch.empty_like(q)
             lse = (torch.empty((shapes.batch, shapes.heads, shapes.seq_len),
@@ -103,9 +117,10 @@ class GluonBlockSparseAttention:
         else:
             o, lse = out
         scale = sm_scale if sm_scale is not None else self.spec.sm_scale
+        plan = {"topk_idx": None, "counts": None, **plan}
         self._launch_for(store_lse, max_prob_out is not None)(
-            q, k, v, topk_idx, vbs, counts, o, lse, self.errors.buffer(q.device), scale,
-            max_prob_out=max_prob_out)
+            q, k, v, plan.pop("topk_idx"), vbs, plan.pop("counts"), o, lse,
+            self.errors.buffer(q.device), scale, max_prob_out=max_prob_out, **plan)
         self.errors.after_launch(q.device)
         return o, lse
 
@@ -141,22 +156,12 @@ class GluonSlidingTileAttention(GluonBlockSparseAttention):
 
         shapes = validate_sliding_tile_inputs(self.spec, q, k, v, vbs,
                                               check_values=check_values)
-        check_sm_scale(sm_scale)
-        if q.device.type != "cuda":
-            raise ValueError(f"q is on {q.device}; the gluon backend runs on CUDA devices with "
-                             "wgmma (sm_90)")
-        if needs_grad(q, k, v):
-            return differentiable_op(self.spec, self.target, "gluon")(
-                q, k, v, vbs, sm_scale=sm_scale, return_lse=return_lse,
-                return_max_prob=return_max_prob, check_values=check_values)
-        self.errors.raise_pending(q.device)
-        mp = (empty_buffers(shapes.batch, shapes.heads, shapes.seq_len, shapes.num_q_blocks,
-                            q.device, zero_cube=False) if return_max_prob else None)
-        o, lse = self.launch(q, k, v, vbs, shapes=shapes, sm_scale=sm_scale,
-                             store_lse=return_lse, max_prob_out=mp)
-        if mp is not None:
-            return AttentionOutput(o, lse, *mp)
-        return (o, lse) if return_lse else o
+        return self._call(q, k, v, vbs, (vbs,), shapes, self._plan(q, shapes), sm_scale,
+                          return_lse, return_max_prob, check_values)
+
+    def _plan(self, q: torch.Tensor, shapes: Shapes) -> dict:
+        return dict(windows=self.windows(q.device, shapes.heads), cube_grid=self.spec.cube_grid,
+                    topk=shapes.topk)
 
     def launch(self, q, k, v, vbs, *, shapes: Shapes | None = None,  # type: ignore[override]
                sm_scale: float | None = None, store_lse: bool = True, out=None,
@@ -166,16 +171,5 @@ class GluonSlidingTileAttention(GluonBlockSparseAttention):
 
         if shapes is None:
             shapes = validate_sliding_tile_inputs(self.spec, q, k, v, vbs, check_values=False)
-        if out is None:
-            o = torch.empty_like(q)
-            lse = (torch.empty((shapes.batch, shapes.heads, shapes.seq_len),
-                               dtype=torch.float32, device=q.device) if store_lse else None)
-        else:
-            o, lse = out
-        scale = sm_scale if sm_scale is not None else self.spec.sm_scale
-        self._launch_for(store_lse, max_prob_out is not None)(
-            q, k, v, None, vbs, None, o, lse, self.errors.buffer(q.device), scale,
-            max_prob_out=max_prob_out, windows=self.windows(q.device, shapes.heads),
-            cube_grid=self.spec.cube_grid, topk=shapes.topk)
-        self.errors.after_launch(q.device)
-        return o, lse
+        return self._launch_plan(q, k, v, vbs, shapes, self._plan(q, shapes), sm_scale,
+                                 store_lse, out, max_prob_out)

@@ -610,3 +610,29 @@ def test_tune_export_merges_into_an_existing_file(tune_env: Path) -> None:
         with pytest.raises(SessionError, match="notes.json.*not a tilegen tuning DB export"):
             export_spec(db, spec_a, junk, io.StringIO())
         assert junk.read_text() == '{"hello": 1}\n'
+
+
+def test_a_trial_waits_for_a_lower_one_still_suggesting(tmp_path: Path) -> None:
+    """Two workers start the same config at once: the higher-numbered trial looks while the
+    lower one has not recorded its config yet. It must wait and defer, not measure it too."""
+    import threading
+
+    import optuna
+
+    from tilegen.tune.session import _Session
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'o.sqlite'}")
+    session = _Session.__new__(_Session)  # only the study is needed to look
+    session.study, session.TS = study, optuna.trial.TrialState
+    low, high = study.ask(), study.ask()
+    high.set_user_attr("config", "bm64_bn64_w4_s3")
+    late = threading.Timer(0.3, lambda: low.set_user_attr("config", "bm64_bn64_w4_s3"))
+    late.start()
+    prior = session._same_config(high.number, "bm64_bn64_w4_s3")
+    late.join()
+    assert prior is not None and prior.number == low.number
+    assert session._same_config(low.number, "bm64_bn64_w4_s3") is None  # the lower one runs
+    other = study.ask()
+    other.set_user_attr("config", "bm32_bn64_w4_s2")
+    assert session._same_config(other.number, "bm32_bn64_w4_s2") is None

@@ -79,6 +79,8 @@ DEFAULT_HEARTBEAT_S = 15
 GRACE_INTERVALS = 3
 MAX_RETRIES = 3
 _MAX_ERROR = 2000
+#: how long a trial waits for a lower-numbered one to finish suggesting before it looks
+_SUGGEST_WAIT_S = 10.0
 
 
 class SessionError(RuntimeError):
@@ -554,20 +556,30 @@ class _Session:
     def exhausted(self) -> bool:
         return self.all_names <= self.measured()
 
-    def _same_config(self, number: int, params: dict[str, Any]) -> Any:
+    def _same_config(self, number: int, name: str) -> Any:
         """An earlier trial of the same config: finished (its result answers this one) or
-        running (a lower-numbered one keeps it). Trials write their params before they look,
-        so of two that start the same config at once exactly one runs it."""
-        for t in self.study.get_trials(deepcopy=False, states=(
-                self.TS.COMPLETE, self.TS.PRUNED, self.TS.RUNNING)):
-            if t.number == number or t.params != params:
-                continue
-            if t.user_attrs.get("duplicate_of") is not None:
-                continue
-            if t.state == self.TS.RUNNING and t.number > number:
-                continue
-            return t
-        return None
+        running (a lower-numbered one keeps it). Every trial records its ``config`` before it
+        looks; a lower-numbered running trial that has not recorded one yet is still
+        suggesting, so this waits for it (briefly) rather than guess, and of two trials that
+        start the same config at once exactly one runs it."""
+        deadline = time.monotonic() + _SUGGEST_WAIT_S
+        while True:
+            pending = False
+            for t in self.study.get_trials(deepcopy=False, states=(
+                    self.TS.COMPLETE, self.TS.PRUNED, self.TS.RUNNING)):
+                if t.number == number or t.user_attrs.get("duplicate_of") is not None:
+                    continue
+                if t.state == self.TS.RUNNING and t.number > number:
+                    continue
+                other = t.user_attrs.get("config")
+                if other is None:
+                    pending = pending or t.state == self.TS.RUNNING
+                    continue
+                if other == name:
+                    return t
+            if not pending or time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
 
     def _queue_unseen(self, number: int) -> None:
         """After a repeated proposal: queue one config no trial has, so the next explores."""
@@ -620,7 +632,7 @@ class _Session:
             trial.set_user_attr(key, value)
         if self.labels.get(cfg.name):
             trial.set_user_attr("label", self.labels[cfg.name])
-        prior = self._same_config(trial.number, dict(trial.params))
+        prior = self._same_config(trial.number, cfg.name)
         if prior is not None:
             trial.set_user_attr("duplicate_of", prior.number)
             self._queue_unseen(trial.number)

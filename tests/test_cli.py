@@ -54,6 +54,12 @@ def test_build_triton_writes_source_binary_manifest(tmp_path, target, kind):
     if kind == "cubin":
         assert manifest["arch"] in ("sm_90a", "sm_100a")
         assert art["shared_bytes"] <= 232448
+    # the tensor-core instruction each target should get, read from the binary's disassembly:
+    # wgmma on Hopper, tcgen05 on Blackwell, MFMA on MI300
+    mma = {"sm_90": "HGMMA", "sm_100a": "UTCHMMA", "gfx942": "v_mfma_f32_32x32x8_bf16"}[target]
+    for a in (art, *bwd[1:]):  # the preprocess kernel has no matrix product
+        assert a["matrix_ops"].get(mma, 0) > 0, (a["kernel_name"], a["matrix_ops"])
+    assert bwd[0]["matrix_ops"] == {}
 
 
 def test_build_with_spec_file_and_config(tmp_path):
@@ -158,3 +164,20 @@ def test_bench_without_gpu_says_so():
         pytest.skip("a GPU is present")
     res = tilegen("bench", check=False)
     assert res.returncode == 2 and "no GPU" in res.stderr
+
+
+def test_matrix_ops_reads_sass_and_amdgcn_mnemonics():
+    from tilegen.compile import format_matrix_ops, matrix_ops
+
+    sass = """
+        /*0a10*/  HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT ;
+        /*0a20*/  HGMMA.64x128x16.F32.BF16 R88, gdesc[UR12], R88 ;
+        /*0b00*/  UTCHMMA gdesc[UR4], gdesc[UR6], tmem[UR8], tmem[UR10], idesc[UR11], UPT ;
+        /*0c00*/  HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0d00*/  MUFU.EX2 R3, R3 ;  // SHGMMA_X is no mnemonic
+    """
+    assert matrix_ops(sass) == {"HGMMA": 2, "HMMA": 1, "UTCHMMA": 1}
+    amd = "v_mfma_f32_32x32x8_bf16 a[0:15], v[2:3], v[4:5], a[0:15]\nv_exp_f32 v1, v2\n"
+    assert matrix_ops(amd) == {"v_mfma_f32_32x32x8_bf16": 1}
+    assert format_matrix_ops({"HGMMA": 2, "HMMA": 1}) == "HGMMA*2,HMMA*1"
+    assert format_matrix_ops({}) == "none" and format_matrix_ops(None) == "?"

@@ -307,12 +307,12 @@ def test_aot_compile_uses_wgmma_without_spills(tmp_path):
         "cu = Path(triton.__file__).parent / 'backends/nvidia/bin/cuobjdump'\n"
         "sass = subprocess.run([str(cu), '--dump-sass', str(art.path)], capture_output=True,"
         " text=True, check=True).stdout\n"
-        "print(art.spill_bytes, art.registers, sass.count('HGMMA'))\n")
+        "print(art.spill_bytes, art.registers, sass.count('HGMMA'), art.matrix_ops['HGMMA'])\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          check=True).stdout.split()
-    spills, regs, hgmma = (int(x) for x in out)
-    assert spills == 0 and 0 < regs <= 255 and hgmma > 0
+    spills, regs, hgmma, reported = (int(x) for x in out)
+    assert spills == 0 and 0 < regs <= 255 and hgmma > 0 and reported == hgmma
 
 
 def test_op_refuses_cpu_tensors():

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tilegen import __version__, cache
 from tilegen import backends as registry
+from tilegen.compile import format_matrix_ops
 from tilegen.config import KernelConfig
 from tilegen.identity import VariantKey
 from tilegen.render import Source
@@ -135,7 +136,8 @@ def _build_into(out_dir: Path, items: list[PlannedSource], spec: Spec, target: T
                 art.occupancy = target.occupancy(art.registers, art.threads, art.shared_bytes,
                                                  art.agprs)
             progress(f"[{target.name}] {item.backend}: {art.path.name} regs={art.registers} "
-                     f"shared={art.shared_bytes} spills={art.spill_bytes}")
+                     f"shared={art.shared_bytes} spills={art.spill_bytes} "
+                     f"mma={format_matrix_ops(art.matrix_ops)}")
             artifacts.append((art, key))
     manifest = {
         "tilegen": __version__,

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from tilegen.compile import CompileError, ToolchainMissing
+from tilegen.compile import CompileError, ToolchainMissing, format_matrix_ops
 from tilegen.config import KernelConfig
 from tilegen.spec import Spec
 from tilegen.targets import TARGET_NAMES, get_target
@@ -49,7 +49,8 @@ def cmd_build(args: argparse.Namespace) -> int:
           f"(spec {spec.short_hash}) in {time.perf_counter() - t0:.1f}s -> {out}")
     for art in manifest["artifacts"]:
         print(f"  {art['backend']:7s} {art['path']:70s} regs={art['registers']} "
-              f"shared={art['shared_bytes']} spills={art['spill_bytes']}")
+              f"shared={art['shared_bytes']} spills={art['spill_bytes']} "
+              f"mma={format_matrix_ops(art.get('matrix_ops'))}")
     for why in manifest.get("skipped", []):
         print(f"  skipped {why}")
     if spec.kernel_spec != spec:

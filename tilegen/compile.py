@@ -6,6 +6,8 @@ cache and the tests treat all backends alike.
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,6 +43,9 @@ class Artifact:
     occupancy: int | None = None  # blocks (or waves) per SM/CU where known
     threads: int | None = None
     compiler: dict[str, str] = field(default_factory=dict)  # tool -> version
+    # matrix instructions in the binary, by mnemonic ("HGMMA", "UTCHMMA", "v_mfma_..."): what
+    # the tensor cores are really asked to do; None where no disassembler was at hand
+    matrix_ops: dict[str, int] | None = None
     command: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -49,3 +54,20 @@ class Artifact:
             if d[key] is not None:
                 d[key] = str(d[key])
         return d
+
+
+#: tensor-core mnemonics: SASS mma.sync (HMMA), wgmma (HGMMA), tcgen05 (UTCHMMA, UTCQMMA, ...),
+#: integer and fp8 forms, and AMD MFMA (the whole mnemonic, so its shape shows)
+_MATRIX_MNEMONIC = re.compile(r"\b(HMMA|HGMMA|IMMA|QMMA|UTC[A-Z]*MMA|v_mfma_[a-z0-9_]+)\b")
+
+
+def matrix_ops(disassembly: str) -> dict[str, int]:
+    """How many times each matrix instruction appears in a SASS or AMDGCN listing."""
+    return dict(sorted(Counter(m.group(1) for m in _MATRIX_MNEMONIC.finditer(disassembly)).items()))
+
+
+def format_matrix_ops(ops: dict[str, int] | None) -> str:
+    """``HGMMA*64`` style; "none" for a binary without any, "?" where it was not read."""
+    if ops is None:
+        return "?"
+    return ",".join(f"{k}*{v}" for k, v in ops.items()) or "none"

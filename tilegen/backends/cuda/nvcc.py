@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tilegen import cache
+from tilegen.backends.triton.aot import cubin_matrix_ops
 from tilegen.compile import Artifact, CompileError, ToolchainMissing
 from tilegen.config import KernelConfig
 from tilegen.render import Source, render, spec_basename
@@ -308,6 +309,7 @@ def compile_cuda(source: Source, target: Target, out_dir: str | Path | None = No
         spill_bytes=meta["spill_stores"] + meta["spill_loads"], stack_bytes=meta["stack"],
         occupancy=target.occupancy(meta["registers"], threads, shared),
         threads=threads, compiler={"nvcc": version}, command=meta["command"],
+        matrix_ops=cubin_matrix_ops(cubin),
     )
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tilegen import cache
 from tilegen.backends.hip.plan import HIP_KERNEL_NAME, source_stamp
-from tilegen.compile import Artifact, CompileError, ToolchainMissing
+from tilegen.compile import Artifact, CompileError, ToolchainMissing, matrix_ops
 from tilegen.render import Source
 from tilegen.targets import Target
 
@@ -138,6 +138,18 @@ def _parse_metadata_yaml(text: str, kernel_name: str) -> dict | None:
 
 
 # -- compilation -------------------------------------------------------------------------------
+def hsaco_matrix_ops(clang: Path, version: str, hsaco: Path, arch: str) -> dict[str, int] | None:
+    """The code object's MFMA instructions by mnemonic, from the llvm-objdump of clang's LLVM
+    (None when that LLVM has none installed)."""
+    beside = Path(os.path.realpath(clang)).parent / "llvm-objdump"
+    objdump = str(beside) if beside.exists() else shutil.which(f"llvm-objdump-{_major(version)}")
+    if objdump is None:
+        return None
+    proc = subprocess.run([objdump, "-d", f"--mcpu={arch}", str(hsaco)], capture_output=True,
+                          text=True)
+    return matrix_ops(proc.stdout) if proc.returncode == 0 else None
+
+
 def toolchain_id(arch: str) -> str:
     """The toolchain part of the variant key: clang's version and the flags of a build."""
     return f"clang={clang_version(find_clang())} {' '.join(hip_flags(arch))}"
@@ -196,4 +208,5 @@ def compile_hip(source: Source, out_dir: Path, target: Target,
         stack_bytes=usage.get("scratch_bytes"),  # private segment: spills + stack
         occupancy=usage.get("occupancy"), threads=stamp.get("threads"),
         compiler={"clang": meta["clang"]}, command=list(meta["command"]),
+        matrix_ops=hsaco_matrix_ops(clang, version, path, arch),
     )

@@ -23,7 +23,7 @@ from tilegen.backends.triton.backward import (
 )
 from tilegen.backends.triton.jit import load_triton, triton_imported_interpreted
 from tilegen.backends.triton.render import TRITON_KERNEL_NAME, render_triton
-from tilegen.compile import Artifact, CompileError
+from tilegen.compile import Artifact, CompileError, matrix_ops
 from tilegen.config import KernelConfig
 from tilegen.render import Source
 from tilegen.spec import Spec
@@ -86,6 +86,13 @@ def cubin_resources(cubin: Path) -> dict[str, int]:
         res = {"registers": int(m.group(1)), "stack_bytes": int(m.group(2)),
                "static_shared": int(m.group(3)), "local_bytes": int(m.group(4))}
     return res
+
+
+def cubin_matrix_ops(cubin: Path) -> dict[str, int] | None:
+    """The cubin's matrix instructions by mnemonic (cuobjdump --dump-sass)."""
+    proc = subprocess.run([str(_cuobjdump()), "--dump-sass", str(cubin)], capture_output=True,
+                          text=True)
+    return matrix_ops(proc.stdout) if proc.returncode == 0 else None
 
 
 def _require_compiled_mode() -> None:
@@ -211,6 +218,7 @@ def _compile_kernel(source: Source, kernel: str, sig: dict[str, str], constexprs
         stack = res.get("stack_bytes")
         compiler = {"triton": triton.__version__, "ptxas": _ptxas_version()}
         agprs = None
+        mma = cubin_matrix_ops(path)
     else:
         binary, kind = asm["hsaco"], "hsaco"
         path = cache.atomic_write(out_dir / f"{stem}.hsaco", binary)
@@ -222,12 +230,13 @@ def _compile_kernel(source: Source, kernel: str, sig: dict[str, str], constexprs
         spills = _amd_field(amdgcn, "private_segment_fixed_size")
         stack = spills
         compiler = {"triton": triton.__version__, "llvm": "bundled with triton"}
+        mma = matrix_ops(amdgcn)
     return Artifact(
         path=path, kind=kind, backend="triton", target=target.name, arch=target.arch,
         kernel_name=meta.name if hasattr(meta, "name") else kernel,
         source_sha256=source.sha256, config=config_name, registers=registers, agprs=agprs,
         shared_bytes=int(meta.shared), spill_bytes=spills, stack_bytes=stack,
-        threads=launch["num_warps"] * target.warp_size, compiler=compiler,
+        threads=launch["num_warps"] * target.warp_size, compiler=compiler, matrix_ops=mma,
         command=[sys.executable, "-c", f"triton.compile(ASTSource({kernel}), target={gpu!r}, "
                  f"options={launch!r})"],
     )

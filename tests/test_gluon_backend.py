@@ -281,7 +281,10 @@ def test_rules_and_render():
     assert "warp_specialize" in src.text and "target sm_90 (sm_90a)" in src.text.splitlines()[0]
     assert GLUON.violations(Spec(layout="bhsd"), SM90, cfg)
     assert GLUON.violations(Spec(), SM90, cfg.replace(block_n=32))
-    assert GLUON.violations(Spec(), get_target("sm_100a"), cfg)  # not listed there
+    # the Hopper default turns on wgmma-consumer knobs: refused on a tcgen05 target, by name
+    assert any("wgmma consumer knobs" in p for p in GLUON.violations(
+        Spec(), get_target("sm_100a"), cfg))
+    assert GLUON.violations(Spec(), get_target("gfx942"), cfg)  # not listed there
     bad = KernelConfig(options={**dict(cfg.options), "num_consumers": 3, "k_stages": 3,
                                 "v_stages": 3})
     assert any("shared memory" in p for p in GLUON.violations(Spec(), SM90, bad))
@@ -313,6 +316,51 @@ def test_aot_compile_uses_wgmma_without_spills(tmp_path):
                          check=True).stdout.split()
     spills, regs, hgmma, reported = (int(x) for x in out)
     assert spills == 0 and 0 < regs <= 255 and hgmma > 0 and reported == hgmma
+
+
+def test_blackwell_rules_and_render():
+    """sm_100a renders the tcgen05 consumer (S and P.V in tensor memory) behind the same producer
+    and pre-pass; the wgmma knobs and timing experiments are refused there, and so is a CTA
+    whose consumers need more tensor memory than an SM has."""
+    sm100 = get_target("sm_100a")
+    cfg = GLUON.default_config(Spec(), sm100)
+    assert GLUON.violations(Spec(), sm100, cfg) == []
+    text = GLUON.render(Spec(), cfg, sm100).text
+    assert "tcgen05_mma(" in text and "allocate_tensor_memory(" in text
+    assert "warpgroup_mma" not in text and "for sm_100a" in text
+    for knob in ("q_in_regs", "qk_ahead", "fence_wait"):
+        assert any(knob in p for p in GLUON.violations(
+            Spec(), sm100, KernelConfig(options={**dict(cfg.options), knob: True})))
+    assert any("debug" in p for p in GLUON.violations(
+        Spec(), sm100, KernelConfig(options={**dict(cfg.options), "debug": "no_mma"})))
+    three = KernelConfig(options={**dict(cfg.options), "num_consumers": 3, "k_stages": 1})
+    assert any("tensor memory" in p for p in GLUON.violations(Spec(), sm100, three))
+    window = Spec(encoding="sliding_tile", window=(3, 3, 3))
+    assert GLUON.violations(window, sm100, GLUON.default_config(window, sm100)) == []
+
+
+@pytest.mark.parametrize("encoding", ["lut", "sliding_tile"])
+def test_blackwell_aot_compile_uses_tcgen05_without_spills(tmp_path, encoding):
+    """The sm_100a build: tcgen05 MMAs (UTCHMMA) and tensor-memory loads in the SASS, no wgmma,
+    no spills. Built here only: no B200 ran it."""
+    spec = "Spec()" if encoding == "lut" else "Spec(encoding='sliding_tile', window=(3, 3, 3))"
+    code = (
+        "from pathlib import Path; import subprocess, triton\n"
+        "from tilegen import Spec, backends\n"
+        "from tilegen.targets import get_target\n"
+        f"t = get_target('sm_100a'); b = backends.get('gluon'); s = {spec}\n"
+        "cfg = b.default_config(s, t)\n"
+        f"art = b.compile(s, cfg, t, b.render(s, cfg, t), Path({str(tmp_path)!r}))\n"
+        "cu = Path(triton.__file__).parent / 'backends/nvidia/bin/cuobjdump'\n"
+        "sass = subprocess.run([str(cu), '--dump-sass', str(art.path)], capture_output=True,"
+        " text=True, check=True).stdout\n"
+        "print(art.spill_bytes, art.matrix_ops.get('UTCHMMA', 0), art.matrix_ops.get('HGMMA', 0),"
+        " sass.count('LDTM'))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True).stdout.split()
+    spills, utc, hgmma, ldtm = (int(x) for x in out)
+    assert spills == 0 and utc > 0 and hgmma == 0 and ldtm > 0
 
 
 def test_op_refuses_cpu_tensors():

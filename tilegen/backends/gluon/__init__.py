@@ -1,6 +1,6 @@
-"""The Gluon backend: a warp-specialized Hopper kernel (TMA producer warp, wgmma consumer
-warpgroups, mbarrier rings) written in Triton's Gluon dialect, rendered from
-templates/gluon/lut_ws_kernel.py.j2. Its decisions are `KernelConfig.options` (see
+"""The Gluon backend: a warp-specialized kernel (TMA producer warp, consumer warpgroups on
+Hopper's wgmma or Blackwell's tcgen05, mbarrier rings) written in Triton's Gluon dialect,
+rendered from templates/gluon/lut_ws_kernel.py.j2. Its decisions are `KernelConfig.options` (see
 `render.DEFAULTS`); a GPU pre-pass validates the LUT and packs partial cubes (`prepass`)."""
 
 from __future__ import annotations
@@ -25,8 +25,12 @@ class GluonBackend(Backend):
 
     def spec_violations(self, spec: Spec, target: Target) -> list[str]:
         problems = super().spec_violations(spec, target)
-        if not problems and not target.mma_for("wgmma", spec.dtype):
-            problems.append(f"the Gluon kernel needs wgmma, which target {target.name} lacks")
+        if not problems:
+            from tilegen.backends.gluon.render import mma_kind
+
+            if mma_kind(spec, target) is None:
+                problems.append(f"the Gluon kernel needs wgmma (Hopper) or tcgen05 "
+                                f"(Blackwell); target {target.name} lists neither")
         return problems
 
     def config_violations(self, spec: Spec, target: Target, cfg: KernelConfig) -> list[str]:

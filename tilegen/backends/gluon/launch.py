@@ -66,7 +66,7 @@ PACKED_BOXES = (32, 16, 8)
 
 
 class GluonLaunch:
-    """One rendered variant, launchable on CUDA tensors of a target with wgmma."""
+    """One rendered variant, launchable on CUDA tensors of a target with wgmma or tcgen05."""
 
     def __init__(self, source: Source, opts: dict[str, Any], head_dim: int,
                  target: Target) -> None:

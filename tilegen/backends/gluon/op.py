@@ -8,6 +8,8 @@ row into NaN and sets the error word that a later call, or `op.check()`, raises.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tilegen.backends.triton.op import differentiable_op
@@ -23,6 +25,9 @@ from tilegen.maxprob import AttentionOutput, empty_buffers
 from tilegen.spec import Spec
 from tilegen.targets import Target
 
+log = logging.getLogger("tilegen")
+_warned_unrun: set[str] = set()
+
 
 class GluonBlockSparseAttention:
     backend = "gluon"
@@ -32,8 +37,17 @@ class GluonBlockSparseAttention:
     def __init__(self, spec: Spec, config: KernelConfig, target: Target | None,
                  config_source: str = "explicit") -> None:
         if target is None:
-            raise ValueError("the gluon backend needs a target with wgmma: run on such a GPU "
-                             "or pass target=... (targets/*/target.toml list it in backends)")
+            raise ValueError("the gluon backend needs a target with wgmma or tcgen05: run on "
+                             "such a GPU or pass target=... (targets/*/target.toml list it in "
+                             "backends)")
+        from tilegen.backends.gluon.render import mma_kind
+
+        if mma_kind(spec, target) == "tcgen05" and target.name not in _warned_unrun:
+            _warned_unrun.add(target.name)
+            log.warning("tilegen: the gluon family's %s (tcgen05) kernel was built and inspected "
+                        "but has never run on such a GPU; compare it with backend='triton' "
+                        "before you rely on it (`tilegen bench --backends triton,gluon` scores "
+                        "both against the reference)", target.name)
         self.spec = spec
         self.config = config
         self.target = target
@@ -80,7 +94,7 @@ class GluonBlockSparseAttention:
         check_sm_scale(sm_scale)
         if q.device.type != "cuda":
             raise ValueError(f"q is on {q.device}; the gluon backend runs on CUDA devices with "
-                             "wgmma (sm_90)")
+                             "wgmma (sm_90) or tcgen05 (sm_100a)")
         if needs_grad(q, k, v):
             return differentiable_op(self.spec, self.target, "gluon")(
                 q, k, v, *cubes, sm_scale=sm_scale, return_lse=return_lse,

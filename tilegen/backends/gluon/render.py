@@ -53,6 +53,12 @@ DEFAULTS: dict[str, Any] = {
     "debug": "",
 }
 GL_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+#: the consumers the template writes, in order of preference: Hopper's wgmma (registers hold
+#: S and O), Blackwell's tcgen05 (S and P.V in tensor memory)
+MMA_KINDS = ("wgmma", "tcgen05")
+#: knobs of the wgmma consumer alone (the tcgen05 one reads Q from shared memory, waits on each
+#: MMA's mbarrier and has no pair mode yet); on a tcgen05 target they must be off
+WGMMA_ONLY = ("q_in_regs", "qk_ahead", "fence_wait", "share_kv")
 
 
 def resolve(cfg: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -66,10 +72,13 @@ def resolve(cfg: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def smem_bytes(cfg: Mapping[str, Any], block: int = 64, head_dim: int = 128) -> int:
+def smem_bytes(cfg: Mapping[str, Any], block: int = 64, head_dim: int = 128,
+               mma: str = "wgmma") -> int:
     tile = block * head_dim * 2
     rings = cfg["k_stages"] + cfg["v_stages"]
     per = tile * (1 + rings) + 8 * (1 + 2 * rings)  # Q + K/V rings, and their mbarriers
+    if mma == "tcgen05":  # P staged for its MMA, and the S and P.V completion barriers
+        per += block * block * 2 + 2 * 8
     if cfg.get("share_kv"):  # two Q tiles, one K ring and one V ring for both consumers
         return per + tile + 8
     return cfg["num_consumers"] * per
@@ -95,8 +104,18 @@ def maxnreg_for(cfg: Mapping[str, Any], target: Target) -> int:
     return -(-per_thread // 8) * 8
 
 
-def check(spec: Spec, cfg: Mapping[str, Any], target: Target | None = None) -> str | None:
-    """Why this spec/config cannot be rendered or launched, or None."""
+def tmem_columns(cfg: Mapping[str, Any], block: int = 64, head_dim: int = 128) -> int:
+    """Tensor-memory columns a tcgen05 CTA allocates: S (block) and P.V (head_dim) per consumer,
+    fp32 one column each."""
+    return cfg["num_consumers"] * (block + head_dim)
+
+
+def check(spec: Spec, cfg: Mapping[str, Any], target: Target | None = None,
+          mma: str | None = None) -> str | None:
+    """Why this spec/config cannot be rendered or launched, or None. `mma` (the consumer's
+    instruction family) defaults to the target's (`mma_kind`)."""
+    if mma is None and target is not None:
+        mma = mma_kind(spec, target)
     block_q = spec.block_q
     block_kv = spec.block_kv
     head_dim = spec.head_dim
@@ -119,10 +138,22 @@ def check(spec: Spec, cfg: Mapping[str, Any], target: Target | None = None) -> s
     if cfg["share_kv"] and not (cfg["q_in_regs"] and cfg["qk_ahead"] and not cfg["debug"]):
         return ("share_kv's consumers hold Q in registers and issue Q.K ahead, with no timing "
                 "experiments: it needs q_in_regs, qk_ahead and no debug")
+    if mma == "tcgen05":
+        on = [k for k in WGMMA_ONLY if cfg[k]]
+        if on:
+            return (f"{', '.join(on)}: wgmma consumer knobs; the tcgen05 consumer reads Q from "
+                    "shared memory, waits on each MMA's mbarrier and has no pair mode: turn "
+                    "them off on this target")
+        if cfg["debug"]:
+            return "the timing experiments (debug) are written for the wgmma consumer only"
     if target is not None:
-        if smem_bytes(cfg, 64, head_dim) > target.max_shared_bytes:
-            return (f"shared memory {smem_bytes(cfg, 64, head_dim)} B over "
-                    f"{target.max_shared_bytes}")
+        smem = smem_bytes(cfg, 64, head_dim, mma or "wgmma")
+        if smem > target.max_shared_bytes:
+            return f"shared memory {smem} B over {target.max_shared_bytes}"
+        if mma == "tcgen05" and tmem_columns(cfg, 64, head_dim) > target.fact(
+                "tensor_memory_columns"):
+            return (f"tensor memory: {tmem_columns(cfg, 64, head_dim)} columns over the "
+                    f"{target.fact('tensor_memory_columns')} of an SM")
         threads = launch_warps(cfg, target) * target.warp_size
         if (maxnreg_for(cfg, target) * threads > target.registers_per_sm
                 or maxnreg_for(cfg, target) > target.max_registers_per_thread):
@@ -130,20 +161,30 @@ def check(spec: Spec, cfg: Mapping[str, Any], target: Target | None = None) -> s
     return None
 
 
+def mma_kind(spec: Spec, target: Target) -> str | None:
+    """The tensor-core instruction family the kernel is written for on `target`: "wgmma"
+    (Hopper) or "tcgen05" (Blackwell), from target.toml's [[mma]] entries; None for neither."""
+    for kind in MMA_KINDS:
+        if target.mma_for(kind, spec.dtype):
+            return kind
+    return None
+
+
 def render_gluon(spec: Spec, cfg: KernelConfig, target: Target) -> Source:
     """The Gluon kernel source for `spec` and the config's Gluon options (`options_of`) on a
-    target with wgmma (target.toml [[mma]] kind "wgmma")."""
-    if not target.mma_for("wgmma", spec.dtype):
-        raise ValueError(f"the Gluon warp-specialized kernel needs wgmma; target {target.name} "
-                         "lists none (targets/<t>/target.toml [[mma]])")
+    target with wgmma or tcgen05 (target.toml [[mma]] kind)."""
+    mma = mma_kind(spec, target)
+    if mma is None:
+        raise ValueError(f"the Gluon warp-specialized kernel needs wgmma or tcgen05; target "
+                         f"{target.name} lists neither (targets/<t>/target.toml [[mma]])")
     opts = options_of(cfg)
-    why = check(spec, opts)
+    why = check(spec, opts, mma=mma)
     if why:
         raise ValueError(why)
     name = f"{spec_basename(spec)}_{cfg.render_name}.py"
     return render(TEMPLATE, "triton", spec, cfg.render_options(), name, KERNEL_NAME, target,
                   block=spec.block_kv, head_dim=spec.head_dim, dtype=spec.dtype,
-                  gl_dtype=GL_DTYPES[spec.dtype], **opts)
+                  gl_dtype=GL_DTYPES[spec.dtype], arch=target.arch, mma=mma, **opts)
 
 
 def options_of(cfg: KernelConfig) -> dict[str, Any]:

@@ -339,6 +339,24 @@ def test_blackwell_rules_and_render():
     assert GLUON.violations(window, sm100, GLUON.default_config(window, sm100)) == []
 
 
+def test_blackwell_op_warns_that_it_never_ran(caplog):
+    import logging
+
+    from tilegen.backends.gluon import op as gluon_op
+
+    sm100 = get_target("sm_100a")
+    gluon_op._warned_unrun.discard(sm100.name)
+    with caplog.at_level(logging.WARNING, logger="tilegen"):
+        GLUON.make_op(Spec(), GLUON.default_config(Spec(), sm100), sm100)
+        GLUON.make_op(Spec(), GLUON.default_config(Spec(), sm100), sm100)  # once per target
+    said = [r.getMessage() for r in caplog.records if "never run" in r.getMessage()]
+    assert len(said) == 1 and "sm_100a" in said[0] and "backend='triton'" in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tilegen"):
+        GLUON.make_op(Spec(), GLUON.default_config(Spec(), SM90), SM90)  # Hopper ran: no word
+    assert not caplog.records
+
+
 @pytest.mark.parametrize("encoding", ["lut", "sliding_tile"])
 def test_blackwell_aot_compile_uses_tcgen05_without_spills(tmp_path, encoding):
     """The sm_100a build: tcgen05 MMAs (UTCHMMA) and tensor-memory loads in the SASS, no wgmma,

@@ -9,6 +9,7 @@ and mark the row."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -333,8 +334,21 @@ def test_blackwell_rules_and_render():
             Spec(), sm100, KernelConfig(options={**dict(cfg.options), knob: True})))
     assert any("debug" in p for p in GLUON.violations(
         Spec(), sm100, KernelConfig(options={**dict(cfg.options), "debug": "no_mma"})))
-    three = KernelConfig(options={**dict(cfg.options), "num_consumers": 3, "k_stages": 1})
-    assert any("tensor memory" in p for p in GLUON.violations(Spec(), sm100, three))
+    # tensor memory: S and P.V of a 64-row tile share one column range (lane halves), and the
+    # allocation is a power of two: 128 columns for one consumer at head_dim 128, 512 for three
+    from tilegen.backends.gluon.render import tmem_columns
+
+    assert [tmem_columns({"num_consumers": n}, 64, 128) for n in (1, 2, 3)] == [128, 256, 512]
+    assert tmem_columns({"num_consumers": 1}, 64, 64) == 64
+    three = KernelConfig(options={**dict(cfg.options), "num_consumers": 3, "k_stages": 1,
+                                  "consumer_regs": 160})
+    assert GLUON.violations(Spec(), sm100, three) == []
+    small = dataclasses.replace(sm100, extra={**sm100.extra, "tensor_memory_columns": 256})
+    assert any("tensor memory: 512 columns over the 256" in p
+               for p in GLUON.violations(Spec(), small, three))
+    # the wgmma-knob refusal names the target's consumer even where share_kv is the other problem
+    pair = KernelConfig(options={**dict(cfg.options), "share_kv": True})
+    assert any("wgmma consumer knobs" in p for p in GLUON.violations(Spec(), sm100, pair))
     window = Spec(encoding="sliding_tile", window=(3, 3, 3))
     assert GLUON.violations(window, sm100, GLUON.default_config(window, sm100)) == []
 
@@ -372,13 +386,16 @@ def test_blackwell_aot_compile_uses_tcgen05_without_spills(tmp_path, encoding):
         "cu = Path(triton.__file__).parent / 'backends/nvidia/bin/cuobjdump'\n"
         "sass = subprocess.run([str(cu), '--dump-sass', str(art.path)], capture_output=True,"
         " text=True, check=True).stdout\n"
+        "from tilegen.backends.gluon.render import options_of, smem_bytes\n"
+        "est = smem_bytes(options_of(cfg), 64, s.head_dim, 'tcgen05')\n"
         "print(art.spill_bytes, art.matrix_ops.get('UTCHMMA', 0), art.matrix_ops.get('HGMMA', 0),"
-        " sass.count('LDTM'))\n")
+        " sass.count('LDTM'), int(art.shared_bytes <= est))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          check=True).stdout.split()
-    spills, utc, hgmma, ldtm = (int(x) for x in out)
+    spills, utc, hgmma, ldtm, within = (int(x) for x in out)
     assert spills == 0 and utc > 0 and hgmma == 0 and ldtm > 0
+    assert within  # the rules' shared-memory estimate bounds what the compiler allocated
 
 
 def test_op_refuses_cpu_tensors():

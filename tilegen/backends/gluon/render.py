@@ -1,4 +1,5 @@
-"""Render the warp-specialized Gluon kernel (templates/gluon/lut_ws_kernel.py.j2) for sm_90a.
+"""Render the warp-specialized Gluon kernel (templates/gluon/lut_ws_kernel.py.j2) for sm_90a
+(wgmma consumer) or sm_100a (tcgen05 consumer).
 
 `render_gluon(spec, cfg, target)` returns the kernel source. Every decision is render context,
 taken from the KernelConfig's `options` (`options_of`):
@@ -53,6 +54,9 @@ DEFAULTS: dict[str, Any] = {
     "debug": "",
 }
 GL_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+#: shared memory the compiler adds to what `smem_bytes` counts (warp_specialize captures,
+#: the tensor-memory address slot, alignment; 276-616 B in the sm_90a and sm_100a builds)
+COMPILER_SMEM_SLACK = 1024
 #: the consumers the template writes, in order of preference: Hopper's wgmma (registers hold
 #: S and O), Blackwell's tcgen05 (S and P.V in tensor memory)
 MMA_KINDS = ("wgmma", "tcgen05")
@@ -80,8 +84,8 @@ def smem_bytes(cfg: Mapping[str, Any], block: int = 64, head_dim: int = 128,
     if mma == "tcgen05":  # P staged for its MMA, and the S and P.V completion barriers
         per += block * block * 2 + 2 * 8
     if cfg.get("share_kv"):  # two Q tiles, one K ring and one V ring for both consumers
-        return per + tile + 8
-    return cfg["num_consumers"] * per
+        return per + tile + 8 + COMPILER_SMEM_SLACK
+    return cfg["num_consumers"] * per + COMPILER_SMEM_SLACK
 
 
 def launch_warps(cfg: Mapping[str, Any], target: Target) -> int:
@@ -105,9 +109,12 @@ def maxnreg_for(cfg: Mapping[str, Any], target: Target) -> int:
 
 
 def tmem_columns(cfg: Mapping[str, Any], block: int = 64, head_dim: int = 128) -> int:
-    """Tensor-memory columns a tcgen05 CTA allocates: S (block) and P.V (head_dim) per consumer,
-    fp32 one column each."""
-    return cfg["num_consumers"] * (block + head_dim)
+    """Tensor-memory columns a tcgen05 CTA allocates: per consumer S (block columns of fp32) and
+    P.V (head_dim). A 64-row tile uses half of the 128 lanes, so Triton stacks the two in the
+    lane halves of one column range (P.V at lane 16 of each warp's block in the SASS); the
+    allocation is a power of two, at least 32 columns."""
+    per = max(block, head_dim) if block == 64 else block + head_dim
+    return max(32, 1 << (cfg["num_consumers"] * per - 1).bit_length())
 
 
 def check(spec: Spec, cfg: Mapping[str, Any], target: Target | None = None,
@@ -129,6 +136,14 @@ def check(spec: Spec, cfg: Mapping[str, Any], target: Target | None = None,
         return "the Gluon kernel reads BSHD only (TMA boxes over the (B*S, H*D) view)"
     if spec.encoding not in ("lut", "sliding_tile"):
         return "the Gluon kernel walks a LUT row or a sliding-tile window (pre-pass)"
+    if mma == "tcgen05":
+        on = [k for k in WGMMA_ONLY if cfg[k]]
+        if on:
+            return (f"{', '.join(on)}: wgmma consumer knobs; the tcgen05 consumer reads Q from "
+                    "shared memory, waits on each MMA's mbarrier and has no pair mode: turn "
+                    "them off on this target")
+        if cfg["debug"]:
+            return "the timing experiments (debug) are written for the wgmma consumer only"
     if spec.encoding == "sliding_tile" and cfg["share_kv"]:
         return "share_kv merges two LUT rows; sliding_tile has none (its windows overlap anyway)"
     if cfg["num_consumers"] not in (1, 2, 3):
@@ -138,14 +153,6 @@ def check(spec: Spec, cfg: Mapping[str, Any], target: Target | None = None,
     if cfg["share_kv"] and not (cfg["q_in_regs"] and cfg["qk_ahead"] and not cfg["debug"]):
         return ("share_kv's consumers hold Q in registers and issue Q.K ahead, with no timing "
                 "experiments: it needs q_in_regs, qk_ahead and no debug")
-    if mma == "tcgen05":
-        on = [k for k in WGMMA_ONLY if cfg[k]]
-        if on:
-            return (f"{', '.join(on)}: wgmma consumer knobs; the tcgen05 consumer reads Q from "
-                    "shared memory, waits on each MMA's mbarrier and has no pair mode: turn "
-                    "them off on this target")
-        if cfg["debug"]:
-            return "the timing experiments (debug) are written for the wgmma consumer only"
     if target is not None:
         smem = smem_bytes(cfg, 64, head_dim, mma or "wgmma")
         if smem > target.max_shared_bytes:

@@ -374,6 +374,49 @@ def reference(spec: Spec, cap: dict):
                           layout=spec.layout, block=spec.block_kv)
 
 
+
+@needs_clang
+def test_device_guard_around_the_kernel(host_builds) -> None:
+    """What the HIP op (and the CUDA op) does on the device with bad values, run here: the guard
+    (`tilegen.guard`, Triton under the interpreter) lets the kernel walk nothing of a bad row,
+    the rendered C++ (host executor) runs on the counts it wrote with the bad LUT, and the
+    post-pass writes NaN into the bad rows. Good rows pass the scoring rule against the fp32
+    reference of the same inputs; the error waits for `check()` (no host sync)."""
+    from tilegen.guard import ValueGuard
+    from tilegen.inputs import validate_inputs
+
+    spec, cfg = Spec(head_dim=64), DEFAULT
+    cap = small_problem(spec, with_counts=True)
+    q, k, v, idx, vbs, counts = args_of(cap)
+    idx, counts, vbs = idx.clone(), counts.clone(), vbs.clone()
+    nkv = vbs.numel()
+    counts[0, 0, 3] = TOPK
+    idx[0, 0, 3, TOPK - 1] = nkv + 5  # past NKV: never an address
+    counts[0, 1, 4] = -3  # a negative count
+    bad_cube = int(idx[0, 0, 6, 0])
+    counts[0, 0, 6] = max(int(counts[0, 0, 6]), 1)
+    vbs[bad_cube] = 200  # over the cube size: every row that walks it is bad
+    guard = ValueGuard(spec)
+    shapes = validate_inputs(spec, q, k, v, idx, vbs, counts, check_values=False)
+    walk, marks = guard.before(idx, vbs, counts, shapes)
+    o, lse = host_builds.HostKernel(spec, cfg)(q, k, v, idx, vbs, walk, check_values=False)
+    guard.after(marks, o, lse, None, shapes)
+    bad = marks.bool()
+    assert bad[0, 0, 3] and bad[0, 1, 4] and bad[0, 0, 6] and not bad.all()
+    rows = bad.repeat_interleave(spec.block_q, dim=2)  # (B, H, S)
+    o_bhsd = o.transpose(1, 2)
+    assert o_bhsd[rows].isnan().all() and lse[rows].isnan().all()
+    assert torch.isfinite(o_bhsd[~rows].float()).all()
+    # good rows: the fp32 reference of the same LUT (bad rows walk nothing there)
+    in_range = torch.where((idx >= 0) & (idx < nkv), idx, 0)  # the reference gathers all TOPK
+    o_ref, _ = attention_fp32(q, k, v, in_range, cap["vbs"], walk, layout="bshd", block=64)
+    keep = (~rows).transpose(1, 2)[..., None]  # (B, S, H, 1)
+    s = captures.score(torch.where(keep, o, 0), torch.where(keep, o_ref, 0).to(o.dtype))
+    assert s.passed, str(s)
+    with pytest.raises(ValueError, match="bad value"):
+        guard.check()
+
+
 # Deliberate bugs in the rendered C++ (never in the plan): (config, [(old, new, occurrence)]),
 # applied to render_hip(Spec(head_dim=64), config). Each must make the run fail: the scoring
 # rule, or the executor (a race between two wave orders, or divergent lanes).

@@ -115,8 +115,7 @@ class MaskAttention:
         """Validate (before any launch), convert, run the LUT op with counts."""
         validate_mask_inputs(self.spec, q, k, v, mask, vbs, check_values=False)
         idx, counts = mask_to_lut_device(mask)
-        # the C++ families' ops check values eagerly always and take no check_values
-        extra: dict[str, Any] = {"check_values": True} if check_values else {}
+        extra: dict[str, Any] = {"check_values": check_values}
         if return_max_prob:
             if not getattr(self.lut_op, "provides_max_prob", False):
                 raise ValueError(f"return_max_prob: the {self.lut_op.backend} family does not "

@@ -213,6 +213,9 @@ class CudaBlockSparseAttention:
         self._kernels: dict[tuple[int, bool, bool], tuple[CudaKernel, KernelConfig]] = {}
         self._targets: dict[int, Target] = {}
         self._lock = threading.Lock()
+        from tilegen.guard import ValueGuard
+
+        self.guard = ValueGuard(self.spec)
 
     def __repr__(self) -> str:
         cfg = self._config.name if self._config else "target default"
@@ -259,13 +262,17 @@ class CudaBlockSparseAttention:
         return found
 
     def __call__(self, q, k, v, topk_idx, vbs, counts=None, *, sm_scale: float | None = None,
-                 return_lse: bool = True, return_max_prob: bool = False):
-        """Validate (`tilegen.ops.validate_inputs`), then launch. Returns (o, lse), or o when
-        return_lse=False, or `AttentionOutput` with return_max_prob=True (the same call as the
-        Triton op)."""
+                 return_lse: bool = True, return_max_prob: bool = False,
+                 check_values: bool = False):
+        """Validate shapes on the host (`tilegen.inputs.validate_inputs`) and values on the
+        device (`tilegen.guard`: a bad row comes out NaN, the error is raised by a later call
+        or `check()`; ``check_values=True`` checks them before the launch instead, one sync),
+        then launch. Returns (o, lse), or o when return_lse=False, or `AttentionOutput` with
+        return_max_prob=True (the same call as the Triton op)."""
         from tilegen.inputs import check_sm_scale, needs_grad, validate_inputs
 
-        shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts)
+        shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
+                                 check_values=check_values)
         check_sm_scale(sm_scale)
         if needs_grad(q, k, v):
             from tilegen.backends.triton.op import differentiable_op
@@ -283,13 +290,19 @@ class CudaBlockSparseAttention:
             split = self.spec.block_q // self.kernel(q.device, return_lse, True)[1].block_m > 1
             mp = empty_buffers(shapes.batch, shapes.heads, shapes.seq_len, shapes.num_q_blocks,
                                q.device, zero_cube=split)
-        o, lse = self.launch(q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale,
+        walk, marks = self.guard.before(topk_idx, vbs, counts, shapes)
+        o, lse = self.launch(q, k, v, topk_idx, vbs, walk, sm_scale=sm_scale,
                              store_lse=return_lse, shapes=shapes, max_prob_out=mp)
+        self.guard.after(marks, o, lse if return_lse else None, mp, shapes)
         if mp is not None:
             from tilegen.maxprob import AttentionOutput
 
             return AttentionOutput(o, lse if return_lse else None, *mp)
         return (o, lse) if return_lse else o
+
+    def check(self) -> None:
+        """Wait for this op's launches and raise ValueError if any met a bad value."""
+        self.guard.check()
 
     def launch(self, q, k, v, topk_idx, vbs, counts=None, *, sm_scale: float | None = None,
                store_lse: bool = True, out=None, shapes=None, max_prob_out=None):

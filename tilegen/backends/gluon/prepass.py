@@ -7,8 +7,9 @@ share_kv) plans the union of two neighbouring rows. Both end in the same plannin
 
 One program per LUT row (b, h, query cube). For its first n = counts[row] (or TOPK) entries it
 
-* checks the values without a host sync: index in [0, NKV), vbs[index] in 1..64, counts in
-  0..TOPK (duplicates are not checked). A bad value sets a bit in the device flag `err`
+* checks the values without a host sync (`tilegen.guard.row_entries`, shared with the C++
+  families' guard): index in [0, NKV), vbs[index] in 1..64, counts in 0..TOPK (duplicates
+  are not checked). A bad value sets a bit in the device flag `err`
   (1 index, 2 vbs, 4 counts) and marks the row (meta n_tiles = -1): the kernel loads nothing for
   it and writes NaN into its output. No out-of-range address is ever formed.
 * sorts the row's cubes by a stable counting sort over five ranks:
@@ -26,28 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _row_entries(LUT, COUNTS, VBS, row, row_live, NKV, TOPK, HAS_COUNTS: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
-    """Load and check the first n entries of one LUT row: (cube, vbs, live, error bits).
-    No address is formed from an unchecked value."""
-    offs = tl.arange(0, BLOCK_T)
-    if HAS_COUNTS:
-        n = tl.load(COUNTS + row, mask=row_live, other=0)
-    else:
-        n = tl.where(row_live, TOPK, 0)
-    bad_n = (n < 0) | (n > TOPK)
-    n = tl.where(bad_n, 0, n)
-    live = offs < n
-    idx = tl.load(LUT + row * TOPK + offs, mask=live, other=0)
-    bad_i = live & ((idx < 0) | (idx >= NKV))
-    cube = tl.where(live & ~bad_i, idx, 0)
-    v = tl.load(VBS + cube, mask=live & ~bad_i, other=BLOCK)
-    bad_v = live & ((v < 1) | (v > BLOCK))
-    err = (tl.max(bad_i.to(tl.int32), 0) | (tl.max(bad_v.to(tl.int32), 0) * 2)
-           | (bad_n.to(tl.int32) * 4))
-    return cube, v, live, err
+from tilegen.guard import row_entries
 
 
 @triton.jit
@@ -56,7 +36,7 @@ def _window_entries(WINDOWS, VBS, row, num_heads, nq, GT, GH, GW, BLOCK_T: tl.co
     """The sliding-tile window of one row (b, h, query cube), from coordinates (no index
     tensor): row-major over the window, its centre clamped so it stays inside the cube grid
     (STA; `tilegen.encodings.window_cubes` is the PyTorch model). Same outputs as
-    `_row_entries`; the windows fit the grid (`Spec.window`), so only vbs can be bad."""
+    `row_entries`; the windows fit the grid (`Spec.window`), so only vbs can be bad."""
     bh = row // nq
     qc = row - bh * nq
     h = bh % num_heads
@@ -83,7 +63,7 @@ def _gluon_lut_prepass(LUT, COUNTS, VBS, SIDX, TINFO, META, ERR, NKV, TOPK,
                        HAS_COUNTS: tl.constexpr, PACK: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    cube, v, live, err = _row_entries(LUT, COUNTS, VBS, row, True, NKV, TOPK, HAS_COUNTS,
+    cube, v, live, err = row_entries(LUT, COUNTS, VBS, row, True, NKV, TOPK, HAS_COUNTS,
                                       BLOCK_T, BLOCK)
     _plan_row(cube, v, live, err, row, SIDX, TINFO, META, ERR, TOPK, PACK, BLOCK)
 
@@ -173,9 +153,9 @@ def _gluon_pair_prepass(LUT, COUNTS, VBS, SIDX, TINFO, TMASK, META, ERR, NKV, TO
     qa = (pair - bh * n_pairs) * 2
     row_a = bh * NQ + qa
     b_live = qa + 1 < NQ
-    ca, va, la, err_a = _row_entries(LUT, COUNTS, VBS, row_a, True, NKV, TOPK, HAS_COUNTS,
+    ca, va, la, err_a = row_entries(LUT, COUNTS, VBS, row_a, True, NKV, TOPK, HAS_COUNTS,
                                      BLOCK_T, BLOCK)
-    cb, vb, lb, err_b = _row_entries(LUT, COUNTS, VBS, row_a + 1, b_live, NKV, TOPK,
+    cb, vb, lb, err_b = row_entries(LUT, COUNTS, VBS, row_a + 1, b_live, NKV, TOPK,
                                      HAS_COUNTS, BLOCK_T, BLOCK)
     # a row with a bad value contributes nothing (its consumer writes NaN)
     la = la & (err_a == 0)

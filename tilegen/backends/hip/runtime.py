@@ -177,6 +177,9 @@ class HipBlockSparseAttention:
         self.plan = plan_for(spec, config, target)
         self.kernel = HipKernel.from_artifact(artifact)
         self._max_prob_kernel: HipKernel | None = None
+        from tilegen.guard import ValueGuard
+
+        self.guard = ValueGuard(spec)
 
     def max_prob_kernel(self) -> HipKernel:
         """The config's kernel with the signal (`KernelConfig.store_max_prob`), built once."""
@@ -194,10 +197,12 @@ class HipBlockSparseAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  topk_idx: torch.Tensor, vbs: torch.Tensor, counts: torch.Tensor | None = None,
                  *, sm_scale: float | None = None, return_lse: bool = True,
-                 return_max_prob: bool = False) -> Any:
-        """Validate (as `tilegen.ops` does), then launch; (o, lse), or o when return_lse=False,
-        or `AttentionOutput` with return_max_prob=True."""
-        shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts)
+                 return_max_prob: bool = False, check_values: bool = False) -> Any:
+        """Validate shapes on the host and values on the device (`tilegen.guard`, as the CUDA
+        op; ``check_values=True`` checks them eagerly), then launch; (o, lse), or o when
+        return_lse=False, or `AttentionOutput` with return_max_prob=True."""
+        shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
+                                 check_values=check_values)
         check_sm_scale(sm_scale)
         if needs_grad(q, k, v):
             from tilegen.backends.triton.op import differentiable_op
@@ -212,11 +217,17 @@ class HipBlockSparseAttention:
         if return_max_prob:  # every row-owning wave adds to the cube: always zeroed
             mp = empty_buffers(shapes.batch, shapes.heads, shapes.seq_len, shapes.num_q_blocks,
                                q.device, zero_cube=True)
-        o, lse = self.launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
+        walk, marks = self.guard.before(topk_idx, vbs, counts, shapes)
+        o, lse = self.launch(q, k, v, topk_idx, vbs, walk, shapes=shapes, sm_scale=sm_scale,
                              max_prob_out=mp)
+        self.guard.after(marks, o, lse, mp, shapes)
         if mp is not None:
             return AttentionOutput(o, lse if return_lse else None, *mp)
         return (o, lse) if return_lse else o
+
+    def check(self) -> None:
+        """Wait for this op's launches and raise ValueError if any met a bad value."""
+        self.guard.check()
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.Tensor,
                vbs: torch.Tensor, counts: torch.Tensor | None = None, *,

@@ -8,7 +8,8 @@ Wan2.2 captures with an outlier head, in one process:
   launch (`op.launch` on validated inputs, preallocated output), same inputs, same run;
 - the op makes no host sync (`torch.cuda.set_sync_debug_mode("error")` around a call), can be
   captured in a CUDA graph and replayed with the same output, and a bad index gives NaN rows
-  and a ValueError on the next call / on `op.check()`.
+  and a ValueError on the next call / on `op.check()`; the CUDA C++ family too, whose values
+  `tilegen.guard` checks (when nvcc and cuda-bindings are there).
 
     python bench/h200_check.py [--seeds 2] [--json out.json]
 """
@@ -141,6 +142,10 @@ def main() -> int:
     ops = {"reference": tilegen.load(spec, REFERENCE_CONFIG),
            "load(spec)": tilegen.load(spec),
            "gluon": tilegen.load(spec, backend="gluon")}
+    try:  # the C++ family: values checked by tilegen.guard (no sync), never yet run on a GPU
+        ops["cuda"] = tilegen.load(spec, backend="cuda")
+    except Exception as exc:  # no nvcc or cuda-bindings here: say so, check the rest
+        print(f"cuda family left out: {type(exc).__name__}: {exc}", flush=True)
     for name, op in ops.items():
         print(f"{name}: {op!r}", flush=True)
     rows: list[dict] = []

@@ -62,6 +62,27 @@ def test_build_triton_writes_source_binary_manifest(tmp_path, target, kind):
     assert bwd[0]["matrix_ops"] == {}
 
 
+def test_build_leaves_out_a_family_that_cannot_build_the_spec(tmp_path):
+    """A BHSD spec: the Gluon family reads BSHD only, so a plain build leaves it out and says
+    why; naming it with --backend gives the error instead. Any family can be built alone."""
+    (tmp_path / "bhsd.toml").write_text(Spec(layout="bhsd").to_toml())
+    res = tilegen("build", "--target", "sm_90", "--spec", str(tmp_path / "bhsd.toml"),
+                  "--backend", "triton", "--out", str(tmp_path / "one"))
+    assert "gluon" not in res.stdout
+    res = tilegen("build", "--target", "sm_100a", "--spec", str(tmp_path / "bhsd.toml"),
+                  "--out", str(tmp_path / "all"))
+    manifest = json.loads((tmp_path / "all" / "manifest.json").read_text())
+    assert {a["backend"] for a in manifest["artifacts"]} == {"triton", "cuda"}
+    assert [s for s in manifest["skipped"] if s.startswith("sm_100a/gluon: ")]
+    assert "BSHD only" in res.stdout
+    res = tilegen("build", "--target", "sm_100a", "--spec", str(tmp_path / "bhsd.toml"),
+                  "--backend", "gluon", "--out", str(tmp_path / "g"), check=False)
+    assert res.returncode != 0 and "BSHD only" in res.stderr
+    tilegen("build", "--target", "sm_100a", "--backend", "gluon", "--out", str(tmp_path / "bw"))
+    (art,) = json.loads((tmp_path / "bw" / "manifest.json").read_text())["artifacts"]
+    assert art["backend"] == "gluon" and art["matrix_ops"].get("UTCHMMA", 0) > 0
+
+
 def test_build_with_spec_file_and_config(tmp_path):
     spec = Spec(head_dim=64, dtype="fp16", layout="bhsd")
     (tmp_path / "s.toml").write_text(spec.to_toml())

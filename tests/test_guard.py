@@ -59,9 +59,23 @@ def test_guard_marks_exactly_the_rows_with_a_bad_value(seed):
     assert word & 1 and word & 4 and bool(word & 2) == any(
         3 in idx[0, h, q, :int(counts[0, h, q])].tolist()
         for h in range(H) for q in range(NQ) if 0 <= int(counts[0, h, q]) <= TOPK)
-    with pytest.raises(ValueError, match="bad value"):
+    with pytest.raises(ValueError, match="bad value") as err:
         guard.check()
+    said = str(err.value)  # the kinds it met, by name
+    assert "topk_idx entry outside" in said and "count outside" in said
+    assert ("vbs entry" in said) == bool(word & 2)
     guard.check()  # raised once: the word is cleared
+
+
+def test_error_names_only_the_kinds_met():
+    idx, counts, vbs = _lut(4)
+    counts[0, 1, 3] = TOPK + 2
+    guard = ValueGuard(Spec(head_dim=64))
+    guard.before(idx, vbs, counts, _shapes())
+    with pytest.raises(ValueError, match="bad value") as err:
+        guard.check()
+    assert "count outside 0..TOPK" in str(err.value)
+    assert "topk_idx entry" not in str(err.value) and "vbs entry" not in str(err.value)
 
 
 def test_guard_without_counts_walks_topk_and_good_inputs_raise_nothing():

@@ -229,6 +229,7 @@ def test_default_variants_compile_within_budget(spec: Spec, compiled) -> None:
     # the code object runs on the plan's MFMA and nothing else (llvm-objdump's spelling:
     # v_mfma_f32_16x16x16_bf16 for the plan's v_mfma_f32_16x16x16bf16_1k)
     shape = re.search(r"\d+x\d+x\d+", plan.mfma_name).group(0)
+    assert art.matrix_ops is not None, "llvm-objdump-19 not found: apt-get install -y llvm-19"
     assert art.matrix_ops and all(shape in op for op in art.matrix_ops), art.matrix_ops
 
 

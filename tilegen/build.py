@@ -44,9 +44,10 @@ def plan(spec: Spec, target: Target, config: KernelConfig | None = None,
     raise before anything renders.
 
     A spec is built as its kernel (`Spec.kernel_spec`: a mask spec builds the LUT kernels it
-    runs). Without `backends`, a family that does not implement the spec's encoding is left
-    out, its reason appended to `skipped`; a family named in `backends` that cannot raises, and
-    so does a target none of whose families can."""
+    runs). Without `backends`, a family that cannot compute the spec (its encoding, layout,
+    cube size, ...), or whose default config does not fit it when no `config` is given, is
+    left out, its reason appended to `skipped`; a family named in `backends` that cannot
+    raises, and so does a target none of whose families can."""
     spec = spec.kernel_spec
     chosen = backends or target.backends
     unknown = [b for b in chosen if b not in target.backends]
@@ -63,6 +64,13 @@ def plan(spec: Spec, target: Target, config: KernelConfig | None = None,
             reasons.append(f"{target.name}/{impl.name}: " + "; ".join(refused))
             continue
         cfg = config or impl.default_config(spec, target)
+        problems = impl.violations(spec, target, cfg)
+        if problems and config is None and backends is None:
+            # its default config does not fit this spec: left out with the reason, as above
+            reasons.append(f"{target.name}/{impl.name}: its default config {cfg.name} does not "
+                           f"fit the spec (" + "; ".join(problems) + "); pass --config or "
+                           "--backend to build it")
+            continue
         impl.check(spec, target, cfg)
         items.extend(PlannedSource(impl.name, cfg, src) for src in impl.sources(spec, cfg, target))
     if not items:

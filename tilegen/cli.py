@@ -10,13 +10,14 @@ import sys
 import time
 from pathlib import Path
 
+from tilegen.backends import names as backend_names
 from tilegen.compile import CompileError, ToolchainMissing, format_matrix_ops
 from tilegen.config import KernelConfig
 from tilegen.spec import Spec
 from tilegen.targets import TARGET_NAMES, get_target
 
 EPILOG = """examples:
-  tilegen build --target sm_90 --out build/sm_90      # Triton cubin (+ CUDA) for H100/H200
+  tilegen build --target sm_90 --out build/sm_90      # Triton, Gluon and CUDA cubins for H100/H200
   tilegen build --target gfx942 --spec my.toml        # MI300 code objects for a custom spec
   tilegen captures synthesize --out caps/ --seed 0    # Wan2.2-like capture files
   tilegen bench --captures caps/                      # score + time on the current GPU
@@ -252,15 +253,17 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("build", help="render and compile every backend of a target (no GPU needed)",
                        description="Render the spec's kernels for TARGET and compile them ahead "
-                       "of time (Triton cubin/hsaco, plus the target's C++ backend). Writes "
-                       "sources, binaries and manifest.json (hashes, compiler versions, "
-                       "registers, shared memory, spills) under --out.")
+                       "of time, every family of the target (Triton cubin/hsaco, the Gluon "
+                       "cubin on sm_90/sm_100a, the CUDA or HIP C++). Writes sources, binaries "
+                       "and manifest.json (hashes, compiler versions, registers, shared memory, "
+                       "spills, and the matrix instructions in each binary: mma=) under --out. "
+                       "A family that cannot build the spec is left out, naming why.")
     p.add_argument("--target", required=True, choices=TARGET_NAMES)
     p.add_argument("--spec", help="spec file (.toml or .json); default: the Wan2.2 workload spec")
     p.add_argument("--out", help="output directory (default: build/TARGET)")
     p.add_argument("--config", help="KernelConfig as JSON text or a JSON file "
                    "(default: the target's default config from targets/TARGET/target.toml)")
-    p.add_argument("--backend", action="append", choices=["triton", "cuda", "hip"],
+    p.add_argument("--backend", action="append", choices=backend_names(),
                    help="only this backend (repeatable; default: every backend of the target)")
     p.set_defaults(func=cmd_build)
 

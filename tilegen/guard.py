@@ -91,7 +91,7 @@ class ValueGuard:
         self.block_q = spec.block_q  # query tokens of a row: what the post-pass poisons
         self.block_kv = spec.block_kv  # the largest valid vbs
         self.layout = spec.layout
-        self.errors = DeviceErrorFlag()
+        self.errors = DeviceErrorFlag(kinds=True)
 
     def before(self, topk_idx: torch.Tensor, vbs: torch.Tensor, counts: torch.Tensor | None,
                shapes: Shapes) -> tuple[torch.Tensor, torch.Tensor]:

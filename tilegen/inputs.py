@@ -215,6 +215,11 @@ def needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+#: the error word's bits where a kernel tells the kinds apart (`DeviceErrorFlag(kinds=True)`)
+ERROR_KINDS = {1: "a topk_idx entry outside [0, NKV)", 2: "a vbs entry outside 1..block",
+               4: "a count outside 0..TOPK"}
+
+
 class DeviceErrorFlag:
     """An int32 error word the kernel sets on the device when it meets a bad index, vbs or count,
     read back without a host sync.
@@ -222,9 +227,14 @@ class DeviceErrorFlag:
     After each launch the word is copied to pinned host memory on the launch stream and an event
     is recorded; the next call looks at it only once that event has completed (no waiting).
     `check()` waits and raises. During CUDA graph capture nothing is copied: the kernel still
-    sets the word, and `check()` after a replay reads it."""
+    sets the word, and `check()` after a replay reads it.
 
-    def __init__(self) -> None:
+    ``kinds=True``: the kernels set one bit per kind of bad value (`ERROR_KINDS`: 1 index,
+    2 vbs, 4 counts; the Gluon pre-pass and `tilegen.guard`) and the error names them; the
+    Triton kernels store 1 for any kind, so their error names none."""
+
+    def __init__(self, kinds: bool = False) -> None:
+        self.kinds = kinds
         self._dev: dict[torch.device, torch.Tensor] = {}
         self._host: dict[torch.device, torch.Tensor] = {}
         self._event: dict[torch.device, torch.cuda.Event] = {}
@@ -273,7 +283,9 @@ class DeviceErrorFlag:
             self._dev[device].zero_()
             if device in self._host:
                 self._host[device].zero_()
+            found = [what for bit, what in ERROR_KINDS.items() if word & bit] if self.kinds else []
             raise ValueError(
-                "an earlier block-sparse attention call met a bad value (a topk_idx entry "
-                "outside [0, NKV), a vbs entry outside 1..block or a count outside 0..TOPK); "
-                "the rows it touched came out NaN. Call with check_values=True to find it.")
+                "an earlier block-sparse attention call met a bad value ("
+                + (" and ".join(found) if found else "a topk_idx entry outside [0, NKV), a vbs "
+                   "entry outside 1..block or a count outside 0..TOPK")
+                + "); the rows it touched came out NaN. Call with check_values=True to find it.")

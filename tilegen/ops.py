@@ -105,10 +105,11 @@ def load(spec: Spec | None = None, config: KernelConfig | None = None, *,
     The op's arguments follow the spec's encoding: ``op(q, k, v, topk_idx, vbs, counts=None)``
     (lut), ``op(q, k, v, mask, vbs)`` (mask: `tilegen.encodings.MaskAttention`, the family's
     LUT op behind an on-device conversion) and ``op(q, k, v, vbs)`` (sliding_tile: the Triton
-    family; the other families refuse it, naming why).
+    and Gluon families; CUDA and HIP refuse it, naming why).
 
     `backend` names a kernel family of the registry (`tilegen.backends.names()`): "triton"
-    (CUDA and ROCm GPUs, the interpreter, CPU), "gluon" (the warp-specialized Hopper kernel),
+    (CUDA and ROCm GPUs, the interpreter, CPU), "gluon" (the warp-specialized kernel: wgmma on
+    Hopper, tcgen05 on Blackwell, the latter built but never run),
     "cuda" (CK-style CUDA C++ through nvcc and the CUDA driver API) or "hip" (CK-style HIP C++
     through clang-19 and hip-python). None (the default) takes the family of the fastest tuned
     winner for this device, else "triton". A pinned `config` without a backend is a Triton

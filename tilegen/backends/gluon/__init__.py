@@ -26,11 +26,14 @@ class GluonBackend(Backend):
     def spec_violations(self, spec: Spec, target: Target) -> list[str]:
         problems = super().spec_violations(spec, target)
         if not problems:
-            from tilegen.backends.gluon.render import mma_kind
+            from tilegen.backends.gluon.render import mma_kind, spec_problem
 
             if mma_kind(spec, target) is None:
                 problems.append(f"the Gluon kernel needs wgmma (Hopper) or tcgen05 "
                                 f"(Blackwell); target {target.name} lists neither")
+            why = spec_problem(spec)
+            if why:
+                problems.append(why)
         return problems
 
     def config_violations(self, spec: Spec, target: Target, cfg: KernelConfig) -> list[str]:

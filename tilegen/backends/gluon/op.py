@@ -52,7 +52,7 @@ class GluonBlockSparseAttention:
         self.config = config
         self.target = target
         self.config_source = config_source
-        self.errors = DeviceErrorFlag()
+        self.errors = DeviceErrorFlag(kinds=True)
         self._launches: dict[bool, object] = {}
 
     def __repr__(self) -> str:

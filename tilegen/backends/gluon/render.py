@@ -117,25 +117,31 @@ def tmem_columns(cfg: Mapping[str, Any], block: int = 64, head_dim: int = 128) -
     return max(32, 1 << (cfg["num_consumers"] * per - 1).bit_length())
 
 
-def check(spec: Spec, cfg: Mapping[str, Any], target: Target | None = None,
-          mma: str | None = None) -> str | None:
-    """Why this spec/config cannot be rendered or launched, or None. `mma` (the consumer's
-    instruction family) defaults to the target's (`mma_kind`)."""
-    if mma is None and target is not None:
-        mma = mma_kind(spec, target)
-    block_q = spec.block_q
-    block_kv = spec.block_kv
-    head_dim = spec.head_dim
-    if block_q != 64 or block_kv != 64:
+def spec_problem(spec: Spec) -> str | None:
+    """Why the kernel cannot compute `spec` with any config, or None."""
+    if spec.block_q != 64 or spec.block_kv != 64:
         return "the Gluon kernel takes 64-token query and KV cubes only"
-    if head_dim not in (64, 128):
-        return f"head_dim {head_dim}: the Gluon kernel takes 64 or 128"
+    if spec.head_dim not in (64, 128):
+        return f"head_dim {spec.head_dim}: the Gluon kernel takes 64 or 128"
     if spec.dtype not in GL_DTYPES:
         return "dtype must be bf16 or fp16"
     if spec.layout != "bshd":
         return "the Gluon kernel reads BSHD only (TMA boxes over the (B*S, H*D) view)"
     if spec.encoding not in ("lut", "sliding_tile"):
         return "the Gluon kernel walks a LUT row or a sliding-tile window (pre-pass)"
+    return None
+
+
+def check(spec: Spec, cfg: Mapping[str, Any], target: Target | None = None,
+          mma: str | None = None) -> str | None:
+    """Why this spec/config cannot be rendered or launched, or None. `mma` (the consumer's
+    instruction family) defaults to the target's (`mma_kind`)."""
+    if mma is None and target is not None:
+        mma = mma_kind(spec, target)
+    why = spec_problem(spec)
+    if why:
+        return why
+    head_dim = spec.head_dim
     if mma == "tcgen05":
         on = [k for k in WGMMA_ONLY if cfg[k]]
         if on:

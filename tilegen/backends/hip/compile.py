@@ -17,7 +17,7 @@ from tilegen.compile import Artifact, CompileError, ToolchainMissing, matrix_ops
 from tilegen.render import Source
 from tilegen.targets import Target
 
-INSTALL_HINT = "apt-get install -y clang-19 lld-19"
+INSTALL_HINT = "apt-get install -y clang-19 lld-19 llvm-19"
 
 # -- toolchain ---------------------------------------------------------------------------------
 def find_clang() -> Path:

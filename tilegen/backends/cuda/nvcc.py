@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from tilegen import cache
-from tilegen.backends.triton.aot import cubin_matrix_ops
 from tilegen.compile import Artifact, CompileError, ToolchainMissing
 from tilegen.config import KernelConfig
+from tilegen.cubin import cubin_matrix_ops
 from tilegen.render import Source, render, spec_basename
 from tilegen.spec import Spec
 from tilegen.targets import Target

@@ -8,14 +8,10 @@ from pathlib import Path
 from tilegen import cache
 from tilegen.backends.gluon.launch import compile_offline
 from tilegen.backends.gluon.render import options_of
-from tilegen.backends.triton.aot import (
-    _ptxas_version,
-    _require_compiled_mode,
-    cubin_matrix_ops,
-    cubin_resources,
-)
+from tilegen.backends.triton.aot import _require_compiled_mode
 from tilegen.compile import Artifact, CompileError
 from tilegen.config import KernelConfig
+from tilegen.cubin import cubin_matrix_ops, cubin_resources, ptxas_version
 from tilegen.render import Source
 from tilegen.spec import Spec
 from tilegen.targets import Target
@@ -50,6 +46,6 @@ def compile_gluon(spec: Spec, cfg: KernelConfig, target: Target, source: Source,
         registers=res.get("registers"), shared_bytes=meta.shared,
         spill_bytes=res.get("local_bytes"), stack_bytes=res.get("stack_bytes"),
         threads=meta.num_warps * target.warp_size,
-        compiler={"triton": triton.__version__, "ptxas": _ptxas_version()},
+        compiler={"triton": triton.__version__, "ptxas": ptxas_version()},
         matrix_ops=cubin_matrix_ops(path),
     )

@@ -110,11 +110,10 @@ def maxnreg_for(cfg: Mapping[str, Any], target: Target) -> int:
 
 def tmem_columns(cfg: Mapping[str, Any], block: int = 64, head_dim: int = 128) -> int:
     """Tensor-memory columns a tcgen05 CTA allocates: per consumer S (block columns of fp32) and
-    P.V (head_dim). A 64-row tile uses half of the 128 lanes, so Triton stacks the two in the
-    lane halves of one column range (P.V at lane 16 of each warp's block in the SASS); the
-    allocation is a power of two, at least 32 columns."""
-    per = max(block, head_dim) if block == 64 else block + head_dim
-    return max(32, 1 << (cfg["num_consumers"] * per - 1).bit_length())
+    P.V (head_dim). A 64-row tile (the only block `spec_problem` admits) uses half of the 128
+    lanes, so Triton stacks the two in the lane halves of one column range (P.V at lane 16 of
+    each warp's block in the SASS); the allocation is a power of two, at least 32 columns."""
+    return max(32, 1 << (cfg["num_consumers"] * max(block, head_dim) - 1).bit_length())
 
 
 def spec_problem(spec: Spec) -> str | None:

@@ -4,14 +4,13 @@
 CPU: ptxas (bundled in the wheel) for NVIDIA cubins, and Triton's in-process LLVM + lld for AMD
 code objects. `triton/tools/compile.py` is not used: it asks a driver for the current target.
 The resource report comes from the compiled kernel's metadata and, for cubins, from the
-bundled `cuobjdump --dump-resource-usage`.
+bundled cuobjdump (`tilegen.cubin`).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from tilegen.backends.triton.jit import load_triton, triton_imported_interpreted
 from tilegen.backends.triton.render import TRITON_KERNEL_NAME, render_triton
 from tilegen.compile import Artifact, CompileError, matrix_ops
 from tilegen.config import KernelConfig
+from tilegen.cubin import cubin_matrix_ops, cubin_resources, ptxas_version
 from tilegen.render import Source
 from tilegen.spec import Spec
 from tilegen.targets import Target
@@ -55,44 +55,6 @@ def triton_version() -> str:
     import triton
 
     return triton.__version__
-
-
-def _cuobjdump() -> Path:
-    import triton
-
-    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-
-
-def _ptxas_version() -> str:
-    import triton
-
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    try:
-        out = subprocess.run([str(ptxas), "--version"], capture_output=True, text=True,
-                             check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    m = re.search(r"release ([\d.]+)", out)
-    return m.group(1) if m else out.strip().splitlines()[-1]
-
-
-def cubin_resources(cubin: Path) -> dict[str, int]:
-    """Registers, shared memory, stack and spill bytes of a cubin, via cuobjdump."""
-    out = subprocess.run([str(_cuobjdump()), "--dump-resource-usage", str(cubin)],
-                         capture_output=True, text=True)
-    res: dict[str, int] = {}
-    m = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", out.stdout)
-    if m:
-        res = {"registers": int(m.group(1)), "stack_bytes": int(m.group(2)),
-               "static_shared": int(m.group(3)), "local_bytes": int(m.group(4))}
-    return res
-
-
-def cubin_matrix_ops(cubin: Path) -> dict[str, int] | None:
-    """The cubin's matrix instructions by mnemonic (cuobjdump --dump-sass)."""
-    proc = subprocess.run([str(_cuobjdump()), "--dump-sass", str(cubin)], capture_output=True,
-                          text=True)
-    return matrix_ops(proc.stdout) if proc.returncode == 0 else None
 
 
 def _require_compiled_mode() -> None:
@@ -216,7 +178,7 @@ def _compile_kernel(source: Source, kernel: str, sig: dict[str, str], constexprs
         registers = res.get("registers")
         spills = res.get("local_bytes")
         stack = res.get("stack_bytes")
-        compiler = {"triton": triton.__version__, "ptxas": _ptxas_version()}
+        compiler = {"triton": triton.__version__, "ptxas": ptxas_version()}
         agprs = None
         mma = cubin_matrix_ops(path)
     else:

@@ -15,6 +15,7 @@ import torch
 
 from tilegen import bench, captures
 from tilegen.cli import BENCH_SWEEP, main
+from tilegen.config import reference_config
 from tilegen.reference import attention_fp32
 from tilegen.spec import Spec
 
@@ -90,7 +91,7 @@ def test_plan_lists_variants_and_topks(tmp_path):
     for word in ("312 (50.0%)", "31 (95.0%)", "flex", "sdpa-cudnn", "gluon", "fp32 oracle",
                  "4 * D"):
         assert word in text
-    bare = bench.make_plan(Spec(), flex=False, dense=False, config=bench.reference_config())
+    bare = bench.make_plan(Spec(), flex=False, dense=False, config=reference_config())
     assert [v.label for v in bare.variants] == ["reference", "config"]
 
 
@@ -403,7 +404,7 @@ def test_backward_rows_exit_status_and_plot(tmp_path):
     pt = bench.Point("p", spec, seed=0)
 
     def row(label, backend="triton", **kw):
-        r = bench._new_row(pt, spec, {}, label, "backward", backend)
+        r = bench.new_row(pt, spec, {}, label, "backward", backend)
         for k, v in kw.items():
             setattr(r, k, v)
         return r

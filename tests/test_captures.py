@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from tilegen import captures, layout
+from tilegen.captures import files as capture_files
+from tilegen.captures import synthesis
 
 SMALL = dict(grid=(9, 12, 16), heads=4, head_dim=64, topk=6)  # 3x3x4 = 36 cubes
 
@@ -146,11 +148,11 @@ def test_fast_rope_is_bit_identical_to_the_real_form():
     # (x0 cos - x1 sin, x0 sin + x1 cos), so the same seed keeps giving the same captures
     g = torch.Generator().manual_seed(0)
     x = torch.randn((3, 1000, 64), generator=g) * 7
-    cos, sin = captures._rope_tables((10, 10, 10), 64, torch.device("cpu"))
+    cos, sin = synthesis._rope_tables((10, 10, 10), 64, torch.device("cpu"))
     xp = x.view(3, 1000, 32, 2)
     x0, x1 = xp[..., 0], xp[..., 1]
     want = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).view_as(x)
-    assert torch.equal(captures._apply_rope(x, cos, sin), want)
+    assert torch.equal(synthesis._apply_rope(x, cos, sin), want)
 
 
 def test_synthesize_validation():
@@ -356,7 +358,7 @@ def test_load_without_checksum_notes_it_once(tmp_path, small_cap, caplog, monkey
     raw["idx"] = small_cap["topk_idx"]
     for name in ("a.pt", "b.pt"):
         torch.save(raw, tmp_path / name)  # the seed's / real captures' format: no checksums
-    monkeypatch.setattr(captures, "_NOTED_UNCHECKED", False)
+    monkeypatch.setattr(capture_files, "_NOTED_UNCHECKED", False)
     with caplog.at_level(logging.INFO, logger="tilegen"):
         a = captures.load(tmp_path / "a.pt")
         captures.load(tmp_path / "b.pt")
@@ -372,6 +374,184 @@ def test_load_rejects_a_damaged_checksum_record(tmp_path, small_cap):
         with pytest.raises(ValueError, match="checksum") as err:
             captures.load(tmp_path / "x.pt")
         assert "x.pt" in str(err.value)
+
+
+
+# The contract for damaged files, held byte by byte on a tiny capture (6 kB: one load is ~1 ms):
+# - every cut (truncation) and every overwrite with random bytes raises ValueError naming the
+#   file;
+# - a flipped bit raises ValueError naming the file, or the file loads as the very capture that
+#   was saved (a flip in a field nothing reads: a local header's time stamp, a padding byte);
+#   never a different capture. Flips in a tensor's bytes are caught by the sha256 record, flips
+#   in the pickled dict (metadata, the checksum record's own name) by the zip CRC-32 of that
+#   record, which captures.load checks before unpickling.
+TINY_CAP = dict(grid=(4, 4, 4), heads=1, head_dim=8, topk=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory):
+    cap = captures.synthesize(seed=1, **TINY_CAP)
+    path = tmp_path_factory.mktemp("tiny") / "tiny.pt"
+    captures.save(cap, path)
+    return path, path.read_bytes(), captures.load(path)
+
+
+def _records(path):
+    """``{record name: (start, end)}`` of each record's bytes in a torch.save zip."""
+    import zipfile
+
+    data = path.read_bytes()
+    out = {}
+    with zipfile.ZipFile(path) as zf:
+        for info in zf.infolist():
+            at = info.header_offset
+            name_len = int.from_bytes(data[at + 26:at + 28], "little")
+            extra_len = int.from_bytes(data[at + 28:at + 30], "little")
+            start = at + 30 + name_len + extra_len
+            out[info.filename] = (start, start + info.file_size)
+    return out
+
+
+def _same_capture(a, b):
+    if a.keys() != b.keys():
+        return False
+    for key, x in a.items():
+        y = b[key]
+        if isinstance(x, torch.Tensor):
+            if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _try_load(path):
+    """``(capture, None)``, or ``(None, the ValueError's message)``."""
+    try:
+        return captures.load(path), None
+    except ValueError as exc:
+        return None, str(exc)
+
+
+def _load_error(path):
+    return _try_load(path)[1]
+
+
+def test_load_truncated_at_every_offset(tmp_path, tiny_file):
+    _, data, _ = tiny_file
+    path = tmp_path / "cut.pt"
+    path.write_bytes(data)
+    for cut in range(len(data) - 1, 0, -1):
+        # cut in place: rewriting the file each time costs a flush per write here (ext4)
+        os.truncate(path, cut)
+        with pytest.raises(ValueError) as err:  # never torch's bare OSError (Errno 22)
+            captures.load(path)
+        msg = str(err.value)
+        assert msg.startswith(f"{path}: "), (cut, msg)
+        assert "weights_only" not in msg, (cut, msg)
+        if cut >= 4:  # the zip magic survives: torch.save's archive, cut short
+            assert "truncated" in msg, (cut, msg)
+
+
+def test_load_flipped_bit_outside_tensor_bytes(tmp_path, tiny_file):
+    """Every byte of the pickle, the zip headers and the zip directory, one bit flipped."""
+    src, data, saved = tiny_file
+    records = _records(src)
+    tensors = [span for name, span in records.items() if "/data/" in name]
+    pickle_start, pickle_end = next(span for name, span in records.items()
+                                    if name.endswith("/data.pkl"))
+    path = tmp_path / "flip.pt"
+    path.write_bytes(data)
+    checked = harmless = 0
+    with open(path, "r+b", buffering=0) as f:
+        for at in range(len(data)):
+            if any(a <= at < b for a, b in tensors):
+                continue  # the next test's
+            f.seek(at)
+            f.write(bytes([data[at] ^ (1 << (at % 8))]))  # one bit, a different one per byte
+            cap, msg = _try_load(path)
+            if msg is None:
+                # it loads: then it is what was saved, and never after a flip in the pickle
+                assert not pickle_start <= at < pickle_end, f"pickle flip at {at} loaded"
+                assert _same_capture(cap, saved), f"flip at {at} changed it"
+                harmless += 1
+            else:
+                assert msg.startswith(f"{path}: "), (at, msg)
+                assert "weights_only" not in msg, (at, msg)
+            f.seek(at)
+            f.write(data[at:at + 1])
+            checked += 1
+    # fields no reader looks at (time stamps, alignment padding, ...) are a minority
+    assert checked > 2000 and 0 < harmless < checked // 2, (checked, harmless)
+
+
+def test_load_flipped_bit_in_each_tensor(tmp_path, tiny_file):
+    src, data, _ = tiny_file
+    path = tmp_path / "flip.pt"
+    spans = [span for name, span in _records(src).items() if "/data/" in name]
+    raw = torch.load(src, weights_only=True)
+    for key in ("q", "k", "v", "topk_idx", "vbs"):
+        want = raw[key].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        (a, b), = [span for span in spans if data[span[0]:span[1]] == want]
+        for at in (a, (a + b) // 2, b - 1):  # first, middle and last byte
+            flipped = bytearray(data)
+            flipped[at] ^= 0x80
+            path.write_bytes(bytes(flipped))
+            msg = _load_error(path)
+            assert msg is not None and msg.startswith(f"{path}: "), (key, at)
+            assert f"'{key}'" in msg and "checksum" in msg, msg
+
+
+def test_load_a_renamed_checksum_record_is_damage(tmp_path, tiny_file):
+    """The pickle's CRC-32 covers the checksum record's own name: a flip there does not turn
+    verification off (it used to load with a "no checksum" note)."""
+    _, data, _ = tiny_file
+    at = data.index(captures.CHECKSUM_KEY.encode())
+    path = tmp_path / "renamed.pt"
+    flipped = bytearray(data)
+    flipped[at] ^= 0x01  # "checksums" -> "bhecksums"
+    path.write_bytes(bytes(flipped))
+    msg = _load_error(path)
+    assert msg is not None and msg.startswith(f"{path}: ") and "CRC-32" in msg, msg
+
+
+@pytest.mark.parametrize("where", ["pickle", "tensor", "directory", "end"])
+def test_load_random_bytes_over_a_capture(tmp_path, tiny_file, where):
+    src, data, _ = tiny_file
+    records = _records(src)
+    starts = {"pickle": next(a for n, (a, _) in records.items() if n.endswith("data.pkl")) + 8,
+              "tensor": next(a for n, (a, _) in records.items() if "/data/" in n) + 8,
+              "directory": max(b for _, b in records.values()) + 40,
+              "end": len(data) - 64}
+    g = torch.Generator().manual_seed(len(where))
+    noise = bytes(torch.randint(0, 256, (64,), generator=g, dtype=torch.uint8))
+    at = starts[where]
+    path = tmp_path / f"noise_{where}.pt"
+    path.write_bytes(data[:at] + noise + data[at + 64:])
+    msg = _load_error(path)
+    assert msg is not None and msg.startswith(f"{path}: "), msg
+    # the tensor's bytes: its checksum; elsewhere: the zip structure or the pickle's CRC-32
+    assert ("'q' does not match its sha256" if where == "tensor" else "truncated or damaged") \
+        in msg, msg
+
+
+@pytest.mark.parametrize("magic", [b"PK\x03\x04", b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."],
+                         ids=["zip", "legacy"])
+def test_load_random_bytes_after_a_torch_magic(tmp_path, magic):
+    g = torch.Generator().manual_seed(7)
+    path = tmp_path / "noise.pt"
+    path.write_bytes(magic + bytes(torch.randint(0, 256, (4096,), generator=g,
+                                                 dtype=torch.uint8)))
+    msg = _load_error(path)
+    assert msg is not None and msg.startswith(f"{path}: ") and "truncated or damaged" in msg, msg
+
+
+def test_load_missing_file_and_directory(tmp_path):
+    with pytest.raises(FileNotFoundError):  # the command line names it
+        captures.load(tmp_path / "nope.pt")
+    with pytest.raises(ValueError, match="is a directory") as err:
+        captures.load(tmp_path)
+    assert str(tmp_path) in str(err.value)
 
 
 # ------------------------------------------------------------------------------------ score
@@ -404,21 +584,17 @@ def test_score_of_identical_bf16_outputs_is_exact():
     assert res.passed and res.max_abs == 0.0 and res.mean_abs == 0.0
 
 
-def test_score_at_full_wan_size_is_exact_and_quick():
-    import time
-
+def test_score_at_full_wan_size_is_exact():
+    """The scorer at the contract's full size (its speed is not a test's business: no bound on
+    seconds, which would depend on the machine's load)."""
     g = torch.Generator().manual_seed(1)
     o = torch.empty((1, 39936, 40, 128), dtype=torch.bfloat16)
     for h in range(40):  # filled a head at a time: no fp32 copy of the whole tensor
         o[:, :, h] = (torch.randn((1, 39936, 128), generator=g) * (1 + h % 4)).to(o.dtype)
-    t0 = time.perf_counter()
     res = captures.score(o, o)
-    took = time.perf_counter() - t0
     assert res.head_cos.shape == (1, 40)
     assert float(res.head_cos.min()) >= 1 - 1e-9, res.head_cos.min()
     assert res.passed and res.finite and res.max_abs == 0.0 and res.mean_abs == 0.0
-    # ~3-5 s on an idle 2-core machine; the bound only catches a pathologically slow scorer
-    assert took < 30.0, f"score took {took:.1f}s"
 
 
 def test_score_fails_on_non_finite():

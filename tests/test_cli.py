@@ -73,6 +73,15 @@ def test_build_leaves_out_a_family_that_cannot_build_the_spec(tmp_path):
                   "--out", str(tmp_path / "all"))
     manifest = json.loads((tmp_path / "all" / "manifest.json").read_text())
     assert {a["backend"] for a in manifest["artifacts"]} == {"triton", "cuda"}
+    # the CUDA kernel is its traits over the static headers, and a standalone copy beside it
+    (cu,) = [a["source"] for a in manifest["artifacts"] if a["backend"] == "cuda"]
+    standalone = (tmp_path / "all" / cu).with_suffix(".standalone.cu")
+    assert '#include "tilegen/' in (tmp_path / "all" / cu).read_text()
+    assert standalone.name in manifest["files"]
+    assert '#include "tilegen/' not in standalone.read_text()
+    if shutil.which("nvcc"):  # its includes resolve with no -I (preprocessing only: quick)
+        subprocess.run(["nvcc", "-E", "-std=c++17", "-arch=sm_100a", str(standalone), "-o",
+                        str(tmp_path / "pre.ii")], check=True, capture_output=True)
     assert [s for s in manifest["skipped"] if s.startswith("sm_100a/gluon: ")]
     assert "BSHD only" in res.stdout
     res = tilegen("build", "--target", "sm_100a", "--spec", str(tmp_path / "bhsd.toml"),

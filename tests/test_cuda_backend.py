@@ -1,6 +1,9 @@
 """CUDA C++ backend on a CPU-only machine: render, compile with nvcc, read ptxas's report, and
 check the kernel's index math against the reference.
 
+- A rendered kernel is its traits and entry point over the static headers under
+  templates/cuda/include (no library text in it); its sha256 covers the headers it includes.
+
 - Every supported variant (head_dim 64/128 x bf16/fp16 x BSHD/BHSD with the target default
   config, plus another block config) compiles for sm_90a and sm_100a; the default config has no
   spills and fits the target's shared memory. Compiles happen once per session (module fixture,
@@ -20,6 +23,7 @@ import concurrent.futures
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -33,6 +37,7 @@ from tilegen.backends.cuda import nvcc as nv
 from tilegen.backends.cuda import runtime as rt
 from tilegen.compile import CompileError, ToolchainMissing
 from tilegen.config import KernelConfig, default_config
+from tilegen.identity import CxxSource, include_closure
 from tilegen.reference import LOG2E, attention_fp32
 from tilegen.render import HEADER
 from tilegen.spec import Spec
@@ -90,6 +95,15 @@ def artifacts():
 
 
 # -- rendering ---------------------------------------------------------------------------------
+def with_header_edit(src: CxxSource, old: str, new: str) -> CxxSource:
+    """`src` with `old` replaced by `new` in the one library header that holds it."""
+    hits = [rel for rel, data in src.headers if old.encode() in data]
+    assert len(hits) == 1, f"{old!r} is in headers {hits}"
+    headers = tuple((rel, data.replace(old.encode(), new.encode()) if rel == hits[0] else data)
+                    for rel, data in src.headers)
+    return replace(src, headers=headers)
+
+
 @pytest.mark.parametrize("spec", VARIANTS, ids=lambda s: f"d{s.head_dim}_{s.dtype}_{s.layout}")
 def test_header_name_and_choices(spec):
     cfg = default_config(get_target("sm_90"))
@@ -101,14 +115,67 @@ def test_header_name_and_choices(spec):
     assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name)
     assert f"{name}(" in src.text and 'extern "C" __global__' in src.text
     assert src.name == name.removeprefix("tilegen_cuda_") + ".cu" and src.backend == "cuda"
+    # the choices are the traits' types; the instructions they stand for are in the headers
+    elem = {"bf16": "Bf16", "fp16": "Fp16"}[spec.dtype]
+    assert f"using Elem = tilegen::{elem};" in src.text
+    assert f"using Layout = tilegen::{spec.layout.capitalize()};" in src.text
+    assert f"static constexpr int kHeadDim = {spec.head_dim};" in src.text
+    full = src.expanded()
     mma = {"bf16": "bf16", "fp16": "f16"}[spec.dtype]
-    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{mma}.{mma}.f32" in src.text
-    assert f"cvt.rn.{mma}x2.f32" in src.text
-    if spec.layout == "bshd":
-        assert "(b * seq_len * num_heads + h) * head_dim" in src.text
-    else:
-        assert "(b * num_heads + h) * seq_len * head_dim" in src.text
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{mma}.{mma}.f32" in full
+    assert f"cvt.rn.{mma}x2.f32" in full
+    assert "(b * seq_len * num_heads + h) * head_dim" in full
+    assert "(b * num_heads + h) * seq_len * head_dim" in full
     assert "{{" not in src.text and "{%" not in src.text
+
+
+def test_rendered_kernel_is_traits_over_the_headers():
+    """The .cu holds the traits, the include and the entry point; the library is in the static
+    headers (no Jinja in them), and every header is what some kernel includes."""
+    cfg = KernelConfig(store_max_prob=True)
+    src = nv.render_cuda(Spec(), cfg, SM90)
+    assert '#include "tilegen/cuda/lut_attention.cuh"' in src.text
+    assert src.text.count("\n") < 60 and "asm" not in src.text and "__shfl" not in src.text
+    inc = nv.include_dir()
+    assert inc == nv.paths.TEMPLATES_DIR / "cuda" / "include"
+    on_disk = sorted(p.relative_to(inc).as_posix() for p in inc.rglob("*") if p.is_file())
+    assert [rel for rel, _ in src.headers] == on_disk and len(on_disk) >= 5
+    for rel, data in src.headers:
+        assert rel.startswith("tilegen/cuda/") and rel.endswith(".cuh")
+        text = data.decode()
+        assert "{{" not in text and "{%" not in text and "#pragma once" in text
+        assert (inc / rel).read_bytes() == data
+    assert src.headers == include_closure(src.text, inc)
+    # expanded(): one self-contained text with each header once, as the files used to be
+    full = src.expanded()
+    assert "#include \"tilegen/" not in full and "#pragma once" not in full
+    assert full.count("struct WarpTile {") == 1 and f"{nv.kernel_name(Spec(), cfg)}(" in full
+    assert "atomicAdd(max_prob_cube" in full and "kBlockM == T::kBlockQ" in full
+
+
+def test_source_hash_covers_the_headers(tmp_path, monkeypatch):
+    """Editing a header leaves the rendered text alone but changes the source's sha256 and the
+    variant key (cached cubins and tuned winners follow it)."""
+    from tilegen.backends.cuda import BACKEND
+
+    cfg = default_config(SM90)
+    before = nv.render_cuda(Spec(), cfg, SM90)
+    shutil.copytree(nv.paths.TEMPLATES_DIR, tmp_path / "templates")
+    softmax = tmp_path / "templates" / "cuda" / "include" / "tilegen" / "cuda" / "softmax.cuh"
+    softmax.write_text(softmax.read_text() + "\n// an edit to one header\n")
+    monkeypatch.setattr(nv.paths, "TEMPLATES_DIR", tmp_path / "templates")
+    after = nv.render_cuda(Spec(), cfg, SM90)
+    assert after.text == before.text and after.sha256 != before.sha256
+    assert BACKEND.variant_key(Spec(), cfg, SM90, after) != BACKEND.variant_key(
+        Spec(), cfg, SM90, before)
+    changed = [rel for (rel, a), (_, b) in zip(before.headers, after.headers, strict=True)
+               if a != b]
+    assert changed == ["tilegen/cuda/softmax.cuh"]
+    # a source without headers hashes as its text alone (the Triton and Gluon sources)
+    import hashlib
+
+    plain = CxxSource(before.text, before.name, before.template, "cuda")
+    assert plain.sha256 == hashlib.sha256(before.text.encode()).hexdigest() != before.sha256
 
 
 def test_render_is_deterministic():
@@ -128,12 +195,19 @@ def test_render_is_deterministic():
 
 
 def test_render_time_options():
+    """What the templates decided at render time is now a traits constant the headers branch
+    on with `if constexpr`."""
     no_vbs = nv.render_cuda(Spec(variable_block_sizes=False), KernelConfig(), SM90).text
-    assert "__ldg(vbs" not in no_vbs and "meta[" not in no_vbs and "step<true>" not in no_vbs
+    assert "static constexpr bool kVbs = false;" in no_vbs
     with_vbs = nv.render_cuda(Spec(), KernelConfig(), SM90).text
-    assert "__ldg(vbs + c)" in with_vbs and "step<true>" in with_vbs
+    assert "static constexpr bool kVbs = true;" in with_vbs
+    assert "static constexpr bool kStoreLse = true;" in with_vbs
     no_lse = nv.render_cuda(Spec(), KernelConfig(store_lse=False), SM90).text
-    assert "lse_rows[row] =" not in no_lse and "lse_rows[row] =" in with_vbs
+    assert "static constexpr bool kStoreLse = false;" in no_lse
+    for text, mp in ((with_vbs, False), (nv.render_cuda(Spec(), KernelConfig(
+            store_max_prob=True), SM90).text, True)):
+        assert f"static constexpr bool kStoreMaxProb = {str(mp).lower()};" in text
+        assert ("float* __restrict__ max_prob," in text) == mp
 
 
 def test_cuda_config_rules():
@@ -195,9 +269,12 @@ def test_unknown_target():
 def test_nvcc_command_and_version():
     version = nv.nvcc_version()
     assert re.fullmatch(r"\d+\.\d+(\.\d+)?", version)
-    cmd = nv.nvcc_command("nvcc", Path("a.cu"), Path("a.cubin"), "sm_100a")
+    cmd = nv.nvcc_command("nvcc", Path("a.cu"), Path("a.cubin"), "sm_100a", Path("inc"))
     assert cmd[:4] == ["nvcc", "-cubin", "-gencode", "arch=compute_100a,code=sm_100a"]
     assert "--use_fast_math" not in cmd and {"-O3", "-std=c++17", "-v"} <= set(cmd)
+    assert cmd[cmd.index("-I") + 1] == "inc"
+    # the include folder is no part of the toolchain id (the source's sha256 covers the headers)
+    assert "-I" not in nv.toolchain_id()
 
 
 @needs_nvcc
@@ -210,6 +287,7 @@ def test_every_variant_compiles(artifacts):
         assert art.kernel_name == nv.kernel_name(spec, cfg) and art.config == cfg.name
         assert art.compiler == {"nvcc": version}
         assert f"arch=compute_{art.arch[3:]},code={art.arch}" in art.command
+        assert art.command[art.command.index("-I") + 1] == "templates/cuda/include"
         assert 0 < art.registers <= tgt.max_registers_per_thread
         assert art.threads == 32 * cfg.num_warps
         assert art.shared_bytes >= nv.shared_memory_bytes(spec, cfg)
@@ -256,10 +334,16 @@ def test_compile_cache_hit_skips_nvcc(artifacts, monkeypatch, tmp_path):
 @needs_nvcc
 def test_compile_error_carries_nvcc_output():
     src = nv.render_cuda(Spec(), KernelConfig(), SM90)
-    broken = replace(src, text=src.text.replace("static_assert(Stages >= 1",
-                                                "static_assert(Stages >= 100"))
+    # nvcc compiles the headers the source carries (a broken one breaks the build) ...
+    broken = with_header_edit(src, "static_assert(C::kStages >= 1",
+                              "static_assert(C::kStages >= 100")
+    assert broken.sha256 != src.sha256
     with pytest.raises(CompileError, match="at least one K/V buffer"):
         nv.compile_cuda(broken, SM90)
+    # ... and a broken traits struct in the rendered file
+    bad = replace(src, text=src.text.replace("kStages = 3;", "kStages = 0;"))
+    with pytest.raises(CompileError, match="at least one K/V buffer"):
+        nv.compile_cuda(bad, SM90)
 
 
 # -- host-side launch math ---------------------------------------------------------------------
@@ -617,7 +701,7 @@ def test_emulated_kernel_matches_reference(seed, spec, cfg, counts):
 
 # -- the GPU check script's CPU-side parts -----------------------------------------------------
 def _gpu_check_module():
-    path = ROOT / "bench" / "cuda_gpu_check.py"
+    path = ROOT / "bench" / "experiments" / "cuda_gpu_check.py"
     spec = importlib.util.spec_from_file_location("cuda_gpu_check", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["cuda_gpu_check"] = mod

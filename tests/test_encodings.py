@@ -333,7 +333,8 @@ def test_generated_sources_include_the_sliding_tile_kernels():
 
 @pytest.mark.parametrize("encoding", ["mask", "sliding_tile"])
 def test_tuner_worker_runs_a_trial_per_encoding(interpreter, encoding):
-    from tilegen.tune.objective import TrialRequest, WorkerSetup, _WorkerState
+    from tilegen.tune.objective import TrialRequest, WorkerSetup
+    from tilegen.tune.worker import _WorkerState
 
     extra = {"window": (1, 1, 3)} if encoding == "sliding_tile" else {"topk": 2}
     spec = Spec(encoding=encoding, grid=(4, 8, 12), num_heads=2, head_dim=64, dtype="fp16",

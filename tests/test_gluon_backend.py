@@ -299,6 +299,55 @@ def test_rules_and_render():
             Spec(), SM90, KernelConfig(options={**share, knob: False})))
 
 
+def test_knobs_are_constexpr_parameters_of_one_source():
+    """Every knob but num_consumers is a constexpr parameter of the kernel (a compile-time `if`
+    where it changes the code): the text stays when a knob changes, the file name follows it.
+    The kernel's constexprs are what the launch and the AOT compile pass (`render.constexprs`),
+    and the AOT signature names every parameter in order (unused pointers: constexpr None)."""
+    import ast
+
+    from tilegen.backends.gluon import render as gr
+    from tilegen.backends.gluon.launch import signature
+
+    cfg = GLUON.default_config(Spec(), SM90)
+    opts = dict(cfg.options)
+    base = GLUON.render(Spec(), cfg, SM90)
+    for knob, value in (("k_stages", 3), ("v_stages", 3), ("pack_partials", False),
+                        ("q_in_regs", False), ("qk_ahead", False), ("fence_wait", False),
+                        ("consumer_regs", 200), ("debug", "no_mma")):
+        other = GLUON.render(Spec(), cfg.replace(options={**opts, knob: value}), SM90)
+        assert other.text == base.text and other.name != base.name, knob
+    for other in (cfg.replace(store_lse=False), cfg.replace(store_max_prob=True)):
+        assert GLUON.render(Spec(), other, SM90).text == base.text
+    two = GLUON.render(Spec(), cfg.replace(options={**opts, "num_consumers": 2}), SM90)
+    assert two.text != base.text and "NUM_CONSUMERS = gl.constexpr(2)" in two.text
+    assert set(gr.DEFAULTS) - set(gr.CONSTEXPR_NAMES) == {"num_consumers"}
+    kernel = next(f for f in ast.parse(base.text).body
+                  if isinstance(f, ast.FunctionDef) and f.name == gr.KERNEL_NAME)
+    params = [a.arg for a in kernel.args.args]
+    constexpr_params = [a.arg for a in kernel.args.args
+                        if a.annotation is not None and ast.unparse(a.annotation) == "gl.constexpr"]
+    assert constexpr_params == list(gr.constexprs(gr.options_of(cfg)))
+    for o in (gr.options_of(cfg), {**gr.options_of(cfg), "pack_partials": False,
+                                   "share_kv": True, "store_max_prob": True}):
+        sig, consts = signature(o, 128, "bf16")
+        assert list(sig) == params
+        assert {k for k, v in sig.items() if v == "constexpr"} == set(consts)
+        assert sum(v is None for v in consts.values()) == (6 * (not o["pack_partials"])
+                                                           + (not o["share_kv"])
+                                                           + 2 * (not o["store_max_prob"]))
+
+
+def test_templates_hold_few_jinja_tags():
+    """Issue #24: the language holds its own compile-time branches; Jinja only what Gluon
+    cannot express (the consumers' partitions, written out per consumer): at most 30 tags
+    ({% ... %}) in each Gluon template."""
+    from tilegen.paths import TEMPLATES_DIR
+
+    files = sorted((TEMPLATES_DIR / "gluon").glob("*"))
+    assert files and all(p.read_text().count("{%") <= 30 for p in files)
+
+
 def test_aot_compile_uses_wgmma_without_spills(tmp_path):
     """Compiled for sm_90a in a process without the interpreter (as `tilegen build` does)."""
     code = (
@@ -328,7 +377,10 @@ def test_blackwell_rules_and_render():
     assert GLUON.violations(Spec(), sm100, cfg) == []
     text = GLUON.render(Spec(), cfg, sm100).text
     assert "tcgen05_mma(" in text and "allocate_tensor_memory(" in text
-    assert "warpgroup_mma" not in text and "for sm_100a" in text
+    # one kernel text; its consumer is the target's (a compile-time `if MMA == "tcgen05":`)
+    assert 'MMA = gl.constexpr("tcgen05")' in text and "for sm_100a" in text
+    assert 'MMA = gl.constexpr("wgmma")' in GLUON.render(Spec(), GLUON.default_config(
+        Spec(), SM90), SM90).text
     for knob in ("q_in_regs", "qk_ahead", "fence_wait"):
         assert any(knob in p for p in GLUON.violations(
             Spec(), sm100, KernelConfig(options={**dict(cfg.options), knob: True})))

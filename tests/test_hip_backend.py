@@ -1,6 +1,7 @@
 """HIP backend (gfx942): rendering, clang-19 compilation, resources, and the kernel run on a CPU.
 
-No AMD GPU here. The rendered HIP C++ itself (the text `tilegen build --target gfx942` compiles)
+No AMD GPU here. The rendered HIP C++ itself (the text `tilegen build --target gfx942` compiles:
+the variant's config and entry point over the static headers under templates/hip/include)
 is built as host C++ by `tilegen.backends.hip.host` and run on a CPU executor: lanes as fibers,
 waves of 64 in lockstep at every cross-lane op, real workgroup barriers, poisoned LDS, MFMAs with
 the lane layouts of AMD's matrix instruction calculator. Its output is scored against
@@ -21,6 +22,7 @@ import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +36,7 @@ from tilegen.backends.hip import plan as hipp
 from tilegen.backends.hip import runtime as hiprt
 from tilegen.compile import CompileError, ToolchainMissing
 from tilegen.config import KernelConfig, default_config
+from tilegen.identity import CxxSource, include_closure
 from tilegen.reference import attention_fp32
 from tilegen.render import HEADER, Source
 from tilegen.spec import Spec
@@ -92,10 +95,35 @@ def test_render_header_and_determinism(spec: Spec) -> None:
     plan = hipp.plan_for(spec, DEFAULT, TARGET)
     assert stamp == {"config": DEFAULT.name, "threads": plan.threads,
                      "lds_bytes": plan.lds_bytes, "mfma": plan.mfma_name}
-    # render-time choices leave no trace of the other variants
-    other_layout = "bhsd" if spec.layout == "bshd" else "bshd"
-    assert f"contiguous {other_layout.upper()}" not in src.text
-    assert ("bf16_1k(" in src.text) == (spec.dtype == "bf16")
+    # the render-time choices are the config's types and constants (the headers branch on them)
+    assert f"typedef {spec.layout.capitalize()} Layout;" in src.text
+    assert f"typedef {'Bf16' if spec.dtype == 'bf16' else 'F16'} Elem;" in src.text
+    assert f"static constexpr int MFMA_MN = {plan.mfma_mn};  // {plan.mfma_name}" in src.text
+    assert "{{" not in src.text and "{%" not in src.text
+
+
+def test_rendered_kernel_is_config_over_the_headers() -> None:
+    """The .hip holds the config, the plan checks and the entry point; the library is in the
+    static headers (no Jinja in them); the source's sha256 covers them."""
+    src = hipp.render_hip(Spec(), DEFAULT.replace(store_max_prob=True), TARGET)
+    assert '#include "tilegen/hip/lut_attention.hpp"' in src.text
+    assert src.text.count("\n") < 80 and "__builtin_amdgcn" not in src.text
+    inc = hipp.include_dir()
+    on_disk = sorted(p.relative_to(inc).as_posix() for p in inc.rglob("*") if p.is_file())
+    assert [rel for rel, _ in src.headers] == on_disk and len(on_disk) >= 5
+    for rel, data in src.headers:
+        assert rel.startswith("tilegen/hip/") and rel.endswith(".hpp")
+        assert b"{{" not in data and b"{%" not in data and b"#pragma once" in data
+    assert src.headers == include_closure(src.text, inc)
+    full = src.expanded()
+    assert full.count("struct WarpTile {") == 1 and "#include" not in full
+    assert "atomic_add_f32(max_prob_cube" in full
+    # one header byte more: the same text, another sha256 (cached builds and winners follow)
+    rel, data = src.headers[0]
+    edited = replace(src, headers=((rel, data + b"\n"), *src.headers[1:]))
+    assert edited.text == src.text and edited.sha256 != src.sha256
+    # the include folder is no part of the toolchain id
+    assert "-I" not in hipcc.toolchain_id(TARGET.arch)
 
 
 def test_render_differs_per_config_and_rejects_bad_ones() -> None:
@@ -266,14 +294,25 @@ def test_cache_and_errors(compiled, hip_cache) -> None:
     entries = list((hip_cache / "cache" / "hip").rglob("meta.json"))
     assert entries and all('"warnings": []' in e.read_text() for e in entries)
     src = hipp.render_hip(spec, DEFAULT, TARGET)
+    assert art.command[art.command.index("-I") + 1] == "templates/hip/include"
     # A plan that disagrees with the C++ index maps does not compile.
     fp = hipp.plan_for(spec, DEFAULT, TARGET).fingerprints()["acc_rows"]
-    broken = Source(src.text.replace(f"{fp}u", f"{fp + 1}u"), "broken.hip", src.template, "hip")
+    broken = replace(src, text=src.text.replace(f"{fp}u", f"{fp + 1}u"), name="broken.hip")
     with pytest.raises(CompileError, match="accumulator lane map"):
         hipcc.compile_hip(broken, hip_cache / "broken", TARGET)
-    bad = Source(src.text + "\nthis is not C++;\n", "bad.hip", src.template, "hip")
+    bad = replace(src, text=src.text + "\nthis is not C++;\n", name="bad.hip")
     with pytest.raises(CompileError, match="error"):
         hipcc.compile_hip(bad, hip_cache / "bad", TARGET)
+    # clang compiles the headers the source carries: a broken header breaks the build, and a
+    # plain Source gets the current ones
+    header = edit_cxx(src, [("int THREADS = P::WARPS_M", "int THREADS = 2 * P::WARPS_M", 0)])
+    assert header.text == src.text and header.sha256 != src.sha256
+    with pytest.raises(CompileError, match="threads"):
+        hipcc.compile_hip(replace(header, name="header.hip"), hip_cache / "header", TARGET)
+    plain = Source(src.text, src.name, src.template, "hip")
+    assert hipp.as_cxx(plain) == src
+    assert hipcc.compile_hip(plain, hip_cache / "plain", TARGET).path.read_bytes() == \
+        art.path.read_bytes()
 
 
 def test_parse_resource_usage() -> None:
@@ -418,9 +457,10 @@ def test_device_guard_around_the_kernel(host_builds) -> None:
         guard.check()
 
 
-# Deliberate bugs in the rendered C++ (never in the plan): (config, [(old, new, occurrence)]),
-# applied to render_hip(Spec(head_dim=64), config). Each must make the run fail: the scoring
-# rule, or the executor (a race between two wave orders, or divergent lanes).
+# Deliberate bugs in the rendered C++ and the headers it includes (never in the plan): (config,
+# [(old, new, occurrence)]), applied to render_hip(Spec(head_dim=64), config): each `old` is in
+# one file (the rendered text or one header). Each must make the run fail: the scoring rule, or
+# the executor (a race between two wave orders, or divergent lanes).
 MUTATIONS = {
     # the QK MFMA's A operand (the K tile) read with the lane groups' k index swapped
     "mfma-operand-lane": (DEFAULT, [("const int k0 = 4 * (lane / MN);",
@@ -430,8 +470,8 @@ MUTATIONS = {
     "accumulator-lane-map": (DEFAULT, [
         ("return 4 * G * (r / 4) + 4 * (lane / MN) + r % 4;",
          "return 4 * G * (r / 4) + 4 * ((lane / MN + 1) % G) + r % 4;", 0),
-        ("static_assert(fingerprint_acc_rows() == ",
-         "static_assert(0 * fingerprint_acc_rows() + ", 0)]),
+        ("static_assert(fingerprint_acc_rows<Config>() == ",
+         "static_assert(0 * fingerprint_acc_rows<Config>() + ", 0)]),
     # the row max reduced with the wrong ds_bpermute partner
     "bpermute-partner": (DEFAULT, [("lane_xor(x, mask)", "lane_xor(x, mask >> 1)", 0)]),
     # the online-softmax rescale with the wrong sign: alpha = exp2(m_new - m)
@@ -441,8 +481,8 @@ MUTATIONS = {
     "dropped-barrier": (DEFAULT, [("      block_sync();\n      const bool prefetch",
                                    "      const bool prefetch", 0)]),
     # the epilogue's merge barrier dropped (two waves per row group)
-    "dropped-merge-barrier": (OTHER_CONFIGS[1], [("    block_sync();\n    if (wn > 0) return;",
-                                                  "    if (wn > 0) return;", 0)]),
+    "dropped-merge-barrier": (OTHER_CONFIGS[1], [("      block_sync();\n      if (wn > 0) return;",
+                                                  "      if (wn > 0) return;", 0)]),
 }
 #: Not a numerical bug: a cross-lane op that only half the lanes of a wave reach.
 DIVERGENT = (DEFAULT, [("TG_DEVICE int wave_id() { return __builtin_amdgcn_readfirstlane(",
@@ -450,14 +490,26 @@ DIVERGENT = (DEFAULT, [("TG_DEVICE int wave_id() { return __builtin_amdgcn_readf
                         ": __builtin_amdgcn_readfirstlane(", 0)])
 
 
-def mutated(cfg: KernelConfig, edits) -> Source:
-    src = hipp.render_hip(Spec(head_dim=64), cfg, TARGET)
-    text = src.text
+def _edit(text: str, old: str, new: str, occurrence: int) -> str:
+    parts = text.split(old)
+    assert len(parts) > occurrence + 1, f"{old!r} occurs fewer than {occurrence + 1} times"
+    return old.join(parts[:occurrence + 1]) + new + old.join(parts[occurrence + 1:])
+
+
+def edit_cxx(src: CxxSource, edits) -> CxxSource:
+    """`src` with each (old, new, occurrence) applied to the one file that holds `old`: the
+    rendered text or one of its headers."""
+    files = {"": src.text, **{rel: data.decode() for rel, data in src.headers}}
     for old, new, occurrence in edits:
-        parts = text.split(old)
-        assert len(parts) > occurrence + 1, f"{old!r} is not in the rendered source"
-        text = old.join(parts[:occurrence + 1]) + new + old.join(parts[occurrence + 1:])
-    return Source(text, src.name, src.template, "hip")
+        hits = [name for name, text in files.items() if old in text]
+        assert len(hits) == 1, f"{old!r} is in {hits or 'no file'}"
+        files[hits[0]] = _edit(files[hits[0]], old, new, occurrence)
+    text = files.pop("")
+    return replace(src, text=text, headers=tuple((rel, t.encode()) for rel, t in files.items()))
+
+
+def mutated(cfg: KernelConfig, edits) -> CxxSource:
+    return edit_cxx(hipp.render_hip(Spec(head_dim=64), cfg, TARGET), edits)
 
 
 @pytest.fixture(scope="module")

@@ -266,7 +266,8 @@ def test_cuda_renders_and_compiles_with_the_signal(tmp_path):
         m = re.search(rf"{nv.kernel_name(spec, cfg)}\((.*?)\)\s*{{", src.text, re.S)
         params = [p.strip().split()[-1] for p in m.group(1).split(",")]
         assert params == [n for n, _ in rt.kernel_signature(True)]
-        assert ("atomicAdd(max_prob_cube" in src.text) and ("kBlockM == T::kBlockQ" in src.text)
+        library = src.expanded()  # the signal's code is in the static headers
+        assert ("atomicAdd(max_prob_cube" in library) and ("kBlockM == T::kBlockQ" in library)
         try:
             art = nv.compile_cuda(src, sm90, tmp_path)
         except ToolchainMissing as exc:
@@ -302,10 +303,11 @@ def test_hip_kernel_on_cpu_executor(cfg, tmp_path, monkeypatch):
 
 # -- the calibration script ---------------------------------------------------------------------
 def test_calibration_script_cpu_small(tmp_path, monkeypatch, capsys):
-    """bench/h200_max_prob.py --cpu-small runs the whole pipeline on the CPU (PyTorch path)."""
+    """bench/experiments/h200_max_prob.py --cpu-small runs the whole pipeline on the CPU (PyTorch
+    path)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    spec_ = importlib.util.spec_from_file_location("h200_max_prob",
-                                                   ROOT / "bench" / "h200_max_prob.py")
+    spec_ = importlib.util.spec_from_file_location(
+        "h200_max_prob", ROOT / "bench" / "experiments" / "h200_max_prob.py")
     mod = importlib.util.module_from_spec(spec_)
     sys.modules["h200_max_prob"] = mod
     spec_.loader.exec_module(mod)

@@ -1,8 +1,8 @@
 """The FP8 pre-pass (`tilegen.quant`, groundwork of issue #13): its PyTorch model (what the CPU
 runs; Triton 3.6's interpreter rounds fp8 casts wrongly, so the Triton kernel is checked against
-the model on the GPU by bench/fp8_error_budget.py --check-prepass) zeroes padded rows, keeps
-the rounding within half an e4m3 ulp of each cube's amax scale, and the quantized rule scores
-as the contract words it."""
+the model on the GPU by bench/experiments/fp8_error_budget.py --check-prepass) zeroes padded
+rows, keeps the rounding within half an e4m3 ulp of each cube's amax scale, and the quantized
+rule scores as the contract words it."""
 
 from __future__ import annotations
 

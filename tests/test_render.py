@@ -1,8 +1,12 @@
 """Golden snapshots of rendered Triton sources; set TILEGEN_UPDATE_GOLDEN=1 to rewrite them.
 
 The default spec's snapshot is the committed targets/*/generated/ source that `tilegen check`
-(tests/test_check.py) compares; the snapshots here cover the other render-time variants."""
+(tests/test_check.py) compares; the snapshots here cover the other spec traits and the one
+render-time option left (store_max_prob: the kernel's arguments). The config's other knobs
+(store_lse, interp_bf16, the tile and launch) are constexpr parameters: they leave the text as
+it is, and the AOT signatures name every parameter the kernels have."""
 
+import ast
 import os
 from pathlib import Path
 
@@ -23,10 +27,10 @@ def render_triton(spec, cfg):
 GOLDEN = Path(__file__).parent / "golden"
 SMALL = dict(grid=(5, 6, 8), num_heads=2, topk=3)
 CASES = {
-    "d64_fp16_bhsd_full_nolse": (
+    "d64_fp16_bhsd_full": (
         Spec(head_dim=64, dtype="fp16", layout="bhsd", variable_block_sizes=False, **SMALL),
-        KernelConfig(store_lse=False)),
-    "interp_bf16": (Spec(**SMALL), KernelConfig(interp_bf16=True)),
+        KernelConfig()),
+    "maxprob": (Spec(**SMALL), KernelConfig(store_max_prob=True)),
 }
 
 
@@ -67,14 +71,58 @@ def test_deterministic_and_launch_parameters_do_not_change_text():
     assert "BLOCK_M: tl.constexpr" in a.text
 
 
-def test_render_time_options_change_text():
+def test_spec_traits_change_text_and_knobs_do_not():
+    """Spec traits are module constants of the source (BSHD, HAS_VBS); the config's knobs are
+    constexpr parameters with a compile-time `if` (STORE_LSE, INTERP_BF16): one source."""
     spec = Spec()
-    texts = {render_triton(spec, KernelConfig(store_lse=x)).text for x in (True, False)}
-    texts |= {render_triton(s, KernelConfig()).text
-              for s in (Spec(layout="bhsd"), Spec(variable_block_sizes=False))}
-    assert len(texts) == 4
-    assert "tl.store(LSE" not in render_triton(spec, KernelConfig(store_lse=False)).text
-    assert "n_valid" not in render_triton(Spec(variable_block_sizes=False), KernelConfig()).text
+    base = render_triton(spec, KernelConfig()).text
+    for cfg in (KernelConfig(store_lse=False), KernelConfig(interp_bf16=True)):
+        assert render_triton(spec, cfg).text == base
+        assert render_triton(spec, cfg).name != render_triton(spec, KernelConfig()).name
+    texts = {base} | {render_triton(s, KernelConfig()).text
+                      for s in (Spec(layout="bhsd"), Spec(variable_block_sizes=False))}
+    assert len(texts) == 3
+    assert "STORE_LSE: tl.constexpr" in base and "if STORE_LSE:" in base
+    assert "BSHD = tl.constexpr(False)" in render_triton(Spec(layout="bhsd"), KernelConfig()).text
+    assert "HAS_VBS = tl.constexpr(False)" in render_triton(Spec(variable_block_sizes=False),
+                                                           KernelConfig()).text
+    # the backward: one source for every BackwardConfig and interp_bf16, its name spells them
+    from tilegen.backends.triton.backward import BackwardConfig, render_triton_backward
+
+    plain = render_triton_backward(spec, KernelConfig(), TARGET)
+    packed = render_triton_backward(spec, KernelConfig(interp_bf16=True), TARGET,
+                                    BackwardConfig(dq_pack=True, dkdv_pack=True))
+    assert plain.text == packed.text and plain.name != packed.name
+
+
+def _kernel_params(text: str) -> dict[str, list[str]]:
+    """Each @triton.jit kernel's parameters, in order (helpers' too)."""
+    tree = ast.parse(text)
+    return {f.name: [a.arg for a in f.args.args] for f in tree.body
+            if isinstance(f, ast.FunctionDef)}
+
+
+@pytest.mark.parametrize("encoding", ["lut", "sliding_tile"])
+@pytest.mark.parametrize("max_prob", [False, True])
+def test_aot_signatures_name_every_kernel_parameter(encoding, max_prob):
+    """The AOT compile passes a value for every parameter of every kernel, in order (pointers
+    a config leaves unused are constexpr None), so no constexpr falls back to a default."""
+    from tilegen.backends.triton import aot
+    from tilegen.backends.triton.backward import (
+        BACKWARD_KERNELS,
+        BackwardConfig,
+        render_triton_backward,
+    )
+
+    spec, cfg = Spec(encoding=encoding), KernelConfig(store_max_prob=max_prob)
+    params = _kernel_params(render_triton(spec, cfg).text)
+    assert list(aot.signature(spec, cfg)) == params["tilegen_block_sparse_attn"]
+    consts = aot.forward_constexprs(spec, cfg)
+    assert {k for k, v in aot.signature(spec, cfg).items() if v == "constexpr"} == set(consts)
+    params = _kernel_params(render_triton_backward(spec, cfg, TARGET).text)
+    for bwd in (BackwardConfig(), BackwardConfig(dkdv_pack=True, dq_pack=encoding == "lut")):
+        for kernel, sig in aot.backward_signatures(spec, bwd).items():
+            assert list(sig) == params[BACKWARD_KERNELS[kernel]], kernel
 
 
 def test_rendered_source_is_valid_python():

@@ -36,15 +36,15 @@ def test_rich_on_a_terminal() -> None:
 def test_tune_progress_is_a_rich_bar_on_a_terminal() -> None:
     from collections import Counter
 
-    from tilegen.tune.session import TrialRow, _Progress
+    from tilegen.tune.report import Progress, TrialRow
 
     row = TrialRow(0, "bm64_bn64_w4_s3_lse", {}, "pass", 1.5, None)
     plain = io.StringIO()
-    with _Progress(plain, 4) as p:
+    with Progress(plain, 4) as p:
         p.trial(1, row, row, Counter())
     assert plain.getvalue().startswith("tune [#####---------------] 1/4  #0 bm64_bn64_w4_s3_lse")
     tty = _Tty()
-    with _Progress(tty, 4) as p:
+    with Progress(tty, 4) as p:
         assert p.bar is not None
         p.trial(1, row, row, Counter())
     assert "━" in tty.getvalue() and "#####" not in tty.getvalue()  # a rich bar

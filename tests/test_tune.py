@@ -8,7 +8,7 @@ real correctness gate (`tilegen.captures.score` against the reference variant).
 The trial log is Optuna's storage: the tests read outcomes from the study's trials (state and
 user attributes), and winners, candidates and environments from the tilegen DB.
 
-The op factories below (``faulty_op``, ``slow_op``, ``wrong_for_fastest``, ``wrong_reference``)
+The op factories below (``faulty_op``, ``held_op``, ``wrong_for_fastest``, ``wrong_reference``)
 are imported by name inside spawned worker processes (``test_tune:faulty_op``), which find this
 file on sys.path.
 """
@@ -148,19 +148,34 @@ class _OutOfBounds:
 
 
 def gpu_fault_op(spec: Spec, cfg: KernelConfig, backend: str = "triton"):
-    """For a GPU check of worker isolation (bench/tune_h200.sh's neighbour, not a CPU test):
-    num_stages=2 reads far out of bounds; everything else is the real op."""
+    """For a GPU check of worker isolation (bench/experiments/tune_h200.sh's neighbour, not a CPU
+    test): num_stages=2 reads far out of bounds; everything else is the real op."""
     from tilegen.ops import load
 
     op = load(spec, cfg)
     return _OutOfBounds(op) if cfg.num_stages == 2 else op
 
 
-def slow_op(spec: Spec, cfg: KernelConfig, backend: str = "triton"):
-    """The real op, 0.4 s slower to build: a kill lands in the middle of a trial."""
+#: test_resume_after_kill's hand-off with held_op: a folder, and files in it
+HOLD_DIR_ENV = "TILEGEN_TEST_HOLD_DIR"
+HOLD_AFTER = 3  # builds before the held one
+
+
+def held_op(spec: Spec, cfg: KernelConfig, backend: str = "triton"):
+    """The real op, except that while ``$TILEGEN_TEST_HOLD_DIR/armed`` exists the build after
+    HOLD_AFTER others never returns: it writes ``held`` (its config name) and waits, so a kill
+    lands inside a trial whose config is recorded, whatever the machine's load. The worker's
+    parent watch ends it once the session is killed."""
     from tilegen.ops import load
 
-    time.sleep(0.4)
+    hold = Path(os.environ[HOLD_DIR_ENV])
+    built = len(list(hold.glob("built-*")))
+    (hold / f"built-{built}").write_text(cfg.name)
+    if built >= HOLD_AFTER and (hold / "armed").exists():
+        (hold / "armed").unlink()
+        (hold / "held.tmp").write_text(cfg.name)
+        (hold / "held.tmp").rename(hold / "held")  # appears whole
+        time.sleep(600)
     return load(spec, cfg)
 
 
@@ -512,39 +527,62 @@ def _progress_count(line: str) -> int | None:
     return None
 
 
+def _wait_for(what: str, ready, proc: subprocess.Popen, timeout_s: float = 600.0) -> None:
+    """Poll ``ready()`` until it holds; fail early if the process ended, or after timeout_s
+    (a generous bound on a loaded machine, never the thing that decides the outcome)."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if proc.poll() is not None:
+            raise AssertionError(f"the session ended (exit {proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
 def test_resume_after_kill(tune_env: Path) -> None:
     """Kill a session mid-trial (SIGKILL), re-run the same command: the killed trial's
     heartbeat stops, Optuna fails it and queues its config again (its retry callback), and the
-    study ends with exactly --trials counted trials, the interrupted config measured."""
+    study ends with exactly --trials counted trials, the interrupted config measured.
+
+    The kill waits on state, not on time: held_op holds the fourth build until the kill, so
+    the killed trial is known to be RUNNING with its config recorded."""
+    import optuna
+
     tmp = tune_env
+    hold = tmp / "hold"
+    hold.mkdir()
+    (hold / "armed").touch()
+    env = {**os.environ, HOLD_DIR_ENV: str(hold)}
     cmd = [sys.executable, "-m", "tilegen.tune.cli", *_tune_args(
         tmp, "--trials", "9", "--sampler", "tpe", "--seeds", "1", "--heartbeat", "1",
-        "--op-factory", "test_tune:slow_op")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            text=True)
+        "--op-factory", "test_tune:held_op")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL)
     try:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            if (_progress_count(line) or 0) >= 3:
-                break
-        time.sleep(0.2)  # the next trial is now running in the worker
+        _wait_for("a held build", (hold / "held").exists, proc)
     finally:
         proc.kill()  # SIGKILL: no cleanup at all
-        proc.wait(30)
+        proc.wait(60)
+    held_config = (hold / "held").read_text()
     killed = _study(tmp)
     (running,) = [t for t in killed.trials if t.state.name == "RUNNING"]
-    time.sleep(3.5)  # past the grace period (3 heartbeats): the trial is now stale
+    assert running.user_attrs["config"] == held_config and running.params
+    # Stale once no heartbeat came for the grace period (3 x 1 s): the killed process sends
+    # none, so waiting longer only adds margin.
+    time.sleep(3 * 1 + 1.5)
 
-    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming" in again.stderr and "interrupted" in again.stderr
 
-    study = _study(tmp)
+    study = optuna.load_study(study_name=killed.study_name,
+                              storage=f"sqlite:///{tmp / 'optuna.sqlite'}")
     assert not [t for t in study.trials if t.state.name == "RUNNING"]
     assert study.trials[running.number].state.name == "FAIL"
     retries = [t for t in study.trials if t.system_attrs.get("failed_trial") == running.number]
     assert [t.state.name for t in retries] in (["COMPLETE"], ["PRUNED"])
     assert retries[0].params == running.params  # the interrupted config, measured after resume
+    assert retries[0].user_attrs["config"] == held_config
     assert len(_counted(study)) == 9
     names = [t.user_attrs["config"] for t in _measured(study)]
     assert len(set(names)) == len(names)  # nothing measured twice
@@ -619,20 +657,21 @@ def test_a_trial_waits_for_a_lower_one_still_suggesting(tmp_path: Path) -> None:
 
     import optuna
 
-    from tilegen.tune.session import _Session
+    from tilegen.tune.ledger import TrialLedger
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'o.sqlite'}")
-    session = _Session.__new__(_Session)  # only the study is needed to look
-    session.study, session.TS = study, optuna.trial.TrialState
+    space = SearchSpace.from_target(TINY, get_target("sm_90"), PINNED_SPACE)
+    ledger = TrialLedger(optuna, study, space, sampler_seed=0)
     low, high = study.ask(), study.ask()
     high.set_user_attr("config", "bm64_bn64_w4_s3")
+    # the lower trial records its config only once the higher one is known to be looking
     late = threading.Timer(0.3, lambda: low.set_user_attr("config", "bm64_bn64_w4_s3"))
     late.start()
-    prior = session._same_config(high.number, "bm64_bn64_w4_s3")
+    prior = ledger.same_config(high.number, "bm64_bn64_w4_s3")
     late.join()
     assert prior is not None and prior.number == low.number
-    assert session._same_config(low.number, "bm64_bn64_w4_s3") is None  # the lower one runs
+    assert ledger.same_config(low.number, "bm64_bn64_w4_s3") is None  # the lower one runs
     other = study.ask()
     other.set_user_attr("config", "bm32_bn64_w4_s2")
-    assert session._same_config(other.number, "bm32_bn64_w4_s2") is None
+    assert ledger.same_config(other.number, "bm32_bn64_w4_s2") is None

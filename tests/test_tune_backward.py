@@ -39,9 +39,9 @@ def tune_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def wrong_dk_for_one(spec: Spec, cfg: KernelConfig, backend: str = "triton_bwd"):
     """The real op, whose dk is off in one element of head 0 for one backward config (`BROKEN`)."""
-    from tilegen.ops import load
+    from tilegen.ops import load_kernel_set
 
-    op = load(spec, cfg, backend=backend)
+    op = load_kernel_set(spec, cfg, backend=backend)
     if BackwardConfig.from_kernel_config(cfg) != BROKEN.fit(spec):
         return op
     real = op.backward

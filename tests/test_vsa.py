@@ -174,7 +174,8 @@ def test_default_topk_is_the_default_density():
 
 
 def test_gpu_script_dry_run(tmp_path):
-    """bench/h200_vsa.py runs every section at tiny sizes on the CPU (it is what the H200 runs)."""
+    """bench/experiments/h200_vsa.py runs every section at tiny sizes on the CPU (it is what the
+    H200 runs)."""
     import json
     import os
     import subprocess
@@ -184,7 +185,8 @@ def test_gpu_script_dry_run(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(root), OUT=str(tmp_path))
-    res = subprocess.run([sys.executable, str(root / "bench" / "h200_vsa.py"), "--dry-run"],
+    script = root / "bench" / "experiments" / "h200_vsa.py"
+    res = subprocess.run([sys.executable, str(script), "--dry-run"],
                          env=env, capture_output=True, text=True, timeout=300, cwd=root)
     assert res.returncode == 0, res.stderr[-2000:]
     data = json.loads((tmp_path / "h200_vsa_dry.json").read_text())

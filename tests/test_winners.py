@@ -289,7 +289,7 @@ def _shipped() -> list[tuple[Path, dict]]:
 def test_shipped_winners_are_current() -> None:
     """Every winner shipped in tuning_db/*.json is what this checkout builds: its config
     re-renders to its source sha256 and its toolchain is this Triton's. A Triton template edit
-    that changes the rendered source therefore needs a re-tune (bench/tune_h200.sh; see
+    that changes the rendered source therefore needs a re-tune (bench/experiments/tune_h200.sh; see
     tuning_db/README.md) before it lands; one that does not (a comment) needs nothing."""
     for path, doc in _shipped():
         configs = {json.dumps(c["variant"], sort_keys=True): c["config"]

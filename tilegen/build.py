@@ -23,6 +23,7 @@ from tilegen import backends as registry
 from tilegen.compile import format_matrix_ops
 from tilegen.config import KernelConfig
 from tilegen.identity import VariantKey
+from tilegen.pathcheck import writable_dir
 from tilegen.render import Source
 from tilegen.spec import Spec
 from tilegen.targets import Target
@@ -96,6 +97,8 @@ def build(spec: Spec, target: Target, out_dir: Path, config: KernelConfig | None
         progress(f"[{target.name}] skipped {why}")
     for item in items:
         registry.get(item.backend).require_toolchain(target)
+    # before any compile: a file at out_dir (or above it) would otherwise fail only at the end
+    writable_dir(out_dir, "output directory", staging=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -132,6 +135,12 @@ def _build_into(out_dir: Path, items: list[PlannedSource], spec: Spec, target: T
     artifacts = []
     for item in items:
         src_path = cache.atomic_write(out_dir / item.source.name, item.source.text)
+        if getattr(item.source, "headers", None):
+            # a C++ kernel is its traits over the static headers: beside it, one file with the
+            # headers pasted in, which compiles on its own (nvcc / clang++ with no -I)
+            name = Path(item.source.name)
+            cache.atomic_write(out_dir / f"{name.stem}.standalone{name.suffix}",
+                               item.source.expanded())
         progress(f"[{target.name}] {item.backend}: compiling {item.source.name}")
         impl = registry.get(item.backend)
         compiled = impl.compile(spec.kernel_spec, item.config, target, item.source, out_dir)

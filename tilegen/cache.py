@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from tilegen.pathcheck import write_error
 from tilegen.paths import cache_dir
 
 
@@ -40,10 +41,16 @@ _UMASK = _read_umask()
 def atomic_write(path: Path, data: str | bytes | Callable[[BinaryIO], object]) -> Path:
     """Write `data` (text, bytes, or a function that writes to a binary file) to `path`
     through a temp file in the same folder, fsync, then os.replace: atomic on POSIX. The file
-    gets the permissions a plain open() would (0666 less the umask), not mkstemp's 0600."""
+    gets the permissions a plain open() would (0666 less the umask), not mkstemp's 0600.
+
+    A failure to create or replace the file is a `tilegen.pathcheck.PathError` (an OSError)
+    naming `path`, never the hidden temp file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise write_error(path, exc, creating_in=path.parent) from None
     try:
         with os.fdopen(fd, "wb") as f:
             if callable(data):
@@ -54,8 +61,11 @@ def atomic_write(path: Path, data: str | bytes | Callable[[BinaryIO], object]) -
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            # e.g. `path` is a directory, or the disk filled up: say so about the user's path
+            raise write_error(path, exc) from None
         raise
     return path
 

@@ -10,9 +10,17 @@ import sys
 import time
 from pathlib import Path
 
+from tilegen import pathcheck
 from tilegen.backends import names as backend_names
 from tilegen.compile import CompileError, ToolchainMissing, format_matrix_ops
 from tilegen.config import KernelConfig
+from tilegen.pathcheck import (
+    PathError,
+    blocking_file,
+    readable_file,
+    writable_dir,
+    writable_file,
+)
 from tilegen.spec import Spec
 from tilegen.targets import TARGET_NAMES, get_target
 
@@ -21,6 +29,7 @@ EPILOG = """examples:
   tilegen build --target gfx942 --spec my.toml        # MI300 code objects for a custom spec
   tilegen captures synthesize --out caps/ --seed 0    # Wan2.2-like capture files
   tilegen bench --captures caps/                      # score + time on the current GPU
+  tilegen doctor                                      # does tilegen work here? (seconds)
 """
 
 
@@ -28,20 +37,47 @@ def _spec(args: argparse.Namespace) -> Spec:
     return Spec.from_file_or_default(getattr(args, "spec", None))
 
 
+def _config_text(raw: str) -> tuple[str, str]:
+    """(JSON text, what to call it in errors) of --config: inline JSON or a file's text."""
+    if raw.lstrip().startswith("{"):
+        return raw, "--config"
+    path = Path(raw).expanduser()
+    try:
+        return readable_file(path, "--config").read_text(), f"--config {raw}"
+    except PathError:
+        if path.exists() or blocking_file(path) is not None:
+            raise
+    # neither a file nor a JSON object: say both, since either may have been meant
+    raise PathError(f"--config {raw}: does not exist, and is not a JSON object of KernelConfig "
+                    """fields either (e.g. '{"block_n": 32}')""", path=path)
+
+
 def _config(args: argparse.Namespace) -> KernelConfig | None:
     raw = getattr(args, "config", None)
     if not raw:
         return None
-    text = Path(raw).read_text() if Path(raw).is_file() else raw
-    return KernelConfig.from_dict(json.loads(text))
+    text, where = _config_text(raw)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: line {exc.lineno} column {exc.colno}: not JSON "
+                         f"({exc.msg})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: a KernelConfig is a JSON object, got "
+                         f"{type(data).__name__}")
+    return KernelConfig.from_dict(data)
 
 
 def cmd_build(args: argparse.Namespace) -> int:
     from tilegen.build import build
 
-    spec = _spec(args)
+    # every path first: a mistake costs nothing, not a compile
+    pathcheck.check_spec_option(args)
+    if args.config:
+        _config_text(args.config)
     target = get_target(args.target)
-    out = Path(args.out or f"build/{target.name}")
+    out = writable_dir(args.out or f"build/{target.name}", "--out", staging=True)
+    spec = _spec(args)
     backends = tuple(args.backend) if args.backend else None
     t0 = time.perf_counter()
     with _build_progress() as progress:
@@ -108,6 +144,7 @@ class _Progress:
     def __init__(self, count: int) -> None:
         self.count = count
         self.tty = sys.stdout.isatty()
+        self._decile = 0  # last tenth of the steps reported off a terminal
         self.bar = None
         if self.tty:
             try:  # rich is optional here: plain output without it
@@ -136,6 +173,7 @@ class _Progress:
 
     def start(self, i: int, path: Path, what: str) -> None:
         tag = f"[{i + 1}/{self.count}]"
+        self._decile = 0
         if self.bar is not None:
             self.task = self.bar.add_task(f"{tag} {path.name}", total=None)
         else:
@@ -146,6 +184,11 @@ class _Progress:
             self.bar.update(self.task, completed=done, total=total)
         elif self.tty:
             print(f"\r  step {done}/{total}", end="" if done < total else "\n", flush=True)
+        elif done * 10 // total > self._decile or done == total:
+            # off a terminal (logs, CI): a plain line at most every 10%, so a long default-size
+            # synthesis is never silent
+            self._decile = done * 10 // total
+            print(f"  step {done}/{total} ({100 * done // total}%)", flush=True)
 
     def finish(self, i: int, path: Path, seconds: float) -> None:
         if self.bar is not None:
@@ -153,15 +196,35 @@ class _Progress:
         self._say(f"[{i + 1}/{self.count}] wrote {path} ({seconds:.1f}s)")
 
 
+def capture_bytes(spec: Spec) -> int:
+    """About how many bytes one synthesized capture file of `spec` takes: q, k and v in the
+    spec's dtype, the int32 top-k table and vbs (pickle framing and metadata are small)."""
+    import torch
+
+    elem = torch.empty((), dtype=spec.torch_dtype).element_size()
+    qkv = 3 * spec.batch * spec.seq_len * spec.num_heads * spec.head_dim * elem
+    return qkv + 4 * (spec.batch * spec.num_heads * spec.num_cubes * spec.topk + spec.num_cubes)
+
+
+def _human_bytes(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
 def cmd_captures(args: argparse.Namespace) -> int:
+    pathcheck.check_spec_option(args)
+    out = writable_dir(args.out, "--out")
+    spec = _spec(args)
     from tilegen import captures
 
-    out = Path(args.out)
-    spec = _spec(args)
     out.mkdir(parents=True, exist_ok=True)
     dtype = spec.torch_dtype
+    size = capture_bytes(spec)
+    total = f", {_human_bytes(size * args.count)} in all" if args.count > 1 else ""
     what = (f"q, k, v ({spec.batch}, {spec.seq_len}, {spec.num_heads}, {spec.head_dim}) "
-            f"{spec.dtype}, topk {spec.topk}")
+            f"{spec.dtype}, topk {spec.topk}; about {_human_bytes(size)}{total}")
     with _Progress(args.count) as progress:
         for i in range(args.count):
             seed = args.seed + i
@@ -212,6 +275,13 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from tilegen import bench
 
+    pathcheck.check_spec_option(args)
+    pathcheck.check_captures_option(args)
+    if args.config:
+        _config_text(args.config)
+    writable_file(args.json, "--json")
+    writable_file(args.plot or bench.default_plot_path(args.json),
+                  "--plot" if args.plot else "plot file (beside --json)")
     plan = bench.make_plan(
         _spec(args), args.captures, seeds=args.seeds, config=_config(args), topk=args.topk,
         sweep=args.sweep, grid=args.grid, heads=args.heads, backends=args.backends or (),
@@ -222,6 +292,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(plan.describe())
         return 0
     return bench.run_bench(plan, command=" ".join(["tilegen", *sys.argv[1:]]))
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from tilegen import doctor
+
+    pathcheck.check_spec_option(args)
+    if args.json:
+        pathcheck.writable_file(args.json, "--json")
+    return doctor.main(_spec(args), args.json)
 
 
 def _bench_type(name: str):
@@ -345,6 +424,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="print the plan (variants x captures) and exit without touching a GPU")
     p.set_defaults(func=cmd_bench)
 
+    p = sub.add_parser(
+        "doctor", help="check that tilegen works on this machine, as users call it (seconds)",
+        description="On a small synthesized workload with an outlier head and the spec's kernel "
+        "fields: which kernel tilegen.load picks, its output against the fp32 oracle and the "
+        "reference variant, block_sparse_attention, the gradients, and on a GPU: no host sync, "
+        "CUDA graph capture and replay, the bad-index path (NaN rows, op.check() raises) and "
+        "the op's time beside the bare kernel. Prints a pass/fail table; exit status 1 when "
+        "a check failed. On a CPU the GPU-only checks are skipped.")
+    p.add_argument("--spec", help="spec file whose kernel fields to check (default: the "
+                   "Wan2.2 workload spec)")
+    p.add_argument("--json", help="also write the checks as JSON here")
+    p.set_defaults(func=cmd_doctor)
+
     from tilegen.db.cli import add_db_parser
     from tilegen.tune.cli import add_tune_parser
 
@@ -361,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
+    except PathError as exc:  # a path option that cannot be used: one line, before any work
+        print(f"tilegen: error: {exc}", file=sys.stderr)
+        return 2
     except ToolchainMissing as exc:
         print(f"tilegen: missing toolchain: {exc}", file=sys.stderr)
         return 3

@@ -55,7 +55,7 @@ def pool_means(x: torch.Tensor, vbs: torch.Tensor, block: int = 64) -> torch.Ten
     heads = next(n for n in (4, 2, 1) if h % n == 0)  # 4 x 128 bf16 = 1 KB contiguous per row
     out = torch.empty((b, h, nc, d), dtype=torch.float32, device=x.device)
     # 8-row steps at 2 warps: 0.098 ms for q on the H200 (4.2 TB/s), against 0.14-0.25 for
-    # 16/32-row steps at 4/8 warps (bench/h200_mean_pool_probe.py)
+    # 16/32-row steps at 4/8 warps (bench/experiments/h200_mean_pool_probe.py)
     _pool_kernel[(nc, b * h // heads)](x, vbs, out, s, h, nc, HEAD_DIM=d, HEADS=heads,
                                        BLOCK=block, ROWS=8, num_warps=2)
     return out

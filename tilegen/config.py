@@ -89,7 +89,9 @@ class KernelConfig:
 
     @property
     def render_name(self) -> str:
-        """The render-time options alone: configs that share it share one source file."""
+        """The render-time options alone, which name the source file: configs that share it
+        share one source text (configs that do not may share one too, where the family passes
+        an option as a constexpr at launch: the variant key hashes the text, not the name)."""
         parts = [f"{k}{int(v) if isinstance(v, bool) else v}" for k, v in self.options]
         parts.append("lse" if self.store_lse else "nolse")
         if self.store_max_prob:

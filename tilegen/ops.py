@@ -118,12 +118,23 @@ def load(spec: Spec | None = None, config: KernelConfig | None = None, *,
     spec = spec or Spec()
     if not isinstance(spec, Spec):
         raise TypeError(f"spec must be a tilegen.Spec, got {type(spec).__name__}")
+    if backend is not None and backend not in backends.names():
+        # the tuned-only kernel sets (triton_bwd) are reached through their family
+        raise ValueError(f"backend={backend!r} is not allowed; allowed values: "
+                         f"{list(backends.names())}")
+    return load_kernel_set(spec, config, target=target, backend=backend)
+
+
+def load_kernel_set(spec: Spec, config: KernelConfig | None = None, *,
+                    target: Target | str | None = None, backend: str | None = None) -> Any:
+    """`load` for any registered kernel set, the tuned-only ones included (``triton_bwd``: the
+    tuner's workers load it by name)."""
     if spec.encoding == "mask":
         # the LUT kernel of the family (and its tuned winners) behind the on-device conversion
         from tilegen.encodings import MaskAttention
 
-        return MaskAttention(spec, load(spec.kernel_spec, config, target=target,
-                                        backend=backend))
+        return MaskAttention(spec, load_kernel_set(spec.kernel_spec, config, target=target,
+                                                   backend=backend))
     if config is not None:
         if not isinstance(config, KernelConfig):
             raise TypeError(f"config must be a tilegen.KernelConfig, got {type(config).__name__}")

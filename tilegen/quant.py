@@ -1,5 +1,6 @@
 """FP8 (e4m3) quantization of K and V: the groundwork of issue #13 (no quantized kernel and no
-``Spec(quant=...)`` field exist yet: bench/fp8_error_budget.py shows why, bench/NOTES.md).
+``Spec(quant=...)`` field exist yet: bench/experiments/fp8_error_budget.py shows why,
+bench/NOTES.md).
 
 The pre-pass a quantized kernel would read, on the GPU, before the attention kernel:
 

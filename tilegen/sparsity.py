@@ -51,7 +51,8 @@ __all__ = ["lut_to_mask", "mask_to_lut", "pool_cubes", "coarse_scores", "mean_po
 #: lowest peakedness (max_prob at its floor, 1 / (topk * block): a row spread evenly over every
 #: selected key) and at the highest (max_prob = 1: one key holds all the mass). The least-squares
 #: fit of the achievable p = 0.9 budget, as a fraction of a LUT of width NKV / 2, against
-#: peakedness on the H200 run of `bench/h200_max_prob.py` (bench/RESULTS.md, 2026-12-01).
+#: peakedness on the H200 run of `bench/experiments/h200_max_prob.py` (bench/RESULTS.md,
+#: 2026-12-01).
 ADAPTIVE_DEFAULTS = {"budget_diffuse": 1.0, "budget_peaked": 0.057}
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)

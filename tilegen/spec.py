@@ -308,13 +308,20 @@ class Spec:
 
         Every problem with the file's contents (empty, not UTF-8 text, a parse error, a top
         level that is not an object/table, no fields, an unknown or invalid field) is a
-        ValueError naming the file, and the line where it is known. A missing file is a
-        FileNotFoundError.
+        ValueError naming the file, and the line where it is known; so is a path that is a
+        directory or cannot be read. A missing file is a FileNotFoundError.
         """
         path = Path(path)
         if path.suffix not in (".json", ".toml"):
             raise ValueError(f"spec file {path} must end in .toml or .json")
-        raw = path.read_bytes()
+        if path.is_dir():
+            raise ValueError(f"spec file {path} is a directory, not a file")
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raise
+        except OSError as exc:  # a path under a regular file, no permission, ...
+            raise ValueError(f"spec file {path} cannot be read ({exc.strerror or exc})") from None
         try:
             text = raw.decode("utf-8-sig")
         except UnicodeDecodeError as exc:

@@ -38,7 +38,8 @@ def get(name: str) -> Backend:
     """The backend called `name`; unknown names raise ValueError listing the known ones."""
     modules = {**BACKEND_MODULES, **TUNED_ONLY_MODULES}
     if name not in modules:
-        raise ValueError(f"backend={name!r} is not allowed; allowed values: {list(modules)}")
+        # users name families; the tuned-only sets are reached through them (tune --backward)
+        raise ValueError(f"backend={name!r} is not allowed; allowed values: {list(names())}")
     backend = _loaded.get(name)
     if backend is None:
         backend = _loaded[name] = importlib.import_module(modules[name]).BACKEND

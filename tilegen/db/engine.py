@@ -9,8 +9,10 @@
   writes (no WAL switch) runs on connect. A WAL file on a read-only mount cannot create its
   ``-shm`` index, so `open_readonly` falls back to ``immutable=1`` (SQLite then reads the file
   as a snapshot without locks).
-- **Read-write**: `check_writable` first (a read-only mount or a file without write permission
-  is a `DBReadOnlyError` naming the path); then WAL, ``busy_timeout``, ``BEGIN IMMEDIATE`` for
+- **Read-write**: `check_writable` first (a regular file above the path is a `TuningDBError`
+  naming the path and the setting it came from, ``--db`` or ``TILEGEN_DB``; a read-only mount,
+  a file without write permission or a folder where no file can be created is a
+  `DBReadOnlyError` naming the path); then WAL, ``busy_timeout``, ``BEGIN IMMEDIATE`` for
   write transactions (two writers queue on the busy handler instead of failing on a lock
   upgrade) and a retry with backoff on "database is locked".
 """
@@ -27,6 +29,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from tilegen.db.errors import DBReadOnlyError, TuningDBError
+from tilegen.pathcheck import blocking_file, cannot_create_in
 
 DB_FILENAME = "tuning.sqlite"
 DB_ENV_VAR = "TILEGEN_DB"
@@ -50,6 +53,32 @@ def resolve_db_path(path: str | os.PathLike[str] | None = None) -> Path:
     if env:
         return Path(env).expanduser()
     return default_db_path()
+
+
+def db_setting(path: str | os.PathLike[str] | None = None) -> str:
+    """Which setting names the DB file `resolve_db_path(path)` gives: ``"--db"``,
+    ``"TILEGEN_DB"`` or ``""`` (the default path), for error messages."""
+    if path is not None and str(path) != "":
+        return "--db"
+    return DB_ENV_VAR if os.environ.get(DB_ENV_VAR) else ""
+
+
+def _guess_setting(path: Path) -> str:
+    env = os.environ.get(DB_ENV_VAR)
+    return DB_ENV_VAR if env and Path(env).expanduser() == path else ""
+
+
+def check_location(path: Path, setting: str | None = None) -> None:
+    """Raise `TuningDBError` when no DB file can ever be at `path`: a regular file above it
+    (SQLite and mkdir would only say "[Errno 17] File exists" about that file). ``setting``
+    (``"--db"``, ``"TILEGEN_DB"``; None: TILEGEN_DB when it names `path`) is named too."""
+    block = blocking_file(path)
+    if block is None:
+        return
+    setting = _guess_setting(path) if setting is None else setting
+    where = f" (the path comes from {setting})" if setting else ""
+    raise TuningDBError(path, f"{block} is a file, not a directory, so no DB file can be "
+                              f"under it{where}")
 
 
 def _describe(head: bytes) -> str:
@@ -113,13 +142,20 @@ def _readonly_reason(path: Path) -> str | None:
     if path.exists() and not os.access(path, os.W_OK):
         return "no write permission on the file"
     # WAL needs to create <db>-wal and <db>-shm next to the file.
-    if not os.access(probe if probe.is_dir() else probe.parent, os.W_OK):
-        return f"no write permission on {probe if probe.is_dir() else probe.parent}"
+    folder = probe if probe.is_dir() else probe.parent
+    if not os.access(folder, os.W_OK):
+        return f"no write permission on {folder}"
+    # Permission bits say nothing as root or on /proc: only creating a file tells.
+    why = cannot_create_in(folder)
+    if why is not None:
+        return f"no file can be created in {folder}: {why}"
     return None
 
 
-def check_writable(path: Path) -> None:
-    """Raise `DBReadOnlyError` when a write command cannot write the DB at `path`."""
+def check_writable(path: Path, setting: str | None = None) -> None:
+    """Raise `TuningDBError` when a write command cannot write the DB at `path`: a regular
+    file above it (`check_location`), or `DBReadOnlyError` for a read-only place."""
+    check_location(path, setting)
     reason = _readonly_reason(path)
     if reason is not None:
         raise DBReadOnlyError(path, f"is read-only ({reason}); this command writes to the DB: "
@@ -189,7 +225,9 @@ __all__ = [
     "DEFAULT_BUSY_TIMEOUT_MS",
     "WRITE_OPTION",
     "OperationalError",
+    "check_location",
     "check_writable",
+    "db_setting",
     "default_db_path",
     "inspect_file",
     "is_locked",

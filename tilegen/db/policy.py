@@ -47,6 +47,18 @@ def is_real_timer(timer: str | None) -> bool:
     return timer in REAL_TIMERS
 
 
+#: printed beside any figure a test-only timer made up
+FAKE_NOTE = "fake timer: not a measurement"
+
+
+def timed_figure(value: float | None, timer: str | None, fmt: str = ".4f") -> str:
+    """A latency or rate as a table cell: marked "(fake)" when a test-only timer made it up."""
+    if value is None:
+        return "-"
+    text = f"{value:{fmt}}"
+    return text if is_real_timer(timer) else f"{text} (fake)"
+
+
 @dataclass(frozen=True)
 class WinnerRecord:
     """What the policy looks at in a winner.

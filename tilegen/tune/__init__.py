@@ -3,8 +3,12 @@
 - `tilegen.tune.space`: `SearchSpace` from ``targets/<target>/target.toml`` [tunable], typed
   launch and render fragments, seeds;
 - `tilegen.tune.objective`: one trial in a persistent worker process, failure classes;
-- `tilegen.tune.session`: the Optuna study (heartbeats, retries, budget, samplers: Optuna's
+- `tilegen.tune.session`: the study loop (samplers, seeds, the objective, the budget: Optuna's
   own machinery; the trial log is Optuna's storage), winners into the tilegen DB;
+- `tilegen.tune.storage`: where a study lives (storage URLs, names, heartbeats, retries);
+- `tilegen.tune.pool`: the worker processes, one per GPU;
+- `tilegen.tune.ledger`: the study's configs: the budget, dedupe and claims, exploration;
+- `tilegen.tune.report`: progress lines, the final table, the history plot;
 - `tilegen.tune.cli`: ``tilegen tune`` (``tilegen db`` is `tilegen.db.cli`).
 
 Names are imported lazily: ``import tilegen.tune`` pulls in neither Optuna nor torch.

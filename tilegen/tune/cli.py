@@ -3,8 +3,10 @@
 `tilegen.cli` wires it in with ``add_tune_parser(sub)`` (and ``db`` with
 `tilegen.db.cli.add_db_parser`); the parser sets ``func`` to a handler that takes the parsed
 namespace and returns an exit code: 0 a passing config exists, 1 none passed, 2 the session
-could not run (bad options, a DB file that is not a DB or is read-only, a worker whose setup
-failed: one line on stderr), 130 interrupted. ``python -m tilegen.tune.cli {tune,db} ...`` runs
+could not run (bad options, a path option that cannot be used, a DB file that is not a DB or is
+read-only, a worker whose setup failed: one line on stderr; path and DB problems are found
+before any worker starts, and no DB file is created for a session that is refused), 130
+interrupted. ``python -m tilegen.tune.cli {tune,db} ...`` runs
 them on their own.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 TUNE_EPILOG = """examples:
@@ -19,8 +22,13 @@ TUNE_EPILOG = """examples:
   tilegen tune --captures caps/ --export tuning_db/winners.json --plot history.png
   tilegen tune --workers 4                                  # one worker per local GPU, one study
   tilegen tune --storage postgresql://user@db/tilegen --study wan-h200   # same command on each host
-  TRITON_INTERPRET=1 tilegen tune --target sm_90 --spec tiny.toml --timer fake-deterministic
-                                                            # CPU smoke test (fake timer: test only)
+
+CPU smoke session (no GPU; from the root of a checkout; about 10 s on 2 idle cores):
+  TRITON_INTERPRET=1 tilegen tune --spec bench/specs/cpu_smoke.toml --target sm_90 \\
+      --timer fake-deterministic --trials 4 --db /tmp/tilegen-smoke/tuning.sqlite
+The Triton interpreter runs the kernels and the correctness gate is real, but the test-only
+timer derives each latency from the config's name: its figures print as fake-ms and are never
+used by tilegen.load nor exported. Optuna's storage goes beside --db.
 
 Re-running the same command resumes the study: a trial whose session was killed stops sending
 heartbeats; Optuna fails it and queues its config again; only the remainder of --trials runs.
@@ -35,12 +43,40 @@ def _spec(args: argparse.Namespace):
     return Spec.from_file_or_default(getattr(args, "spec", None))
 
 
+def check_paths(args: argparse.Namespace) -> None:
+    """Every path option of ``tune``, before any worker starts: `PathError` or `TuningDBError`
+    (one line naming the path; exit status 2). Creates nothing."""
+    from tilegen import pathcheck
+    from tilegen.db.engine import check_writable, db_setting, inspect_file, resolve_db_path
+
+    pathcheck.check_spec_option(args)
+    pathcheck.check_captures_option(args)
+    if args.storage and (file := pathcheck.sqlite_url_file(args.storage)) is not None:
+        pathcheck.writable_file(file, "--storage")
+    for option, value in (("--export", args.export), ("--summary", args.summary),
+                          ("--plot", args.plot)):
+        if value:
+            pathcheck.writable_file(value, option)
+    if args.export and Path(args.export).exists():
+        pathcheck.readable_file(args.export, "--export")  # merged with, so read first
+    db = resolve_db_path(args.db)
+    if db.exists():
+        inspect_file(db)
+    check_writable(db, db_setting(args.db))
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     """Run or resume a tuning session; 0 when a passing config exists, 1 when none passed."""
     from tilegen.db.errors import TuningDBError
+    from tilegen.pathcheck import PathError
     from tilegen.tune.session import SessionError, TuneOptions, run_session
     from tilegen.tune.space import parse_space_override
 
+    try:
+        check_paths(args)
+    except (PathError, TuningDBError) as exc:
+        print(f"tilegen tune: error: {exc}", file=sys.stderr)
+        return 2
     space: dict[str, Any] = {}
     for text in args.space or []:
         name, values = parse_space_override(text)
@@ -80,8 +116,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0 if result.best is not None else 1
 
 
+def _family(name: str) -> str:
+    """argparse type of --backend: a kernel family; a tuned-only kernel set (the backward
+    kernels, ``triton_bwd``) is reached through --backward, not named."""
+    from tilegen.backends import TUNED_ONLY_MODULES
+
+    if name in TUNED_ONLY_MODULES:
+        raise argparse.ArgumentTypeError(f"{name!r} is a family's backward kernel set: tune it "
+                                         "with --backward (e.g. --backend triton --backward)")
+    return name
+
+
 def add_tune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``tune`` to `subparsers` (a ``parser.add_subparsers()`` result)."""
+    from tilegen.backends import names as backend_names
     from tilegen.targets import TARGET_NAMES
     from tilegen.tune.objective import ORACLE_CHECKS, TIMERS
     from tilegen.tune.session import SAMPLERS
@@ -97,8 +145,8 @@ def add_tune_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--spec", help="spec file (.toml or .json); default: the Wan2.2 workload spec")
     p.add_argument("--target", choices=TARGET_NAMES,
                    help="target (default: the GPU's; required under the CPU interpreter)")
-    p.add_argument("--backend", default="triton",
-                   help="kernel family to tune (tilegen.backends; default triton)")
+    p.add_argument("--backend", default="triton", type=_family, choices=backend_names(),
+                   help="kernel family to tune (default triton)")
     p.add_argument("--backward", action="store_true",
                    help="tune the family's backward kernels (BackwardConfig, [tunable.triton_bwd]) "
                    "with its forward fixed; the gate scores dq/dk/dv with the gradient rule "

@@ -36,11 +36,9 @@ file when it already holds one), a summary JSON and a plot are written.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
-import random
 import re
 import shutil
 import socket
@@ -50,37 +48,46 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from queue import Queue
 from typing import IO, Any
 
+from tilegen.cache import atomic_write
 from tilegen.config import KernelConfig
 from tilegen.spec import Spec
 from tilegen.targets import Target, get_target
+from tilegen.tune.ledger import TrialLedger
 from tilegen.tune.objective import (
     DEFAULT_OP_FACTORY,
-    FAILURE_CLASSES,
+    FAKE_NOTE,
     TIMERS,
     TrialRequest,
     TrialResult,
-    WorkerHandle,
     WorkerInfo,
     WorkerSetup,
     WorkerSetupError,
+    is_fake_timer,
+    ms_unit,
+)
+from tilegen.tune.pool import PoolError, WorkerPool
+from tilegen.tune.report import (
+    Progress,
+    SessionResult,
+    TrialRow,
+    plot_history,
+    print_summary,
 )
 from tilegen.tune.space import SearchSpace, Value, seed_configs
+from tilegen.tune.storage import (
+    DEFAULT_HEARTBEAT_S,
+    default_storage_url,
+    default_study_name,
+    open_study_storage,
+    sources_digest,
+)
 
 SAMPLERS = ("auto", "tpe", "random", "grid")
-OPTUNA_FILENAME = "optuna.sqlite"
-DEFAULT_HEARTBEAT_S = 15
-#: a RUNNING trial without a heartbeat for this many intervals is failed and queued again
-GRACE_INTERVALS = 3
-MAX_RETRIES = 3
 _MAX_ERROR = 2000
-#: how long a trial waits for a lower-numbered one to finish suggesting before it looks
-_SUGGEST_WAIT_S = 10.0
 
 
 class SessionError(RuntimeError):
@@ -119,88 +126,7 @@ class TuneOptions:
     out: IO[str] | None = None  # default: sys.stdout
 
 
-@dataclass
-class TrialRow:
-    """One trial of the study, as the table and the summary show it."""
-
-    number: int
-    config_name: str
-    config: dict[str, Any]
-    status: str
-    ms: float | None
-    tflops: float | None
-    label: str = ""
-    message: str = ""
-    duplicate_of: int | None = None  # answered from that earlier trial of the same config
-
-    @property
-    def passed(self) -> bool:
-        return self.status == "pass"
-
-
-@dataclass
-class SessionResult:
-    """What a session did; `to_dict` is the ``--summary`` JSON."""
-
-    study: str
-    storage: str
-    device_name: str
-    target: str
-    backend: str
-    timer: str
-    sampler: str
-    trials_requested: int
-    trials_counted: int
-    trials_this_session: int
-    wall_s: float
-    counts: dict[str, int]
-    space: str
-    exhausted: bool
-    best: TrialRow | None
-    seeds: list[TrialRow]
-    rows: list[TrialRow]
-    winner: str
-    captures: list[dict[str, Any]]
-    speedup_vs: dict[str, float]
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("rows")
-        return d
-
-
 # ============================================================================ helpers
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
-
-
-def default_study_name(spec: Spec, target: Target, device_name: str, sources: str,
-                       timer: str, backend: str = "triton") -> str:
-    """One study per (spec, backend, target, device, rendered sources, timer): trials of another
-    source or timer are not comparable, so they never share a study. ``sources`` is a digest
-    of the sha256s of the sources the space renders (`sources_digest`)."""
-    name = (f"tilegen-{spec.short_hash}-{target.name}-{_slug(device_name)}-{backend}"
-            f"-s{sources[:8]}")
-    return name if timer == "do_bench" else f"{name}-{_slug(timer)}"
-
-
-def sources_digest(space: SearchSpace, backend: Any) -> str:
-    """sha256 over the sha256s of every distinct source the space renders (one per render
-    fragment point; launch parameters share a source)."""
-    shas = set()
-    seen: set[str] = set()
-    for cfg in space.configs():
-        if cfg.render_name not in seen:
-            seen.add(cfg.render_name)
-            shas.add(backend.render(space.spec, cfg, space.target).sha256)
-    return hashlib.sha256("\n".join(sorted(shas)).encode()).hexdigest()
-
-
-def default_storage_url(db_path: Path) -> str:
-    """SQLite file ``optuna.sqlite`` next to the tilegen DB."""
-    return f"sqlite:///{db_path.parent / OPTUNA_FILENAME}"
 
 
 def _tool_version(cmd: str, pattern: str) -> str:
@@ -220,139 +146,11 @@ def _first_line(text: str | None, limit: int = 300) -> str:
     return lines[0][:limit] if lines else ""
 
 
-def _gpu_slots(workers: int) -> list[str | None]:
-    """CUDA_VISIBLE_DEVICES values for `workers` workers (None: leave the env alone)."""
-    if workers == 1:
-        return [None]
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip():
-        ids = [x.strip() for x in visible.split(",") if x.strip()]
-    else:
-        import torch
-
-        ids = [str(i) for i in range(torch.cuda.device_count())]
-    if not ids:
-        return [None] * workers  # CPU (Triton interpreter): N CPU workers
-    if workers > len(ids):
-        raise SessionError(f"--workers {workers} but only {len(ids)} GPU(s) are visible")
-    return ids[:workers]
-
-
-def _open_storage(optuna: Any, url: str, kwargs: dict[str, Any]) -> Any:
-    """Optuna's RDB storage. Hosts that start on a fresh database at the same moment race to
-    create its tables (PostgreSQL then raises a unique violation on its catalog); the loser
-    retries and finds the tables made."""
-    from sqlalchemy.exc import IntegrityError, ProgrammingError
-
-    for attempt in range(5):
-        try:
-            return optuna.storages.RDBStorage(url, **kwargs)
-        except (IntegrityError, ProgrammingError):
-            if attempt == 4:
-                raise
-            time.sleep(0.5 * (attempt + 1) + random.random() * 0.5)
-    raise AssertionError("unreachable")
-
-
-def _serialize_sqlite(storage: Any) -> None:
-    """Make every transaction of an Optuna SQLite storage take the write lock up front.
-
-    Python's sqlite3 module runs a SELECT outside any transaction and BEGINs only before the
-    UPDATE, and SQLite ignores SELECT ... FOR UPDATE: two workers popping the same enqueued trial
-    could both see it WAITING and both run it. With BEGIN IMMEDIATE (SQLAlchemy's recipe for
-    serializable SQLite) Optuna's check-and-set of a trial's state is atomic across threads and
-    processes. PostgreSQL storages honour FOR UPDATE and are left alone."""
-    from sqlalchemy import event
-
-    engine = storage.engine
-
-    @event.listens_for(engine, "connect")
-    def _connect(dbapi_conn: Any, _record: Any) -> None:
-        dbapi_conn.isolation_level = None
-
-    @event.listens_for(engine, "begin")
-    def _begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-    engine.dispose()  # connections opened before the listeners are dropped
-
-
-def _retry_callback(optuna: Any) -> Any:
-    """Optuna's retry-on-stale-heartbeat callback (``RetryFailedTrialCallback`` before 4.9)."""
-    cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
-    if cls is None:
-        cls = optuna.storages.RetryFailedTrialCallback
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return cls(max_retry=MAX_RETRIES)
-
-
 def _clean(v: Any) -> Any:
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
 # ============================================================================ progress
-
-
-class _Progress:
-    """One line per finished trial on a non-terminal stream (logs, tests); a rich progress bar
-    on a terminal."""
-
-    def __init__(self, stream: IO[str], total: int) -> None:
-        from tilegen.db.tables import is_terminal
-
-        self.stream, self.total = stream, total
-        self.lock = threading.Lock()
-        self.bar: Any = None
-        if is_terminal(stream):
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-
-            self.bar = Progress(TextColumn("tune"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), TextColumn("{task.description}"),
-                                console=Console(file=stream), transient=False)
-            self.task = self.bar.add_task("", total=total)
-
-    def __enter__(self) -> _Progress:
-        if self.bar is not None:
-            self.bar.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-    def say(self, text: str) -> None:
-        with self.lock:
-            if self.bar is not None:
-                self.bar.console.print(text, markup=False, highlight=False)
-            else:
-                print(text, file=self.stream, flush=True)
-
-    def trial(self, done: int, row: TrialRow, best: TrialRow | None, fails: Counter) -> None:
-        what = f"{row.ms:.4f} ms" if row.passed and row.ms is not None else row.status
-        if row.duplicate_of is not None:
-            what += f" (same config as #{row.duplicate_of})"
-        best_text = f"{best.ms:.4f} ms (#{best.number} {best.config_name})" if best else "-"
-        fail_text = " ".join(f"{k}={fails[k]}" for k in (*FAILURE_CLASSES, "pruned")
-                             if fails[k]) or "none"
-        with self.lock:
-            if self.bar is not None:
-                self.bar.update(self.task, completed=min(done, self.total),
-                                description=f"#{row.number} {row.config_name}: {what} | best "
-                                            f"{best_text} | failures: {fail_text}")
-                return
-            width = 20
-            filled = min(width, round(width * done / max(1, self.total)))
-            print(f"tune [{'#' * filled}{'-' * (width - filled)}] {done}/{self.total}  "
-                  f"#{row.number} {row.config_name}: {what}  | best {best_text}  "
-                  f"| failures: {fail_text}", file=self.stream, flush=True)
 
 
 # ============================================================================ the session
@@ -363,8 +161,7 @@ class _Session:
         import optuna
 
         from tilegen import backends
-        from tilegen.db.engine import resolve_db_path
-        from tilegen.db.records import TuningDB
+        from tilegen.db.engine import check_writable, inspect_file, resolve_db_path
 
         self.optuna = optuna
         self.TS = optuna.trial.TrialState
@@ -382,18 +179,21 @@ class _Session:
             raise SessionError(str(exc)) from None
         self.spec = opts.spec
         self.db_path = resolve_db_path(opts.db_path)
-        # First: a DB that cannot be written (not a DB, read-only) stops us before any worker.
-        self.db = TuningDB.open(self.db_path)
+        # First: a DB that cannot be written (not a DB, read-only) stops us before any worker;
+        # the file itself is opened (created) in prepare(), once no refusal can come.
+        if self.db_path.exists():
+            inspect_file(self.db_path)
+        check_writable(self.db_path)
+        self.db: Any = None
         self.storage_url = opts.storage or default_storage_url(self.db_path)
         self.host = socket.gethostname()
-        self.handles: list[WorkerHandle] = []
-        self.pool: Queue[WorkerHandle] = Queue()
+        self.pool: WorkerPool | None = None
         self.ran = 0
         self.fatal: BaseException | None = None
         self.labels: dict[str, str] = {}
         self.variants: dict[str, dict[str, str]] = {}
         self.lock = threading.Lock()
-        self.progress = _Progress(opts.progress or sys.stderr, opts.trials)
+        self.progress = Progress(opts.progress or sys.stderr, opts.trials, opts.timer)
 
     def say(self, text: str) -> None:
         self.progress.say(text)
@@ -404,23 +204,11 @@ class _Session:
         setup = WorkerSetup(self.spec.canonical_json(), o.captures,
                             tuple(range(max(1, o.seeds))), o.timer, o.op_factory,
                             o.reference_factory, o.oracle_check, o.backend)
-        slots = _gpu_slots(o.workers)
-        self.handles = [WorkerHandle(setup, gpu=g, setup_timeout_s=o.setup_timeout_s,
-                                     label=f"worker{i}" + (f"@gpu{g}" if g else ""))
-                        for i, g in enumerate(slots)]
-        self.say(f"tune: starting {len(self.handles)} worker(s) (captures, references, fp32 "
-                 "oracle check) ...")
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(len(self.handles)) as pool:
-            infos = list(pool.map(lambda h: h.start(), self.handles))
-        for h in self.handles:
-            self.pool.put(h)
-        first = infos[0]
-        names = {i.device_name for i in infos}
-        if len(names) > 1:
-            raise SessionError(f"workers see different devices {sorted(names)}; a study is "
-                               "per device kind: pin --workers to GPUs of one kind")
+        try:
+            self.pool = WorkerPool(setup, o.workers, o.setup_timeout_s)
+            first = self.pool.start(self.say)
+        except PoolError as exc:
+            raise SessionError(str(exc)) from None
         for note in first.notes:
             self.say(f"tune: note: {note}")
         caps = "; ".join(f"{c.name} ({'outlier, ' if c.outlier else ''}ref: {c.reference}, "
@@ -443,12 +231,12 @@ class _Session:
 
     def prepare(self, info: WorkerInfo, target: Target) -> None:
         from tilegen import __version__
+        from tilegen.db.records import TuningDB
         from tilegen.winners import current_template_set_hash, find_winner
 
         o, optuna = self.opts, self.optuna
         self.info, self.target = info, target
         self.space = SearchSpace.from_target(self.spec, target, o.space, self.backend.name)
-        self.all_names = {c.name for c in self.space.configs()}
         self.toolchain = self.backend.toolchain(target)
         self.env = {
             "device_name": info.device_name, "arch": target.name, "driver": info.driver,
@@ -458,27 +246,13 @@ class _Session:
             "tilegen_version": __version__,
             "template_set_hash": current_template_set_hash(self.backend.name),
         }
+        self.db = TuningDB.open(self.db_path)
         self.db.upsert_workload(self.spec.hash, self.spec.kernel_hash, self.spec.to_dict())
         self.study_name = o.study or default_study_name(
             self.spec, target, info.device_name, sources_digest(self.space, self.backend),
             o.timer, self.backend.name)
         optuna.logging.set_verbosity(optuna.logging.ERROR)
-        kwargs: dict[str, Any] = {
-            "heartbeat_interval": int(o.heartbeat_s),
-            "grace_period": int(o.heartbeat_s) * GRACE_INTERVALS,
-        }
-        if self.storage_url.startswith("sqlite"):
-            Path(self.storage_url.removeprefix("sqlite:///")).parent.mkdir(parents=True,
-                                                                            exist_ok=True)
-            kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # experimental / deprecation notes
-            kwargs["heartbeat_stale_trial_callback" if hasattr(
-                optuna.storages, "RetryHeartbeatStaleTrialCallback")
-                else "failed_trial_callback"] = _retry_callback(optuna)
-            self.storage = _open_storage(optuna, self.storage_url, kwargs)
-        if self.storage_url.startswith("sqlite"):
-            _serialize_sqlite(self.storage)
+        self.storage = open_study_storage(optuna, self.storage_url, int(o.heartbeat_s))
         self.exhaustive = o.sampler == "grid" or (o.sampler == "auto"
                                                   and self.space.size <= o.trials)
         with warnings.catch_warnings():
@@ -497,6 +271,7 @@ class _Session:
         self.study = optuna.create_study(storage=self.storage, study_name=self.study_name,
                                          direction="minimize", sampler=sampler,
                                          load_if_exists=True)
+        self.ledger = TrialLedger(optuna, self.study, self.space, o.sampler_seed)
         attrs = self.study.user_attrs
         wanted = {"spec_hash": self.spec.hash, "kernel_hash": self.spec.kernel_hash,
                   "backend": self.backend.name, "target": target.name,
@@ -530,73 +305,6 @@ class _Session:
                                      skip_if_exists=True)
 
     # -- the study ---------------------------------------------------------------------
-    def counted(self) -> int:
-        """Trials with a result (COMPLETE + PRUNED), all sessions and hosts: the budget."""
-        return len(self.study.get_trials(deepcopy=False,
-                                         states=(self.TS.COMPLETE, self.TS.PRUNED)))
-
-    def fail_stale(self) -> int:
-        """Fail the RUNNING trials whose heartbeat stopped (a killed session) and queue them
-        again (Optuna's callback); return how many."""
-        before = len(self.study.get_trials(deepcopy=False, states=(self.TS.FAIL,)))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self.optuna.storages.fail_stale_trials(self.study)
-        return len(self.study.get_trials(deepcopy=False, states=(self.TS.FAIL,))) - before
-
-    def measured(self) -> set[str]:
-        """Configs with a result of their own in the study."""
-        out = set()
-        for t in self.study.get_trials(deepcopy=False,
-                                       states=(self.TS.COMPLETE, self.TS.PRUNED)):
-            if t.user_attrs.get("duplicate_of") is None and t.user_attrs.get("config"):
-                out.add(t.user_attrs["config"])
-        return out
-
-    def exhausted(self) -> bool:
-        return self.all_names <= self.measured()
-
-    def _same_config(self, number: int, name: str) -> Any:
-        """An earlier trial of the same config: finished (its result answers this one) or
-        running (a lower-numbered one keeps it). Every trial records its ``config`` before it
-        looks; a lower-numbered running trial that has not recorded one yet is still
-        suggesting, so this waits for it (briefly) rather than guess, and of two trials that
-        start the same config at once exactly one runs it."""
-        deadline = time.monotonic() + _SUGGEST_WAIT_S
-        while True:
-            pending = False
-            for t in self.study.get_trials(deepcopy=False, states=(
-                    self.TS.COMPLETE, self.TS.PRUNED, self.TS.RUNNING)):
-                if t.number == number or t.user_attrs.get("duplicate_of") is not None:
-                    continue
-                if t.state == self.TS.RUNNING and t.number > number:
-                    continue
-                other = t.user_attrs.get("config")
-                if other is None:
-                    pending = pending or t.state == self.TS.RUNNING
-                    continue
-                if other == name:
-                    return t
-            if not pending or time.monotonic() > deadline:
-                return None
-            time.sleep(0.02)
-
-    def _queue_unseen(self, number: int) -> None:
-        """After a repeated proposal: queue one config no trial has, so the next explores."""
-        taken = set()
-        for t in self.study.get_trials(deepcopy=False):
-            if t.params and set(t.params) == set(self.space.names):
-                taken.add(self.space.config(t.params).name)
-            fixed = t.system_attrs.get("fixed_params")
-            if fixed and set(fixed) == set(self.space.names):
-                taken.add(self.space.config(fixed).name)
-        unseen = [c for c in self.space.configs() if c.name not in taken]
-        feasible = [c for c in unseen if not self.space.violations(c)]
-        if feasible or unseen:
-            pick = random.Random(f"{self.opts.sampler_seed}:{number}").choice(feasible or unseen)
-            self.study.enqueue_trial(self.space.params(pick), user_attrs={"explore": True},
-                                     skip_if_exists=True)
-
     def variant(self, cfg: KernelConfig) -> dict[str, str]:
         if cfg.name not in self.variants:
             self.variants[cfg.name] = self.backend.variant_key(
@@ -632,10 +340,10 @@ class _Session:
             trial.set_user_attr(key, value)
         if self.labels.get(cfg.name):
             trial.set_user_attr("label", self.labels[cfg.name])
-        prior = self._same_config(trial.number, cfg.name)
+        prior = self.ledger.same_config(trial.number, cfg.name)
         if prior is not None:
             trial.set_user_attr("duplicate_of", prior.number)
-            self._queue_unseen(trial.number)
+            self.ledger.queue_unseen(trial.number)
             if prior.state == self.TS.COMPLETE:
                 trial.set_user_attr("status", prior.user_attrs.get("status", "pass"))
                 trial.set_user_attr("median_ms", prior.value)
@@ -705,8 +413,8 @@ class _Session:
         best = min((r for r in rows if r.passed and r.ms is not None),
                    key=lambda r: (r.ms, r.number), default=None)
         fails = Counter(r.status for r in rows if r.status != "pass")
-        self.progress.trial(self.counted(), row, best, fails)
-        if self.exhausted():
+        self.progress.trial(self.ledger.counted(), row, best, fails)
+        if self.ledger.exhausted():
             study.stop()
 
     # -- reading the study -------------------------------------------------------------
@@ -756,14 +464,17 @@ class _Session:
             median_ms=float(best.ms or 0.0), timer=self.opts.timer, environment_id=env_id,
             study=self.study_name, trial_number=best.number,
             template_set_hash=env.get("template_set_hash", ""), currency=variant_currency)
-        fake = "" if self.opts.timer == "do_bench" else (
+        fake = "" if not is_fake_timer(self.opts.timer) else (
             f" [timer {self.opts.timer}: test only, never used by tilegen.load nor exported]")
+        unit = ms_unit(self.opts.timer)
         if res.action == "kept":
             if res.reason == "same":
-                return f"unchanged: {best.config_name} ({best.ms:.4f} ms){fake}"
-            return (f"kept the stored winner ({res.median_ms:.4f} ms; {res.reason}) over "
-                    f"{best.config_name} at {best.ms:.4f} ms{fake}")
-        return f"{res.action}: {best.config_name} ({best.ms:.4f} ms){fake}"
+                return f"unchanged: {best.config_name} ({best.ms:.4f} {unit}){fake}"
+            # the stored winner may have been timed by another timer than this session's
+            kept_unit = ms_unit(res.previous.timer) if res.previous else unit
+            return (f"kept the stored winner ({res.median_ms:.4f} {kept_unit}; {res.reason}) "
+                    f"over {best.config_name} at {best.ms:.4f} {unit}{fake}")
+        return f"{res.action}: {best.config_name} ({best.ms:.4f} {unit}){fake}"
 
     def record_candidates(self) -> None:
         """Every config a worker ran, as a candidate (config + variant key) in the tilegen DB."""
@@ -775,91 +486,13 @@ class _Session:
                 self.db.add_candidate(a["variant"], json.loads(a["config_json"]))
 
     def close(self) -> None:
-        for h in self.handles:
-            with contextlib.suppress(Exception):
-                h.close()
+        if self.pool is not None:
+            self.pool.close()
         with contextlib.suppress(Exception):
             self.db.close()
 
 
 # ============================================================================ output
-
-
-def print_table(rows: list[TrialRow], top: int, out: IO[str], short_hash: str) -> None:
-    """The top passing configs (and the seeds), then failed or pruned ones."""
-    from tilegen.db.tables import print_table as table
-
-    passing = sorted((r for r in rows if r.passed and r.ms is not None
-                      and r.duplicate_of is None), key=lambda r: (r.ms, r.number))
-    shown: list[TrialRow] = []
-    seen: set[str] = set()
-    for r in passing:
-        if r.config_name not in seen:
-            seen.add(r.config_name)
-            shown.append(r)
-    shown = shown[:top]
-    names = {r.config_name for r in shown}
-    extra = [r for r in rows if r.label and r.config_name not in names and r.duplicate_of is None]
-    extra = list({r.config_name: r for r in reversed(extra)}.values())
-    cells = []
-    for i, r in enumerate(shown + extra):
-        note = r.label if r.passed else f"{r.label + ': ' if r.label else ''}{r.status}"
-        cells.append([str(i + 1) if i < len(shown) else "-", r.number, r.config_name,
-                      f"{r.ms:.4f}" if r.ms is not None else None,
-                      f"{r.tflops:.4g}" if r.tflops is not None else None,
-                      "PASS" if r.passed else "FAIL", note])
-    table(["rank", "trial", "config", "ms", "TFLOP/s", "gate", "note"], cells, file=out,
-          right=("rank", "trial", "ms", "TFLOP/s"))
-    failed = [r for r in rows if r.status != "pass" and r.duplicate_of is None]
-    if failed:
-        print("", file=out)
-        table(["trial", "config", "status", "message"],
-              [[r.number, r.config_name, r.status, r.message] for r in failed[:20]],
-              title="failed or pruned:", file=out, right=("trial",))
-        if len(failed) > 20:
-            print(f"  ... {len(failed) - 20} more (tilegen db show {short_hash})", file=out)
-
-
-def plot_history(rows: Sequence[TrialRow], path: str | Path, title: str = "") -> str:
-    """Write a PNG of the tuning history (latency per trial, best so far, failures).
-
-    Returns a one-line message; never raises for a missing matplotlib.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return (f"--plot {path}: matplotlib is not installed (pip install matplotlib); "
-                "no plot written")
-    rows = sorted(rows, key=lambda r: r.number)
-    ok = [r for r in rows if r.passed and r.ms is not None]
-    bad = [r for r in rows if not r.passed]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    if ok:
-        ax.scatter([r.number for r in ok], [r.ms for r in ok], s=18, label="pass")
-        best, xs, ys = math.inf, [], []
-        for r in rows:
-            if r.passed and r.ms is not None:
-                best = min(best, r.ms)
-            if math.isfinite(best):
-                xs.append(r.number)
-                ys.append(best)
-        ax.step(xs, ys, where="post", color="C2", label="best so far")
-    if bad:
-        top = max((r.ms for r in ok), default=1.0) * 1.05
-        ax.scatter([r.number for r in bad], [top] * len(bad), marker="x", color="C3",
-                   label="failed / pruned")
-    ax.set_xlabel("trial")
-    ax.set_ylabel("median latency (ms)")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"tune: wrote tuning history plot {path}"
 
 
 def export_spec(db: Any, spec: Spec, dest: str | Path, out: IO[str]) -> None:
@@ -902,22 +535,25 @@ def run_session(opts: TuneOptions) -> SessionResult:
         target = sess.resolve_target(info)
         sess.prepare(info, target)
         optuna = sess.optuna
-        retried = sess.fail_stale()
-        done = sess.counted()
+        retried = sess.ledger.fail_stale()
+        done = sess.ledger.counted()
         sess.say(f"tune: study {sess.study_name} in {sess.storage_url}")
         sess.say(f"tune: space {sess.space.describe()} ({len(sess.space.feasible())} feasible); "
                  f"sampler {sess.sampler_name}; seeds: "
                  + (", ".join(f"{lbl} {c.name}" for lbl, c in sess.seeds) or "none"))
+        if is_fake_timer(opts.timer):
+            sess.say(f"tune: timer {opts.timer} is test only: the latencies below are fake-ms, "
+                     f"derived from config names ({FAKE_NOTE}); the correctness gate is real")
         if done or retried:
             sess.say(f"tune: resuming with {done}/{opts.trials} trials done"
                      + (f"; {retried} trial(s) left running by a killed session failed "
                         "(interrupted) and queued again" if retried else ""))
         remaining = opts.trials - done
-        if remaining > 0 and not sess.exhausted():
+        if remaining > 0 and not sess.ledger.exhausted():
             try:
                 with sess.progress:
                     sess.study.optimize(
-                        sess.objective, n_trials=remaining, n_jobs=len(sess.handles),
+                        sess.objective, n_trials=remaining, n_jobs=len(sess.pool),
                         callbacks=[optuna.study.MaxTrialsCallback(
                             opts.trials, states=(optuna.trial.TrialState.COMPLETE,
                                                  optuna.trial.TrialState.PRUNED)),
@@ -953,32 +589,19 @@ def run_session(opts: TuneOptions) -> SessionResult:
             sampler=sess.sampler_name, trials_requested=opts.trials, trials_counted=len(rows),
             trials_this_session=sess.ran, wall_s=time.perf_counter() - t0,
             counts=dict(Counter(r.status for r in rows)), space=sess.space.describe(),
-            exhausted=sess.exhausted(), best=best, seeds=seeds, rows=rows, winner=winner,
+            exhausted=sess.ledger.exhausted(), best=best, seeds=seeds, rows=rows, winner=winner,
             captures=[asdict(c) for c in info.captures], speedup_vs=speedup)
-        out = sess.out
-        print(f"\ntilegen tune: spec {opts.spec.short_hash} on {info.device_name} "
-              f"({target.name}, {sess.backend.name}), timer {opts.timer}, study "
-              f"{sess.study_name}", file=out)
-        print_table(rows, opts.top, out, opts.spec.short_hash)
-        if result.exhausted and len(rows) < opts.trials:
-            print(f"\nsearch space exhausted: all {sess.space.size} configs tried in "
-                  f"{len(rows)} trials (asked for {opts.trials})", file=out)
-        dups = sum(r.duplicate_of is not None for r in rows)
-        print(f"\ntrials: {len(rows)} in the study ({sess.ran} run by a worker now; {dups} "
-              "repeated proposals answered from earlier results), "
-              f"{', '.join(f'{k} {v}' for k, v in sorted(result.counts.items()))}; "
-              f"wall {result.wall_s:.1f} s", file=out)
-        for label, factor in speedup.items():
-            print(f"speedup of the best over {label}: {factor:.3f}x", file=out)
-        print(f"winner: {winner}", file=out)
+        print_summary(result, sess.out, top=opts.top, spec_short_hash=opts.spec.short_hash,
+                      space_size=sess.space.size)
         if opts.export:
-            export_spec(sess.db, opts.spec, opts.export, out)
+            export_spec(sess.db, opts.spec, opts.export, sess.out)
         if opts.summary:
             Path(opts.summary).parent.mkdir(parents=True, exist_ok=True)
-            Path(opts.summary).write_text(json.dumps(result.to_dict(), indent=2,
-                                                     sort_keys=True, default=str) + "\n")
+            atomic_write(Path(opts.summary), json.dumps(result.to_dict(), indent=2,
+                                                        sort_keys=True, default=str) + "\n")
         if opts.plot:
-            print(plot_history(rows, opts.plot, sess.study_name), file=out)
+            print(plot_history(rows, opts.plot, sess.study_name, timer=opts.timer),
+                  file=sess.out)
         return result
     except WorkerSetupError as exc:
         raise SessionError(str(exc)) from exc

@@ -4,10 +4,12 @@
 Grid: (query cubes * 64 // BLOCK_M, batch * heads). Each program loads a BLOCK_M
 slice of one query cube and walks that cube's row of the LUT: for each selected KV cube it
 takes 64 // BLOCK_N sub-tiles of BLOCK_N keys through an online softmax.
-Keys past vbs[cube] are masked; sub-tiles wholly past it are skipped.
+
 Bad values never move a load out of bounds: an index outside [0, NKV), a vbs outside
-1..BLOCK_KV or a count outside 0..topk poisons the row instead (its output and lse become NaN)
-and sets ERR[0], which the op raises on a later call.
+1..BLOCK_KV (HAS_VBS) or a count outside 0..topk poisons the row instead (its output and lse
+become NaN) and sets ERR[0], which the op raises on a later call.
+With HAS_VBS (variable block sizes), keys past vbs[cube] are masked and sub-tiles wholly past
+it are skipped; without it every KV cube is full: no masking. STORE_LSE writes lse.
 """
 
 import triton
@@ -16,6 +18,17 @@ import triton.language as tl
 HEAD_DIM = tl.constexpr(128)
 BLOCK_Q = tl.constexpr(64)
 BLOCK_KV = tl.constexpr(64)
+BSHD = tl.constexpr(True)
+HAS_VBS = tl.constexpr(True)
+
+
+@triton.jit
+def _round_bf16(x):
+    """INTERP_BF16's dot operand: the interpreter truncates fp32 -> bf16 casts, so the fp32
+    tile is rounded to bf16 (nearest even) with integer ops and stays fp32: exactly the
+    operand the GPU kernel's cast gives the next dot."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -25,6 +38,8 @@ def tilegen_block_sparse_attn(
     HAS_COUNTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STORE_LSE: tl.constexpr = True,
+    INTERP_BF16: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -35,9 +50,15 @@ def tilegen_block_sparse_attn(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_base = (b * seq_len * num_heads + h) * HEAD_DIM
-    q_row = num_heads * HEAD_DIM
+    if BSHD:
+        q_base = (b * seq_len * num_heads + h) * HEAD_DIM
+        q_row = num_heads * HEAD_DIM
+    else:
+        q_base = (b * num_heads + h) * seq_len * HEAD_DIM
+        q_row = HEAD_DIM
     q = tl.load(Q + q_base + offs_m[:, None] * q_row + offs_d[None, :])
+    if INTERP_BF16:  # Triton's CPU interpreter: fp32 tiles (see _round_bf16)
+        q = q.to(tl.float32)
     kv_base = q_base  # K and V share Q's shape and layout
     kv_row = q_row
 
@@ -58,36 +79,29 @@ def tilegen_block_sparse_attn(
         kv_raw = tl.load(lut_row + i)
         kv_ok = (kv_raw >= 0) & (kv_raw < num_kv_blocks)
         kv_cube = tl.where(kv_ok, kv_raw, 0).to(tl.int64)
-        n_valid = tl.load(VBS + kv_cube)
-        row_ok = row_ok & kv_ok & (n_valid >= 1) & (n_valid <= BLOCK_KV)
+        if HAS_VBS:
+            n_valid = tl.load(VBS + kv_cube)
+            row_ok = row_ok & kv_ok & (n_valid >= 1) & (n_valid <= BLOCK_KV)
+        else:
+            row_ok = row_ok & kv_ok
         for j in tl.static_range(BLOCK_KV // BLOCK_N):
             sub_start = j * BLOCK_N
-            # j is a compile-time constant: sub-tile 0 always holds a key (vbs >= 1), so only
-            # later sub-tiles carry the runtime skip test.
-            if j == 0:
+            # j is a compile-time constant: sub-tile 0 always holds a key (vbs >= 1) and a full
+            # cube every key, so only later sub-tiles of partial cubes carry the runtime skip test
+            if not HAS_VBS or j == 0 or sub_start < n_valid:
                 kv_rows = kv_cube * BLOCK_KV + sub_start + offs_n
                 k = tl.load(K + kv_base + kv_rows[:, None] * kv_row + offs_d[None, :])
                 v = tl.load(V + kv_base + kv_rows[:, None] * kv_row + offs_d[None, :])
+                if INTERP_BF16:
+                    k, v = k.to(tl.float32), v.to(tl.float32)
                 qk = tl.dot(q, tl.trans(k)) * qk_scale
-                qk = tl.where((sub_start + offs_n < n_valid)[None, :], qk, float("-inf"))
+                if HAS_VBS:
+                    qk = tl.where((sub_start + offs_n < n_valid)[None, :], qk, float("-inf"))
                 m_ij = tl.maximum(m_i, tl.max(qk, 1))
                 p = tl.math.exp2(qk - m_ij[:, None])
                 alpha = tl.math.exp2(m_i - m_ij)
                 l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_ij
-
-            elif sub_start < n_valid:
-                kv_rows = kv_cube * BLOCK_KV + sub_start + offs_n
-                k = tl.load(K + kv_base + kv_rows[:, None] * kv_row + offs_d[None, :])
-                v = tl.load(V + kv_base + kv_rows[:, None] * kv_row + offs_d[None, :])
-                qk = tl.dot(q, tl.trans(k)) * qk_scale
-                qk = tl.where((sub_start + offs_n < n_valid)[None, :], qk, float("-inf"))
-                m_ij = tl.maximum(m_i, tl.max(qk, 1))
-                p = tl.math.exp2(qk - m_ij[:, None])
-                alpha = tl.math.exp2(m_i - m_ij)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot((p.to(v.dtype) if not INTERP_BF16 else _round_bf16(p)), v)
                 m_i = m_ij
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -96,8 +110,9 @@ def tilegen_block_sparse_attn(
     tl.store(O + q_base + offs_m[:, None] * q_row + offs_d[None, :], acc.to(O.dtype.element_ty))
     if not row_ok:
         tl.store(ERR, 1)
-    lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe),
-                   tl.where(l_i == 0.0, float("-inf"), float("nan")))
-    lse = tl.where(row_ok, lse, float("nan"))
-    tl.store(LSE + bh * seq_len + offs_m, lse)
+    if STORE_LSE:
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe),
+                       tl.where(l_i == 0.0, float("-inf"), float("nan")))
+        lse = tl.where(row_ok, lse, float("nan"))
+        tl.store(LSE + bh * seq_len + offs_m, lse)
 

@@ -5,16 +5,19 @@ Three kernels, launched in this order (FlashAttention-2's split, no atomics):
 
 - `tilegen_bsa_bwd_preprocess`: delta = rowsum(dO * O) in fp32, (B, H, S); grid (S // BLOCK_M, B*H).
 - `tilegen_bsa_bwd_dq`: dQ per BLOCK_M slice of a query cube, walking the cube's LUT row like the
-  forward (counts, guarded indices, vbs masking); grid (query cubes * 64 // BLOCK_M, B*H).
+  forward (counts, guarded indices, vbs masking with HAS_VBS); grid (query cubes * 64 // BLOCK_M, B*H).
+  With DQ_PACK it walks the row in packed key tiles instead (DQ_OFFSETS .. DQ_TCOUNT, None
+  without it).
 - `tilegen_bsa_bwd_dkdv`: dK and dV per BLOCK_N keys of a KV cube, resident for the whole program,
   walking the inverse map (CSR: KV_OFFSETS[bh * NKV + c] .. KV_OFFSETS[bh * NKV + c + 1] index
   KV_QCUBES, the query cubes whose LUT row chose cube c); grid (KV cubes * 64 // BLOCK_N, B*H).
+  With DKDV_PACK it walks them in packed query tiles (KV_TSTART .. KV_TCOUNT, None without it).
   With ATOMIC_DQ it also atomically adds the dQ terms into fp32 buffers, and the dQ kernel is
   not launched (the variant that can compete in the tuner).
 
 P is recomputed from the forward's base-2 lse: P = exp2(s * sm_scale * log2 e - lse).
-Padded slots (past vbs[cube]) never reach a real gradient: padded query rows have dO and P
-masked to 0 (delta 0), keys past vbs get P = 0 in dQ and zero dK/dV.
+With HAS_VBS, padded slots (past vbs[cube]) never reach a real gradient: padded query rows have
+dO and P masked to 0 (delta 0), keys past vbs get P = 0 in dQ and zero dK/dV.
 A bad index, vbs or count poisons the gradients it touches with NaN and sets ERR[0].
 """
 
@@ -24,6 +27,17 @@ import triton.language as tl
 HEAD_DIM = tl.constexpr(128)
 BLOCK_Q = tl.constexpr(64)
 BLOCK_KV = tl.constexpr(64)
+BSHD = tl.constexpr(True)
+HAS_VBS = tl.constexpr(True)
+
+
+@triton.jit
+def _round_bf16(x):
+    """INTERP_BF16's dot operand: the interpreter truncates fp32 -> bf16 casts, so the fp32
+    tile is rounded to bf16 (nearest even) with integer ops and stays fp32: exactly the
+    operand the GPU kernel's cast gives the next dot."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -36,13 +50,20 @@ def tilegen_bsa_bwd_preprocess(
     bh = tl.program_id(1).to(tl.int64)
     b = bh // num_heads
     h = bh % num_heads
-    base = (b * seq_len * num_heads + h) * HEAD_DIM
-    row = num_heads * HEAD_DIM
+    if BSHD:
+        base = (b * seq_len * num_heads + h) * HEAD_DIM
+        row = num_heads * HEAD_DIM
+    else:
+        base = (b * num_heads + h) * seq_len * HEAD_DIM
+        row = HEAD_DIM
     offs_d = tl.arange(0, HEAD_DIM)
     q_cube = pid_m // (BLOCK_Q // BLOCK_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_valid_q = tl.load(VBS + q_cube)
-    q_valid = (pid_m % (BLOCK_Q // BLOCK_M) * BLOCK_M + tl.arange(0, BLOCK_M)) < n_valid_q
+    if HAS_VBS:
+        n_valid_q = tl.load(VBS + q_cube)
+        q_valid = (pid_m % (BLOCK_Q // BLOCK_M) * BLOCK_M + tl.arange(0, BLOCK_M)) < n_valid_q
+    else:
+        q_valid = tl.arange(0, BLOCK_M) >= 0
     o = tl.load(O + base + offs_m[:, None] * row + offs_d[None, :]).to(tl.float32)
     do = tl.load(DO + base + offs_m[:, None] * row + offs_d[None, :]).to(tl.float32)
     delta = tl.where(q_valid, tl.sum(o * do, 1), 0.0)
@@ -52,27 +73,42 @@ def tilegen_bsa_bwd_preprocess(
 @triton.jit
 def tilegen_bsa_bwd_dq(
     Q, K, V, DO, LSE, DELTA, DSUM, LUT, COUNTS, VBS, DQ, ERR,
+    DQ_OFFSETS, DQ_ITEMS, DQ_TSTART, DQ_TMETA, DQ_TCOUNT,
     seq_len, num_heads, num_q_blocks, num_kv_blocks, topk, qk_scale, sm_scale,
     HAS_COUNTS: tl.constexpr,
     HAS_DSUM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DQ_PACK: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // num_heads
     h = bh % num_heads
-    base = (b * seq_len * num_heads + h) * HEAD_DIM
-    row = num_heads * HEAD_DIM
+    if BSHD:
+        base = (b * seq_len * num_heads + h) * HEAD_DIM
+        row = num_heads * HEAD_DIM
+    else:
+        base = (b * num_heads + h) * seq_len * HEAD_DIM
+        row = HEAD_DIM
     offs_d = tl.arange(0, HEAD_DIM)
     q_cube = pid_m // (BLOCK_Q // BLOCK_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    n_valid_q = tl.load(VBS + q_cube)
-    q_valid = (pid_m % (BLOCK_Q // BLOCK_M) * BLOCK_M + tl.arange(0, BLOCK_M)) < n_valid_q
+    if HAS_VBS:
+        n_valid_q = tl.load(VBS + q_cube)
+        q_valid = (pid_m % (BLOCK_Q // BLOCK_M) * BLOCK_M + tl.arange(0, BLOCK_M)) < n_valid_q
+    else:
+        q_valid = tl.arange(0, BLOCK_M) >= 0
     q = tl.load(Q + base + offs_m[:, None] * row + offs_d[None, :])
-    do = tl.load(DO + base + offs_m[:, None] * row + offs_d[None, :], mask=q_valid[:, None],
-                 other=0.0)
+    if HAS_VBS:
+        do = tl.load(DO + base + offs_m[:, None] * row + offs_d[None, :], mask=q_valid[:, None],
+                     other=0.0)
+    else:
+        do = tl.load(DO + base + offs_m[:, None] * row + offs_d[None, :])
+    if INTERP_BF16:  # Triton's CPU interpreter: fp32 tiles (see _round_bf16)
+        q, do = q.to(tl.float32), do.to(tl.float32)
     lse = tl.load(LSE + bh * seq_len + offs_m)
     delta = tl.load(DELTA + bh * seq_len + offs_m)
 
@@ -96,48 +132,81 @@ def tilegen_bsa_bwd_dq(
     kv_first = tl.load(lut_row)
     kv_first = tl.where((kv_first >= 0) & (kv_first < num_kv_blocks), kv_first, 0).to(tl.int64)
     k_first = tl.load(K + base + (kv_first * BLOCK_KV + offs_n)[:, None] * row + offs_d[None, :])
-    n_first = tl.minimum(tl.maximum(tl.load(VBS + kv_first), 1), BLOCK_N)
-    k_first = tl.where((offs_n < n_first)[:, None], k_first.to(tl.float32), 0.0)
-    centre = tl.sum(k_first, 0) / n_first
+    if HAS_VBS:
+        n_first = tl.minimum(tl.maximum(tl.load(VBS + kv_first), 1), BLOCK_N)
+        k_first = tl.where((offs_n < n_first)[:, None], k_first.to(tl.float32), 0.0)
+        centre = tl.sum(k_first, 0) / n_first
+    else:
+        centre = tl.sum(k_first.to(tl.float32), 0) / BLOCK_N
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     ds_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for i in range(0, n_blocks):
+    if DQ_PACK:
+        # The row's KV cubes in packed key tiles (`packed_lut`): partial cubes of one size class
+        # share a tile, so no MMA work goes to key padding. Its count is -1 when the row holds a
+        # bad index or vbs (checked on the device when the tiles were built).
+        owner = bh * num_q_blocks + q_cube
+        n_tiles = tl.load(DQ_TCOUNT + owner)
+        row_ok = row_ok & (n_tiles >= 0)
+        tile0 = tl.load(DQ_OFFSETS + owner)
+        for t in range(tile0, tile0 + n_tiles):
+            tile_start = tl.load(DQ_TSTART + t)
+            tile_meta = tl.load(DQ_TMETA + t)
+            lg = tile_meta & 255
+            item_ok = (offs_n >> lg) < (tile_meta >> 8)
+            cube = tl.load(DQ_ITEMS + tile_start + (offs_n >> lg), mask=item_ok, other=0)
+            cube = cube.to(tl.int64)
+            slot = offs_n & ((1 << lg) - 1)
+            k_ok = item_ok & (slot < tl.load(VBS + cube))
+            kv_rows = cube * BLOCK_KV + slot
+
+            k = tl.load(K + base + kv_rows[:, None] * row + offs_d[None, :])
+            v = tl.load(V + base + kv_rows[:, None] * row + offs_d[None, :])
+            if INTERP_BF16:
+                k, v = k.to(tl.float32), v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k)) * qk_scale
+            p = tl.math.exp2(qk - lse[:, None])
+            if HAS_VBS:
+                p = tl.where(q_valid[:, None] & (k_ok)[None, :], p, 0.0)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            ds_op = (ds.to(Q.dtype.element_ty) if not INTERP_BF16 else _round_bf16(ds))
+            dq += tl.dot(ds_op, k)
+            ds_sum += tl.sum(ds_op.to(tl.float32), 1)
+
+    # The row's KV cubes one by one from the cursor (none left to walk with DQ_PACK)
+    for i in range(0, 0 if DQ_PACK else n_blocks):
         kv_raw = tl.load(lut_row + i)
         kv_ok = (kv_raw >= 0) & (kv_raw < num_kv_blocks)
         kv_cube = tl.where(kv_ok, kv_raw, 0).to(tl.int64)
-        n_valid = tl.load(VBS + kv_cube)
-        row_ok = row_ok & kv_ok & (n_valid >= 1) & (n_valid <= BLOCK_KV)
+        if HAS_VBS:
+            n_valid = tl.load(VBS + kv_cube)
+            row_ok = row_ok & kv_ok & (n_valid >= 1) & (n_valid <= BLOCK_KV)
+        else:
+            row_ok = row_ok & kv_ok
         for j in tl.static_range(BLOCK_KV // BLOCK_N):
             sub_start = j * BLOCK_N
             kv_rows = kv_cube * BLOCK_KV + sub_start + offs_n
-            if j == 0:
+            # sub-tile 0 of a cube always holds a key, and only partial cubes skip any
+            if not HAS_VBS or j == 0 or sub_start < n_valid:
                 k = tl.load(K + base + kv_rows[:, None] * row + offs_d[None, :])
                 v = tl.load(V + base + kv_rows[:, None] * row + offs_d[None, :])
+                if INTERP_BF16:
+                    k, v = k.to(tl.float32), v.to(tl.float32)
                 qk = tl.dot(q, tl.trans(k)) * qk_scale
                 p = tl.math.exp2(qk - lse[:, None])
-                p = tl.where(q_valid[:, None] & (sub_start + offs_n < n_valid)[None, :], p, 0.0)
+                if HAS_VBS:
+                    p = tl.where(q_valid[:, None] & (sub_start + offs_n < n_valid)[None, :], p, 0.0)
                 dp = tl.dot(do, tl.trans(v))
                 ds = p * (dp - delta[:, None])
-                ds_op = ds.to(Q.dtype.element_ty)
-                dq += tl.dot(ds_op, k)
-                ds_sum += tl.sum(ds_op.to(tl.float32), 1)
-
-            elif sub_start < n_valid:
-                k = tl.load(K + base + kv_rows[:, None] * row + offs_d[None, :])
-                v = tl.load(V + base + kv_rows[:, None] * row + offs_d[None, :])
-                qk = tl.dot(q, tl.trans(k)) * qk_scale
-                p = tl.math.exp2(qk - lse[:, None])
-                p = tl.where(q_valid[:, None] & (sub_start + offs_n < n_valid)[None, :], p, 0.0)
-                dp = tl.dot(do, tl.trans(v))
-                ds = p * (dp - delta[:, None])
-                ds_op = ds.to(Q.dtype.element_ty)
+                ds_op = (ds.to(Q.dtype.element_ty) if not INTERP_BF16 else _round_bf16(ds))
                 dq += tl.dot(ds_op, k)
                 ds_sum += tl.sum(ds_op.to(tl.float32), 1)
 
     if HAS_DSUM:
         ds_sum -= tl.load(DSUM + bh * seq_len + offs_m)
     dq = (dq - ds_sum[:, None] * centre[None, :]) * sm_scale
-    dq = tl.where(q_valid[:, None], dq, 0.0)
+    if HAS_VBS:
+        dq = tl.where(q_valid[:, None], dq, 0.0)
     dq = tl.where(row_ok, dq, float("nan"))
     tl.store(DQ + base + offs_m[:, None] * row + offs_d[None, :], dq.to(DQ.dtype.element_ty))
     if not row_ok:
@@ -147,91 +216,138 @@ def tilegen_bsa_bwd_dq(
 @triton.jit
 def tilegen_bsa_bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, KV_OFFSETS, KV_QCUBES, VBS, DK, DV, DQ_ACC, DS_SUM, ERR,
+    KV_TSTART, KV_TMETA, KV_TCOUNT,
     seq_len, num_heads, num_kv_blocks, qk_scale, sm_scale,
     ATOMIC_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DKDV_PACK: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // num_heads
     h = bh % num_heads
-    base = (b * seq_len * num_heads + h) * HEAD_DIM
-    row = num_heads * HEAD_DIM
+    if BSHD:
+        base = (b * seq_len * num_heads + h) * HEAD_DIM
+        row = num_heads * HEAD_DIM
+    else:
+        base = (b * num_heads + h) * seq_len * HEAD_DIM
+        row = HEAD_DIM
     offs_d = tl.arange(0, HEAD_DIM)
     kv_cube = pid_n // (BLOCK_KV // BLOCK_N)
     sub_n = pid_n % (BLOCK_KV // BLOCK_N) * BLOCK_N
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    n_valid = tl.load(VBS + kv_cube)
-    kv_ok = (n_valid >= 1) & (n_valid <= BLOCK_KV)
-    k_valid = (sub_n + tl.arange(0, BLOCK_N)) < n_valid
+    if HAS_VBS:
+        n_valid = tl.load(VBS + kv_cube)
+        kv_ok = (n_valid >= 1) & (n_valid <= BLOCK_KV)
+        k_valid = (sub_n + tl.arange(0, BLOCK_N)) < n_valid
+    else:
+        kv_ok = num_kv_blocks > 0
+        k_valid = tl.arange(0, BLOCK_N) >= 0
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     first = tl.load(KV_OFFSETS + bh * num_kv_blocks + kv_cube)
     last = tl.load(KV_OFFSETS + bh * num_kv_blocks + kv_cube + 1)
-    if sub_n >= n_valid:  # every key of the tile is padding: zero gradients, no work
-        last = first
+    if HAS_VBS:
+        if sub_n >= n_valid:  # every key of the tile is padding: zero gradients, no work
+            last = first
     k = tl.load(K + base + offs_n[:, None] * row + offs_d[None, :])
     v = tl.load(V + base + offs_n[:, None] * row + offs_d[None, :])
-    for i in range(first, last):
-        q_cube = tl.load(KV_QCUBES + i).to(tl.int64)
-        n_valid_q = tl.load(VBS + q_cube)
-        for j in tl.static_range(BLOCK_Q // BLOCK_M):
-            sub_m = j * BLOCK_M
-            q_rows = q_cube * BLOCK_Q + sub_m + offs_m
-            q_valid = (sub_m + offs_m) < n_valid_q
-            if j == 0:
-                q_offs = base + q_rows[:, None] * row + offs_d[None, :]
-                q = tl.load(Q + q_offs)
-                do = tl.load(DO + q_offs, mask=q_valid[:, None], other=0.0)
-                lse = tl.load(LSE + bh * seq_len + q_rows)
-                delta = tl.load(DELTA + bh * seq_len + q_rows)
-                qk_t = tl.dot(k, tl.trans(q)) * qk_scale
-                p_t = tl.math.exp2(qk_t - lse[None, :])
-                if ATOMIC_DQ:  # dS^T also feeds dQ: keys past vbs must give 0 there too
-                    p_t = tl.where(q_valid[None, :] & k_valid[:, None], p_t, 0.0)
-                else:  # rows of keys past vbs only reach their own (discarded) dK/dV rows
-                    p_t = tl.where(q_valid[None, :], p_t, 0.0)
-                p_op = p_t.to(Q.dtype.element_ty)
-                dv += tl.dot(p_op, do)
-                dp_t = tl.dot(v, tl.trans(do))
-                ds_t = p_t * (dp_t - delta[None, :])
-                ds_op = ds_t.to(Q.dtype.element_ty)
-                dk += tl.dot(ds_op, q)
-                if ATOMIC_DQ:
-                    dq_part = tl.dot(tl.trans(ds_op), k)
-                    tl.atomic_add(DQ_ACC + q_offs, dq_part, mask=q_valid[:, None], sem="relaxed")
-                    tl.atomic_add(DS_SUM + bh * seq_len + q_rows, tl.sum(ds_op.to(tl.float32), 0), mask=q_valid,
-                                  sem="relaxed")
+    if INTERP_BF16:  # Triton's CPU interpreter: fp32 tiles (see _round_bf16)
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    if DKDV_PACK:
+        # The query cubes in packed query tiles (`packed_inverse_map`): partial cubes of one size
+        # class share a tile, so no MMA work goes to padded query rows.
+        last = first + tl.load(KV_TCOUNT + bh * num_kv_blocks + kv_cube)
+        if sub_n >= n_valid:
+            last = first
+        for t in range(first, last):
+            tile_start = tl.load(KV_TSTART + t)
+            tile_meta = tl.load(KV_TMETA + t)
+            lg = tile_meta & 255
+            item_ok = (offs_m >> lg) < (tile_meta >> 8)
+            cube = tl.load(KV_QCUBES + tile_start + (offs_m >> lg), mask=item_ok, other=0)
+            cube = cube.to(tl.int64)
+            slot = offs_m & ((1 << lg) - 1)
+            q_valid = item_ok & (slot < tl.load(VBS + cube))
+            q_rows = cube * BLOCK_Q + slot
 
-            elif sub_m < n_valid_q:
-                q_offs = base + q_rows[:, None] * row + offs_d[None, :]
-                q = tl.load(Q + q_offs)
+            q_offs = base + q_rows[:, None] * row + offs_d[None, :]
+            q = tl.load(Q + q_offs)
+            if HAS_VBS:
                 do = tl.load(DO + q_offs, mask=q_valid[:, None], other=0.0)
-                lse = tl.load(LSE + bh * seq_len + q_rows)
-                delta = tl.load(DELTA + bh * seq_len + q_rows)
-                qk_t = tl.dot(k, tl.trans(q)) * qk_scale
-                p_t = tl.math.exp2(qk_t - lse[None, :])
-                if ATOMIC_DQ:  # dS^T also feeds dQ: keys past vbs must give 0 there too
-                    p_t = tl.where(q_valid[None, :] & k_valid[:, None], p_t, 0.0)
-                else:  # rows of keys past vbs only reach their own (discarded) dK/dV rows
-                    p_t = tl.where(q_valid[None, :], p_t, 0.0)
-                p_op = p_t.to(Q.dtype.element_ty)
-                dv += tl.dot(p_op, do)
-                dp_t = tl.dot(v, tl.trans(do))
-                ds_t = p_t * (dp_t - delta[None, :])
-                ds_op = ds_t.to(Q.dtype.element_ty)
-                dk += tl.dot(ds_op, q)
-                if ATOMIC_DQ:
-                    dq_part = tl.dot(tl.trans(ds_op), k)
-                    tl.atomic_add(DQ_ACC + q_offs, dq_part, mask=q_valid[:, None], sem="relaxed")
-                    tl.atomic_add(DS_SUM + bh * seq_len + q_rows, tl.sum(ds_op.to(tl.float32), 0), mask=q_valid,
-                                  sem="relaxed")
+            else:
+                do = tl.load(DO + q_offs)
+            if INTERP_BF16:
+                q, do = q.to(tl.float32), do.to(tl.float32)
+            lse = tl.load(LSE + bh * seq_len + q_rows)
+            delta = tl.load(DELTA + bh * seq_len + q_rows)
+            qk_t = tl.dot(k, tl.trans(q)) * qk_scale
+            p_t = tl.math.exp2(qk_t - lse[None, :])
+            if HAS_VBS and ATOMIC_DQ:  # dS^T also feeds dQ: keys past vbs must give 0 there too
+                p_t = tl.where(q_valid[None, :] & k_valid[:, None], p_t, 0.0)
+            elif HAS_VBS:  # rows of keys past vbs only reach their own (discarded) dK/dV rows
+                p_t = tl.where(q_valid[None, :], p_t, 0.0)
+            p_op = (p_t.to(Q.dtype.element_ty) if not INTERP_BF16 else _round_bf16(p_t))
+            dv += tl.dot(p_op, do)
+            dp_t = tl.dot(v, tl.trans(do))
+            ds_t = p_t * (dp_t - delta[None, :])
+            ds_op = (ds_t.to(Q.dtype.element_ty) if not INTERP_BF16 else _round_bf16(ds_t))
+            dk += tl.dot(ds_op, q)
+            if ATOMIC_DQ:
+                dq_part = tl.dot(tl.trans(ds_op), k)
+                tl.atomic_add(DQ_ACC + q_offs, dq_part, mask=q_valid[:, None], sem="relaxed")
+                tl.atomic_add(DS_SUM + bh * seq_len + q_rows, tl.sum(ds_op.to(tl.float32), 0), mask=q_valid,
+                              sem="relaxed")
+
+    else:
+        for i in range(first, last):
+            q_cube = tl.load(KV_QCUBES + i).to(tl.int64)
+            if HAS_VBS:
+                n_valid_q = tl.load(VBS + q_cube)
+            for j in tl.static_range(BLOCK_Q // BLOCK_M):
+                sub_m = j * BLOCK_M
+                q_rows = q_cube * BLOCK_Q + sub_m + offs_m
+                if HAS_VBS:
+                    q_valid = (sub_m + offs_m) < n_valid_q
+                else:
+                    q_valid = offs_m >= 0
+                # sub-tile 0 of a cube always holds a row, and only partial cubes skip any
+                if not HAS_VBS or j == 0 or sub_m < n_valid_q:
+                    q_offs = base + q_rows[:, None] * row + offs_d[None, :]
+                    q = tl.load(Q + q_offs)
+                    if HAS_VBS:
+                        do = tl.load(DO + q_offs, mask=q_valid[:, None], other=0.0)
+                    else:
+                        do = tl.load(DO + q_offs)
+                    if INTERP_BF16:
+                        q, do = q.to(tl.float32), do.to(tl.float32)
+                    lse = tl.load(LSE + bh * seq_len + q_rows)
+                    delta = tl.load(DELTA + bh * seq_len + q_rows)
+                    qk_t = tl.dot(k, tl.trans(q)) * qk_scale
+                    p_t = tl.math.exp2(qk_t - lse[None, :])
+                    if HAS_VBS and ATOMIC_DQ:  # dS^T also feeds dQ: keys past vbs must give 0 there too
+                        p_t = tl.where(q_valid[None, :] & k_valid[:, None], p_t, 0.0)
+                    elif HAS_VBS:  # rows of keys past vbs only reach their own (discarded) dK/dV rows
+                        p_t = tl.where(q_valid[None, :], p_t, 0.0)
+                    p_op = (p_t.to(Q.dtype.element_ty) if not INTERP_BF16 else _round_bf16(p_t))
+                    dv += tl.dot(p_op, do)
+                    dp_t = tl.dot(v, tl.trans(do))
+                    ds_t = p_t * (dp_t - delta[None, :])
+                    ds_op = (ds_t.to(Q.dtype.element_ty) if not INTERP_BF16 else _round_bf16(ds_t))
+                    dk += tl.dot(ds_op, q)
+                    if ATOMIC_DQ:
+                        dq_part = tl.dot(tl.trans(ds_op), k)
+                        tl.atomic_add(DQ_ACC + q_offs, dq_part, mask=q_valid[:, None], sem="relaxed")
+                        tl.atomic_add(DS_SUM + bh * seq_len + q_rows, tl.sum(ds_op.to(tl.float32), 0), mask=q_valid,
+                                      sem="relaxed")
 
     dk = dk * sm_scale
-    dk = tl.where(k_valid[:, None], dk, 0.0)
-    dv = tl.where(k_valid[:, None], dv, 0.0)
+    if HAS_VBS:
+        dk = tl.where(k_valid[:, None], dk, 0.0)
+        dv = tl.where(k_valid[:, None], dv, 0.0)
     dk = tl.where(kv_ok, dk, float("nan"))
     dv = tl.where(kv_ok, dv, float("nan"))
     tl.store(DK + base + offs_n[:, None] * row + offs_d[None, :], dk.to(DK.dtype.element_ty))

@@ -1,5 +1,6 @@
-"""The CK-style CUDA C++ backend: rendered from templates/cuda, compiled by nvcc for the target's
-ISA, launched through the CUDA driver API (`runtime`)."""
+"""The CK-style CUDA C++ backend: a kernel's traits rendered from templates/cuda over the static
+headers in templates/cuda/include, compiled by nvcc for the target's ISA, launched through the
+CUDA driver API (`runtime`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ if TYPE_CHECKING:
 
 class CudaBackend(Backend):
     name = "cuda"
-    missing_encoding_reason = ("its kernel (templates/cuda/lut_kernel.cu.j2) walks a LUT row; "
+    missing_encoding_reason = ("its kernel (templates/cuda/include/tilegen/cuda/"
+                               "lut_attention.cuh) walks a LUT row; "
                                "the sliding-tile cursor branch is not written for it yet")
 
     def config_violations(self, spec: Spec, target: Target, cfg: KernelConfig) -> list[str]:

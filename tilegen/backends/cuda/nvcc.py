@@ -1,10 +1,13 @@
 """The CUDA C++ backend's toolchain: render the CK-style kernel and compile it with nvcc.
 
-`render_cuda(spec, cfg)` turns a spec and a config into one self-contained ``.cu`` file (the
-tile pieces under ``templates/cuda/`` composed as C++ templates, instantiated with the config's
-block sizes). `compile_cuda(source, target)` runs ``nvcc -cubin`` for the target's exact ISA
-(sm_90a, sm_100a), reads ptxas's resource report into an `Artifact`, and caches the cubin under a
-hash of (source, nvcc version, flags, arch), so a second build of the same source is instant.
+`render_cuda(spec, cfg)` turns a spec and a config into a short ``.cu`` file: the variant's
+traits (`Config`: element type, layout, block sizes, options) over the static library under
+``templates/cuda/include/tilegen/cuda/`` (plain C++ headers, the tile pieces as templates over
+the traits), and the ``extern "C"`` entry point. It is a `tilegen.identity.CxxSource`: the
+headers it includes are read with it, and its sha256 covers them. `compile_cuda(source,
+target)` runs ``nvcc -cubin -I <include>`` for the target's exact ISA (sm_90a, sm_100a), reads
+ptxas's resource report into an `Artifact`, and caches the cubin under a hash of (source and
+headers, nvcc version, flags, arch), so a second build of the same source is instant.
 
 The same decisions feed the template, the launcher (`tilegen.backends.cuda.runtime`) and tests:
 `cuda_traits` is the one place the tile shapes and shared-memory budget are computed.
@@ -22,15 +25,18 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tilegen import cache
+from tilegen import cache, paths
 from tilegen.compile import Artifact, CompileError, ToolchainMissing
 from tilegen.config import KernelConfig
 from tilegen.cubin import cubin_matrix_ops
+from tilegen.identity import CxxSource
 from tilegen.render import Source, render, spec_basename
 from tilegen.spec import Spec
 from tilegen.targets import Target
 
 CUDA_TEMPLATE = "cuda/lut_kernel.cu.j2"
+#: where the library's headers are, under the templates folder (`include_dir`)
+INCLUDE_SUBDIR = "cuda/include"
 INSTALL_HINT = (
     "install the CUDA toolkit 12.8+ (nvcc), e.g. `apt-get install cuda-nvcc-13-0` from NVIDIA's "
     "repository or the runfile from developer.nvidia.com/cuda-downloads, then put nvcc on PATH "
@@ -131,6 +137,8 @@ def cuda_traits(spec: Spec, cfg: KernelConfig, target: Target) -> dict[str, Any]
                          + "; ".join(problems))
     return {
         "dtype": spec.dtype,
+        "elem": {"bf16": "Bf16", "fp16": "Fp16"}[spec.dtype],
+        "layout_type": {"bshd": "Bshd", "bhsd": "Bhsd"}[spec.layout],
         "mma_type": {"bf16": "bf16", "fp16": "f16"}[spec.dtype],
         "cvt_type": {"bf16": "bf16x2", "fp16": "f16x2"}[spec.dtype],
         "layout": spec.layout,
@@ -160,13 +168,21 @@ def kernel_name(spec: Spec, cfg: KernelConfig) -> str:
     return f"tilegen_cuda_{spec_basename(spec)}_{cfg.name}"
 
 
-def render_cuda(spec: Spec, cfg: KernelConfig, target: Target) -> Source:
-    """The CUDA source for (spec, cfg). Unlike the Triton source, block sizes are template
-    arguments baked into the text, so every launch configuration is its own file."""
+def include_dir() -> Path:
+    """The CUDA library's include folder: ``templates/cuda/include`` of the checkout, or inside
+    the wheel (`tilegen.paths`)."""
+    return paths.require(paths.TEMPLATES_DIR / INCLUDE_SUBDIR, "CUDA headers")
+
+
+def render_cuda(spec: Spec, cfg: KernelConfig, target: Target) -> CxxSource:
+    """The CUDA source for (spec, cfg): its traits and entry point, with the headers it
+    includes. Unlike the Triton source, block sizes are template arguments baked into the
+    text, so every launch configuration is its own file."""
     traits = cuda_traits(spec, cfg, target)
     name = kernel_name(spec, cfg)
-    return render(CUDA_TEMPLATE, "cuda", spec, cfg, f"{name[len('tilegen_cuda_'):]}.cu", name,
-                  target=target, t=traits)
+    src = render(CUDA_TEMPLATE, "cuda", spec, cfg, f"{name[len('tilegen_cuda_'):]}.cu", name,
+                 target=target, t=traits)
+    return CxxSource.including(src, include_dir())
 
 
 # -- toolchain ---------------------------------------------------------------------------------
@@ -217,11 +233,14 @@ def arch_of(target: Target) -> str:
     return target.arch
 
 
-def nvcc_command(nvcc: Path | str, src: Path, out: Path, arch: str) -> list[str]:
-    """The exact command line (``arch`` is the ISA, e.g. sm_90a)."""
+def nvcc_command(nvcc: Path | str, src: Path, out: Path, arch: str,
+                 include: Path | str | None = None) -> list[str]:
+    """The exact command line (``arch`` is the ISA, e.g. sm_90a; ``include`` the folder that
+    holds the library's headers, passed with -I)."""
     compute = arch.replace("sm_", "compute_")
+    inc = ["-I", str(include)] if include is not None else []
     return [str(nvcc), "-cubin", "-gencode", f"arch={compute},code={arch}", *NVCC_FLAGS,
-            "-o", str(out), str(src)]
+            *inc, "-o", str(out), str(src)]
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
@@ -272,13 +291,18 @@ def compile_cuda(source: Source, target: Target, out_dir: str | Path | None = No
     """Compile `source` for `target` (its ISA, target.toml `arch`) into a cubin; `variant` is
     the digest of its `tilegen.identity.VariantKey`, the cache key.
 
-    The cubin is cached under sha256(source, nvcc version, flags, arch); a hit skips nvcc. With
-    `out_dir` the source and the cubin are also written there (the build's output folder);
-    without it the artifact points into the cache. Raises `ToolchainMissing` without nvcc and
-    `CompileError` (with nvcc's output) when the source does not compile.
+    The cubin is cached under sha256(source and the headers it includes, nvcc version, flags,
+    arch); a hit skips nvcc. nvcc compiles the source's own snapshot of the headers (what its
+    sha256 covers), from a temporary folder passed with -I; a plain `Source` gets the current
+    headers (`include_dir`). With `out_dir` the source and the cubin are also written there
+    (the build's output folder); without it the artifact points into the cache. Raises
+    `ToolchainMissing` without nvcc and `CompileError` (with nvcc's output) when the source
+    does not compile.
     """
     if source.backend != "cuda":
         raise ValueError(f"{source.name} is a {source.backend} source, not CUDA")
+    if not isinstance(source, CxxSource):
+        source = CxxSource.including(source, include_dir())
     arch = arch_of(target)
     nvcc = find_nvcc()
     version = nvcc_version(nvcc)
@@ -313,13 +337,14 @@ def compile_cuda(source: Source, target: Target, out_dir: str | Path | None = No
     )
 
 
-def _run_nvcc(source: Source, nvcc: Path, version: str, arch: str, key: str,
+def _run_nvcc(source: CxxSource, nvcc: Path, version: str, arch: str, key: str,
               cubin_name: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tilegen-nvcc-") as tmp:
         src = Path(tmp) / source.name
         src.write_text(source.text)
+        include = source.write_headers(Path(tmp) / "include")
         out = Path(tmp) / cubin_name
-        cmd = nvcc_command(nvcc, src, out, arch)
+        cmd = nvcc_command(nvcc, src, out, arch, include)
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         except subprocess.TimeoutExpired as exc:
@@ -333,9 +358,12 @@ def _run_nvcc(source: Source, nvcc: Path, version: str, arch: str, key: str,
             raise CompileError(f"expected one kernel in ptxas's report for {source.name}, got "
                                f"{sorted(report)}:\n{log}")
         ((name, res),) = report.items()
-        # the cached command names the source by file name: the temp dir is gone
+        # the cached command names the source by file name and the include folder by where
+        # the headers come from: the temp dir is gone
+        shown = {str(src): src.name, str(out): out.name,
+                 str(include): f"{paths.TEMPLATES_DIR.name}/{INCLUDE_SUBDIR}"}
         meta = {"kernel_name": name, "arch": arch, "nvcc": version, "command":
-                [Path(c).name if c in (str(src), str(out)) else c for c in cmd],
+                [shown.get(c, c) for c in cmd],
                 "source_sha256": source.sha256, "ptxas_log": log, **res}
         path = cache.store("cuda", key, cubin_name, out.read_bytes(), meta=meta)
         if not (path.parent / "meta.json").is_file():  # a cubin left without its meta

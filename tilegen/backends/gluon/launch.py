@@ -38,10 +38,12 @@ _modules: dict[str, Any] = {}
 def load_kernel(source: Source):
     """Import the rendered kernel from the kernel cache (Gluon's jit reads the source file)."""
     with _lock:
+        # stored under every name it is loaded as (one text serves the configs whose knobs are
+        # constexprs), imported once per text
+        path = cache.store("gluon", source.sha256, source.name, source.text,
+                           meta={"template": source.template, "sha256": source.sha256})
         mod = _modules.get(source.sha256)
         if mod is None:
-            path = cache.store("gluon", source.sha256, source.name, source.text,
-                               meta={"template": source.template, "sha256": source.sha256})
             name = f"tilegen_gluon_{source.sha256[:16]}"
             spec = importlib.util.spec_from_file_location(name, path)
             assert spec is not None and spec.loader is not None
@@ -61,8 +63,9 @@ def _layout(rows: int, head_dim: int, gl_dtype):
 #: the widest LUT the pair pre-pass takes (its row x row compare lives in one program's registers)
 PAIR_MAX_TOPK = 256
 
-#: box heights of the K/V descriptors: whole cubes, then the packed partial sizes
-PACKED_BOXES = (32, 16, 8)
+#: box heights of the K/V descriptors: whole cubes, then the packed partial sizes (those three
+#: with PACK_PARTIALS only; None otherwise)
+DESCRIPTOR_ROWS = (64, 32, 16, 8)
 
 
 class GluonLaunch:
@@ -131,19 +134,17 @@ class GluonLaunch:
         else:
             run_prepass(topk_idx, vbs, counts, bufs, rows, nkv, topk, err,
                         pack=self.cfg["pack_partials"])
-        kd = [self._desc(k, 64)]
-        vd = [self._desc(v, 64)]
-        if self.cfg["pack_partials"]:
-            kd += [self._desc(k, r) for r in PACKED_BOXES]
-            vd += [self._desc(v, r) for r in PACKED_BOXES]
+        packed = self.cfg["pack_partials"]
+        kd = [self._desc(k, r) if packed or r == 64 else None for r in DESCRIPTOR_ROWS]
+        vd = [self._desc(v, r) if packed or r == 64 else None for r in DESCRIPTOR_ROWS]
+        mp = max_prob_out if self.cfg["store_max_prob"] else (None, None)
         grid = (-(-nq // nc), B * H)
         self.kernel[grid](
             self._desc(q, 64), *kd, *vd, self._desc(o, 64),
-            bufs["sidx"], bufs["tinfo"], *([bufs["tmask"]] if share else []), bufs["meta"], vbs,
-            lse if lse is not None else bufs["meta"],
-            *(max_prob_out if self.cfg["store_max_prob"] else ()),
+            bufs["sidx"], bufs["tinfo"], bufs["tmask"] if share else None, bufs["meta"], vbs,
+            lse if lse is not None else bufs["meta"], *mp,
             S, H, nq, topk, float(sm_scale) * LOG2E,
-            ZERO_PAD_ROWS=bool(zero_pad_rows) and nkv == nq,
+            **_render.constexprs(self.cfg, zero_pad_rows=bool(zero_pad_rows) and nkv == nq),
             num_warps=self.num_warps, maxnreg=self.maxnreg,
         )
 
@@ -152,7 +153,9 @@ class GluonLaunch:
 
 
 def signature(opts: dict, head_dim: int, dtype: str) -> tuple[dict, dict]:
-    """Kernel signature strings for triton.compile (no tensors needed)."""
+    """Kernel signature strings for triton.compile (no tensors needed), and the constexpr
+    values: the knobs (`render.constexprs`) and the None of each parameter the options leave
+    unused (the packed-cube descriptors, tmask_ptr, mp_ptr and mpc_ptr)."""
     from triton.experimental.gluon import language as gl
 
     gdt = gl.bfloat16 if dtype == "bf16" else gl.float16
@@ -160,21 +163,24 @@ def signature(opts: dict, head_dim: int, dtype: str) -> tuple[dict, dict]:
     def td(rows):
         return f"tensordesc<{dtype}[{rows}, {head_dim}],{_layout(rows, head_dim, gdt)!r}>"
 
-    sig: dict[str, str] = {"q_desc": td(64), "k_full": td(64)}
-    if opts["pack_partials"]:
-        sig.update({"k_half": td(32), "k_quarter": td(16), "k_eighth": td(8)})
-    sig["v_full"] = td(64)
-    if opts["pack_partials"]:
-        sig.update({"v_half": td(32), "v_quarter": td(16), "v_eighth": td(8)})
-    sig.update({"o_desc": td(64), "sidx_ptr": "*i32", "tinfo_ptr": "*i32"})
-    if opts["share_kv"]:
-        sig["tmask_ptr"] = "*i32"
-    sig.update({"meta_ptr": "*i32", "vbs_ptr": "*i32", "lse_ptr": "*fp32"})
-    if opts["store_max_prob"]:
-        sig.update({"mp_ptr": "*fp32", "mpc_ptr": "*fp32"})
-    sig.update({"seq_len": "i32", "num_heads": "i32", "num_q_blocks": "i32", "topk": "i32",
-                "qk_scale": "fp32", "ZERO_PAD_ROWS": "constexpr"})
-    return sig, {"ZERO_PAD_ROWS": False}
+    packed = opts["pack_partials"]
+    args: dict[str, str | None] = {"q_desc": td(64)}
+    for t in ("k", "v"):
+        for rows, part in zip(DESCRIPTOR_ROWS, ("full", "half", "quarter", "eighth"),
+                              strict=True):
+            args[f"{t}_{part}"] = td(rows) if packed or rows == 64 else None
+    args.update({"o_desc": td(64), "sidx_ptr": "*i32", "tinfo_ptr": "*i32",
+                 "tmask_ptr": "*i32" if opts["share_kv"] else None, "meta_ptr": "*i32",
+                 "vbs_ptr": "*i32", "lse_ptr": "*fp32"})
+    for name in ("mp_ptr", "mpc_ptr"):
+        args[name] = "*fp32" if opts["store_max_prob"] else None
+    args.update({"seq_len": "i32", "num_heads": "i32", "num_q_blocks": "i32", "topk": "i32",
+                 "qk_scale": "fp32"})
+    consts: dict = {name: None for name, kind in args.items() if kind is None}
+    consts.update(_render.constexprs(opts))
+    sig = {name: kind or "constexpr" for name, kind in args.items()}
+    sig.update({name: "constexpr" for name in _render.constexprs(opts)})
+    return sig, consts
 
 
 def compile_offline(source: Source, opts: dict, head_dim: int, dtype: str, target: Target):

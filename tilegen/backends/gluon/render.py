@@ -1,27 +1,40 @@
 """Render the warp-specialized Gluon kernel (templates/gluon/lut_ws_kernel.py.j2) for sm_90a
 (wgmma consumer) or sm_100a (tcgen05 consumer).
 
-`render_gluon(spec, cfg, target)` returns the kernel source. Every decision is render context,
-taken from the KernelConfig's `options` (`options_of`):
+`render_gluon(spec, cfg, target)` returns the kernel source. The source holds the facts of the
+spec and the target as module constants (block, head dim, dtype, and MMA: the consumer's
+tensor-core instructions), and num_consumers; every other knob is a constexpr parameter of the
+kernel, with a compile-time ``if`` where it changes the code. `constexprs(opts)` gives their
+values from the KernelConfig's `options` (`options_of`); the launch (`launch.GluonLaunch`) and
+the AOT compile (`launch.compile_offline`) pass them:
 
-    num_consumers   consumer warpgroups per CTA, each on its own query cube (1, 2 or 3)
-    k_stages        K ring depth per consumer
-    v_stages        V ring depth per consumer
-    pack_partials   pack partial KV cubes (vbs 32/16/8 of 64) into dense 64-key tiles
-    q_in_regs       Q as the A operand of Q.K^T from registers (else from shared memory)
-    qk_ahead        issue Q.K^T of tile j together with P.V of tile j-1, softmax overlaps P.V
-    fence_wait      put the P.V wait behind an (always true) branch so ptxas keeps it after
-                    the softmax instead of hoisting it to the top of the block
-    store_lse       write the base-2 log-sum-exp
-    store_max_prob  write the softmax-normalizer signal 1 / l and its per-cube mean
-    share_kv        two consumers on neighbouring query cubes share one K/V ring that walks the
-                    union of their LUT rows (a cube both chose is loaded once); needs
-                    num_consumers 2, q_in_regs, qk_ahead and no debug
-    consumer_regs   setmaxnreg of the consumer warpgroups (the launch's maxnreg must fit them)
-    debug           "" (real kernel), or a timing experiment with garbage results:
+    num_consumers   NUM_CONSUMERS: consumer warpgroups per CTA, each on its own query cube (1-3);
+                    a module constant of the source, not a parameter: each consumer's buffers
+                    and partitions are written out (warp_specialize takes one literal list)
+    k_stages        K_STAGES: K ring depth per consumer
+    v_stages        V_STAGES: V ring depth per consumer
+    pack_partials   PACK_PARTIALS: pack partial KV cubes (vbs 32/16/8 of 64) into dense 64-key
+                    tiles (the kernel then takes the half/quarter/eighth-cube descriptors)
+    q_in_regs       Q_IN_REGS: Q as the A operand of Q.K^T from registers (else shared memory)
+    qk_ahead        QK_AHEAD: issue Q.K^T of tile j together with P.V of tile j-1, softmax
+                    overlaps P.V
+    fence_wait      FENCE_WAIT: put the P.V wait behind an (always true) branch so ptxas keeps
+                    it after the softmax instead of hoisting it to the top of the block
+    store_lse       STORE_LSE: write the base-2 log-sum-exp
+    store_max_prob  STORE_MAX_PROB: write the softmax-normalizer signal 1 / l and its per-cube
+                    mean (the kernel then takes mp_ptr and mpc_ptr)
+    share_kv        SHARE_KV: two consumers on neighbouring query cubes share one K/V ring that
+                    walks the union of their LUT rows (a cube both chose is loaded once); needs
+                    num_consumers 2, q_in_regs, qk_ahead and no debug (the kernel then takes
+                    tmask_ptr)
+    consumer_regs   CONSUMER_REGS: setmaxnreg of the consumer warpgroups (the launch's maxnreg
+                    must fit them); producer_regs (PRODUCER_REGS) that of the producer warps
+    debug           DEBUG: "" (real kernel), or a timing experiment with garbage results:
                     "no_loads" (producer issues no TMA) / "no_mma" (consumer does no math)
 
-Rendering needs no torch, triton, optuna or sqlalchemy, so it works anywhere.
+The pointer and descriptor parameters a knob leaves unused are passed as None (constexpr None:
+no kernel argument). Rendering needs no torch, triton, optuna or sqlalchemy, so it works
+anywhere.
 """
 
 from __future__ import annotations
@@ -193,10 +206,38 @@ def render_gluon(spec: Spec, cfg: KernelConfig, target: Target) -> Source:
     why = check(spec, opts, mma=mma)
     if why:
         raise ValueError(why)
+    # the text depends on the spec, the target and num_consumers alone (the other knobs are
+    # constexpr parameters); the file name spells the whole variant it is built for, so the
+    # artifacts of two configs never share a name
     name = f"{spec_basename(spec)}_{cfg.render_name}.py"
     return render(TEMPLATE, "triton", spec, cfg.render_options(), name, KERNEL_NAME, target,
                   block=spec.block_kv, head_dim=spec.head_dim, dtype=spec.dtype,
-                  gl_dtype=GL_DTYPES[spec.dtype], arch=target.arch, mma=mma, **opts)
+                  gl_dtype=GL_DTYPES[spec.dtype], arch=target.arch, mma=mma,
+                  num_consumers=opts["num_consumers"])
+
+
+#: the kernel's constexpr parameter of each knob (`constexprs`)
+CONSTEXPR_NAMES: dict[str, str] = {
+    "k_stages": "K_STAGES",
+    "v_stages": "V_STAGES",
+    "pack_partials": "PACK_PARTIALS",
+    "q_in_regs": "Q_IN_REGS",
+    "qk_ahead": "QK_AHEAD",
+    "fence_wait": "FENCE_WAIT",
+    "store_lse": "STORE_LSE",
+    "store_max_prob": "STORE_MAX_PROB",
+    "share_kv": "SHARE_KV",
+    "consumer_regs": "CONSUMER_REGS",
+    "producer_regs": "PRODUCER_REGS",
+    "debug": "DEBUG",
+}
+
+
+def constexprs(opts: Mapping[str, Any], zero_pad_rows: bool = False) -> dict[str, Any]:
+    """The kernel's constexpr parameters for the resolved options `opts` (`options_of`), in the
+    kernel's order; ``zero_pad_rows`` writes zeros into padded query rows (ZERO_PAD_ROWS)."""
+    return {**{name: opts[knob] for knob, name in CONSTEXPR_NAMES.items()},
+            "ZERO_PAD_ROWS": bool(zero_pad_rows)}
 
 
 def options_of(cfg: KernelConfig) -> dict[str, Any]:

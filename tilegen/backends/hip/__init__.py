@@ -1,5 +1,6 @@
-"""The CK-style HIP C++ backend: rendered from templates/hip, compiled by clang-19 for the
-target's ISA with no ROCm install, launched through hip-python (`runtime`)."""
+"""The CK-style HIP C++ backend: a kernel's config rendered from templates/hip over the static
+headers in templates/hip/include, compiled by clang-19 for the target's ISA with no ROCm
+install, launched through hip-python (`runtime`)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ _noted: set[str] = set()
 
 class HipBackend(Backend):
     name = "hip"
-    missing_encoding_reason = ("its kernel (templates/hip/lut_kernel.hip.j2) walks a LUT row; "
+    missing_encoding_reason = ("its kernel (templates/hip/include/tilegen/hip/"
+                               "pipeline.hpp) walks a LUT row; "
                                "the sliding-tile cursor branch is not written for it yet")
 
     def config_violations(self, spec: Spec, target: Target, cfg: KernelConfig) -> list[str]:

@@ -11,8 +11,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from tilegen import cache
-from tilegen.backends.hip.plan import HIP_KERNEL_NAME, source_stamp
+from tilegen import cache, paths
+from tilegen.backends.hip.plan import HIP_KERNEL_NAME, INCLUDE_SUBDIR, as_cxx, source_stamp
 from tilegen.compile import Artifact, CompileError, ToolchainMissing, matrix_ops
 from tilegen.render import Source
 from tilegen.targets import Target
@@ -62,7 +62,9 @@ def clang_version(clang: Path) -> str:
 
 
 def hip_flags(arch: str) -> list[str]:
-    """Device-only HIP compile to a bare code object (.hsaco, an ELF the runtime loads)."""
+    """Device-only HIP compile to a bare code object (.hsaco, an ELF the runtime loads). The
+    toolchain part of the variant key: the ``-I`` of the library's headers is not among them
+    (it names a folder, and the source's sha256 already covers the headers' content)."""
     return [
         "-x", "hip", f"--offload-arch={arch}", "--offload-device-only",
         "--no-gpu-bundle-output",  # an ELF code object, not a clang offload bundle
@@ -159,15 +161,18 @@ def compile_hip(source: Source, out_dir: Path, target: Target,
                 variant: str | None = None) -> Artifact:
     """Compile a rendered HIP source into `out_dir/<name>.hsaco`; return its Artifact.
 
-    Cached in the kernel cache under sha256(source, clang version, flags). Raises
+    Cached in the kernel cache under sha256(source and the headers it includes, clang version,
+    flags). clang compiles the source's own snapshot of the headers (what its sha256 covers)
+    from a temporary folder passed with -I; a plain `Source` gets the current headers. Raises
     ToolchainMissing without clang and CompileError (with clang's stderr) on a rejected source.
     """
+    source = as_cxx(source)
     clang = find_clang()
     version = clang_version(clang)
     arch = target.arch
     flags = hip_flags(arch)
     # the variant key's digest (tilegen.identity) names the code object in the cache
-    key = variant or cache.key_of(source.text, version, " ".join(flags))
+    key = variant or cache.key_of(source.sha256, version, " ".join(flags))
     stem = source.name.removesuffix(".hip")
     folder = cache.cache_dir() / "hip" / key[:2] / key
     cached = folder / f"{stem}.hsaco"
@@ -178,8 +183,9 @@ def compile_hip(source: Source, out_dir: Path, target: Target,
         with tempfile.TemporaryDirectory(prefix="tilegen-hip-") as tmp:
             src = Path(tmp) / source.name
             src.write_text(source.text)
+            include = source.write_headers(Path(tmp) / "include")
             obj = Path(tmp) / f"{stem}.hsaco"
-            cmd = [str(clang), *flags, str(src), "-o", str(obj)]
+            cmd = [str(clang), *flags, "-I", str(include), str(src), "-o", str(obj)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0 or not obj.exists():
                 raise CompileError(f"clang++ {version} failed on {source.name} "
@@ -191,7 +197,9 @@ def compile_hip(source: Source, out_dir: Path, target: Target,
                                f"clang's output for {source.name}:\n{proc.stderr}")
         warnings = [ln for ln in proc.stderr.splitlines() if "warning:" in ln]
         meta = {"usage": usage, "clang": version, "flags": flags, "warnings": warnings,
-                "command": [Path(cmd[0]).name, *flags, source.name, "-o", f"{stem}.hsaco"],
+                "command": [Path(cmd[0]).name, *flags, "-I",
+                            f"{paths.TEMPLATES_DIR.name}/{INCLUDE_SUBDIR}", source.name, "-o",
+                            f"{stem}.hsaco"],
                 "source_sha256": source.sha256, "stamp": source_stamp(source)}
         cache.store("hip", key, f"{stem}.hsaco", binary, meta=meta)
     out_dir = Path(out_dir)

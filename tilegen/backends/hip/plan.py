@@ -1,18 +1,23 @@
 """CK-style HIP C++ for gfx942: render (`render_hip`) and compile (`compile_hip`) with clang-19.
 
-The kernel source is self-contained: it needs only clang's AMDGPU builtins, so it is compiled
-with ``-nogpuinc -nogpulib`` and no ROCm install. (Triton's wheel ships a partial set of HIP
-headers under ``triton/backends/amd/include``; ``hip/hip_runtime.h`` from it does not compile
-with Debian's clang-19, whose CUDA/HIP wrapper headers expect the full ROCm math headers. The
-kernel needs none of it: no libm, no ockl/ocml, only ``__builtin_amdgcn_*`` and the generic
-``__builtin_exp2f``/``__builtin_log2f`` that the AMDGPU backend lowers to ``v_exp_f32`` /
-``v_log_f32``.)
+The rendered ``.hip`` file is the variant's config (`Params`: element type, layout, MFMA size,
+block sizes, waves, stages, options) over the static library under
+``templates/hip/include/tilegen/hip/`` (plain C++ headers, the tile pieces as templates over the
+config), the plan checks and the entry point; it is a `tilegen.identity.CxxSource` (its sha256
+covers the headers it includes). The kernel needs only clang's AMDGPU builtins, so it is
+compiled with ``-nogpuinc -nogpulib`` (and ``-I`` the include folder) and no ROCm install.
+(Triton's wheel ships a partial set of HIP headers under ``triton/backends/amd/include``;
+``hip/hip_runtime.h`` from it does not compile with Debian's clang-19, whose CUDA/HIP wrapper
+headers expect the full ROCm math headers. The kernel needs none of it: no libm, no
+ockl/ocml, only ``__builtin_amdgcn_*`` and the generic ``__builtin_exp2f``/``__builtin_log2f``
+that the AMDGPU backend lowers to ``v_exp_f32`` / ``v_log_f32``.)
 
 `HipPlan` holds every number the template bakes in (wave layout, MFMA shape, LDS layout and
 size, copy chunks, grid) and the index maps (MFMA lane maps, LDS swizzle, copy chunks). The
-template reads the plan; the C++ re-derives the numbers from the primary parameters and
-`static_assert`s that they, and fingerprints of its own index maps, equal the plan's. The tests
-run the rendered C++ itself on a CPU executor (`tilegen.backends.hip.host`).
+template reads the plan; the library re-derives the numbers from the primary parameters and
+the rendered file `static_assert`s that they, and fingerprints of the library's index maps,
+equal the plan's. The tests run the rendered C++ itself on a CPU executor
+(`tilegen.backends.hip.host`).
 """
 
 from __future__ import annotations
@@ -20,14 +25,19 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
+from tilegen import paths
 from tilegen.config import KernelConfig
+from tilegen.identity import CxxSource
 from tilegen.render import Source, render, spec_basename
 from tilegen.spec import Spec
 from tilegen.targets import Target
 
 HIP_TEMPLATE = "hip/lut_kernel.hip.j2"
 HIP_KERNEL_NAME = "tilegen_block_sparse_attn"
+#: where the library's headers are, under the templates folder (`include_dir`)
+INCLUDE_SUBDIR = "hip/include"
 
 #: LDS bank conflicts are avoided by an XOR swizzle of 8-byte units (4 elements) inside each LDS
 #: row rather than by padding, which keeps the default config's two K/V stages at exactly
@@ -83,6 +93,17 @@ class HipPlan:
     wave: int  # lanes per wave (target.toml warp_size)
     lds_bank_units: int  # 8-byte swizzle units that span all LDS banks once
 
+
+    # -- the library's names for the plan's choices (the rendered `Params`) -------------------
+    @property
+    def elem(self) -> str:
+        """The element type (templates/hip/include/tilegen/hip/elem.hpp)."""
+        return {"bf16": "Bf16", "fp16": "F16"}[self.dtype]
+
+    @property
+    def layout_type(self) -> str:
+        """The token layout (block_tile.hpp)."""
+        return {"bshd": "Bshd", "bhsd": "Bhsd"}[self.layout]
 
     # -- lane maps of one MFMA (wave64; AMD matrix instruction calculator conventions) --------
     def operand_row(self, lane: int) -> int:
@@ -252,12 +273,27 @@ def hip_source_name(spec: Spec, cfg: KernelConfig) -> str:
     return f"{spec_basename(spec)}_{cfg.name}.hip"
 
 
-def render_hip(spec: Spec, cfg: KernelConfig, target: Target) -> Source:
-    """The HIP C++ source of (spec, cfg) for gfx942. Unlike the Triton source, block sizes,
-    waves and stages are C++ template arguments, so each launch configuration is one file."""
+def include_dir() -> Path:
+    """The HIP library's include folder: ``templates/hip/include`` of the checkout, or inside
+    the wheel (`tilegen.paths`)."""
+    return paths.require(paths.TEMPLATES_DIR / INCLUDE_SUBDIR, "HIP headers")
+
+
+def render_hip(spec: Spec, cfg: KernelConfig, target: Target) -> CxxSource:
+    """The HIP C++ source of (spec, cfg) for gfx942, with the headers it includes. Unlike the
+    Triton source, block sizes, waves and stages are C++ template arguments, so each launch
+    configuration is one file."""
     plan = plan_for(spec, cfg, target)
-    return render(HIP_TEMPLATE, "hip", spec, cfg, hip_source_name(spec, cfg), HIP_KERNEL_NAME,
-                  target=target, p=plan)
+    src = render(HIP_TEMPLATE, "hip", spec, cfg, hip_source_name(spec, cfg), HIP_KERNEL_NAME,
+                 target=target, p=plan)
+    return CxxSource.including(src, include_dir())
+
+
+def as_cxx(source: Source) -> CxxSource:
+    """`source` as compiled: a `CxxSource` as it is, a plain `Source` with the headers it
+    includes now (`include_dir`)."""
+    return source if isinstance(source, CxxSource) else CxxSource.including(source,
+                                                                              include_dir())
 
 
 _STAMP = re.compile(r"^// tilegen-hip: (\{.*\})$", re.M)

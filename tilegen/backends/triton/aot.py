@@ -17,6 +17,7 @@ from pathlib import Path
 from tilegen import cache
 from tilegen.backends.triton.backward import (
     BACKWARD_KERNELS,
+    BACKWARD_PACKED,
     BackwardConfig,
     render_triton_backward,
 )
@@ -38,17 +39,28 @@ def cursor_signature(spec: Spec) -> tuple[dict[str, str], dict[str, str], dict[s
     return {"LUT": "*i32", "COUNTS": "*i32"}, {"topk": "i32"}, {"HAS_COUNTS": False}
 
 
-def signature(spec: Spec) -> dict[str, str]:
+def signature(spec: Spec, cfg: KernelConfig | None = None) -> dict[str, str]:
     """Triton signature of the generated kernel for this spec (runtime arguments, then the
-    constexprs; pointers first, see lut_kernel.py.j2)."""
+    constexprs; pointers first, see lut_kernel.py.j2). A config that stores the max_prob signal
+    adds its two fp32 pointers after ERR."""
     elem = {"bf16": "*bf16", "fp16": "*fp16"}[spec.dtype]
     ptrs, scalars, flags = cursor_signature(spec)
     sig = {"Q": elem, "K": elem, "V": elem, **ptrs, "VBS": "*i32", "O": elem, "LSE": "*fp32",
            "ERR": "*i32"}
+    if cfg is not None and cfg.store_max_prob:
+        sig.update(MAX_PROB="*fp32", MAX_PROB_CUBE="*fp32")
     sig.update(seq_len="i32", num_heads="i32", num_q_blocks="i32", num_kv_blocks="i32",
                **scalars, qk_scale="fp32")
-    sig.update({name: "constexpr" for name in flags}, BLOCK_M="constexpr", BLOCK_N="constexpr")
+    sig.update({name: "constexpr" for name in flags}, BLOCK_M="constexpr", BLOCK_N="constexpr",
+               STORE_LSE="constexpr", INTERP_BF16="constexpr")
     return sig
+
+
+def forward_constexprs(spec: Spec, cfg: KernelConfig) -> dict[str, bool | int]:
+    """The forward kernel's constexprs for an AOT compile: the cursor's flags at their AOT
+    values, the tile (BLOCK_M, BLOCK_N) and the config's knobs (STORE_LSE, INTERP_BF16)."""
+    return {**cursor_signature(spec)[2], "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+            "STORE_LSE": cfg.store_lse, "INTERP_BF16": cfg.interp_bf16}
 
 
 def triton_version() -> str:
@@ -71,49 +83,43 @@ def compile_triton(spec: Spec, cfg: KernelConfig, target: Target, out_dir: Path,
                    source: Source | None = None) -> Artifact:
     """Compile the generated Triton kernel for `target` into `out_dir`; return its Artifact."""
     source = source or render_triton(spec, cfg, target)
-    constexprs = {**cursor_signature(spec)[2], "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}
+    constexprs = forward_constexprs(spec, cfg)
     stem = f"triton_{source.name.removesuffix('.py')}_{cfg.launch_name}"
-    sig = signature(spec)
-    n_ptr = sum(1 for t in sig.values() if t.startswith("*"))
-    return _compile_kernel(source, TRITON_KERNEL_NAME, sig, constexprs, n_ptr, cfg.launch,
-                           target, out_dir, stem, cfg.name)
+    return _compile_kernel(source, TRITON_KERNEL_NAME, signature(spec, cfg), constexprs,
+                           cfg.launch, target, out_dir, stem, cfg.name)
 
 
 def backward_signatures(spec: Spec, bwd: BackwardConfig | None = None
                         ) -> dict[str, dict[str, str]]:
     """Triton signatures (runtime arguments, then constexprs) of the backward module's kernels
-    (see lut_backward.py.j2) for the template options of `bwd`. O is the forward's fp32 output
-    (`forward_for_grad`)."""
+    (see lut_backward.py.j2) for the template options of `bwd`: the packed tiles' pointers
+    (`PackedTiles`) are constexprs (None) without dq_pack / dkdv_pack. O is the forward's fp32
+    output (`forward_for_grad`)."""
     elem = {"bf16": "*bf16", "fp16": "*fp16"}[spec.dtype]
     f32, i32 = "*fp32", "*i32"
+    dq_pack = i32 if bwd is not None and bwd.dq_pack else "constexpr"
+    dkdv_pack = i32 if bwd is not None and bwd.dkdv_pack else "constexpr"
     ptrs, scalars, flags = cursor_signature(spec)
-    sigs = {
+    return {
         "preprocess": {"O": f32, "DO": elem, "DELTA": f32, "VBS": i32,
                        "seq_len": "i32", "num_heads": "i32", "BLOCK_M": "constexpr"},
         "dq": {"Q": elem, "K": elem, "V": elem, "DO": elem, "LSE": f32, "DELTA": f32,
                "DSUM": f32, **ptrs, "VBS": i32, "DQ": elem, "ERR": i32,
+               **{name: dq_pack for name in BACKWARD_PACKED["dq"]},
                "seq_len": "i32", "num_heads": "i32", "num_q_blocks": "i32",
                "num_kv_blocks": "i32", **scalars, "qk_scale": "fp32", "sm_scale": "fp32",
                **{name: "constexpr" for name in flags}, "HAS_DSUM": "constexpr",
-               "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
+               "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "DQ_PACK": "constexpr",
+               "INTERP_BF16": "constexpr"},
         "dkdv": {"Q": elem, "K": elem, "V": elem, "DO": elem, "LSE": f32, "DELTA": f32,
                  "KV_OFFSETS": i32, "KV_QCUBES": i32, "VBS": i32, "DK": elem, "DV": elem,
-                 "DQ_ACC": f32, "DS_SUM": f32, "ERR": i32, "seq_len": "i32", "num_heads": "i32",
-                 "num_kv_blocks": "i32",
+                 "DQ_ACC": f32, "DS_SUM": f32, "ERR": i32,
+                 **{name: dkdv_pack for name in BACKWARD_PACKED["dkdv"]},
+                 "seq_len": "i32", "num_heads": "i32", "num_kv_blocks": "i32",
                  "qk_scale": "fp32", "sm_scale": "fp32", "ATOMIC_DQ": "constexpr",
-                 "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
+                 "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "DKDV_PACK": "constexpr",
+                 "INTERP_BF16": "constexpr"},
     }
-    # packed tiles (`PackedTiles`): pointers inserted after ERR, in the kernels' order
-    extra = {"dq": ("DQ_OFFSETS", "DQ_ITEMS", "DQ_TSTART", "DQ_TMETA", "DQ_TCOUNT")
-             if bwd is not None and bwd.dq_pack else (),
-             "dkdv": ("KV_TSTART", "KV_TMETA", "KV_TCOUNT")
-             if bwd is not None and bwd.dkdv_pack else ()}
-    for kernel, names in extra.items():
-        if names:
-            items = list(sigs[kernel].items())
-            at = [k for k, _ in items].index("ERR") + 1
-            sigs[kernel] = dict(items[:at] + [(n, i32) for n in names] + items[at:])
-    return sigs
 
 
 def compile_triton_backward(spec: Spec, cfg: KernelConfig, target: Target, out_dir: Path,
@@ -127,23 +133,26 @@ def compile_triton_backward(spec: Spec, cfg: KernelConfig, target: Target, out_d
     for kernel, sig in backward_signatures(spec, bwd).items():
         consts, launch = bwd.kernel_launch(kernel)
         if kernel == "dq":
-            consts = {**cursor_signature(spec)[2], "HAS_DSUM": False, **consts}
+            consts = {**cursor_signature(spec)[2], "HAS_DSUM": False, **consts,
+                      "INTERP_BF16": cfg.interp_bf16}
         if kernel == "dkdv":
-            consts = {"ATOMIC_DQ": bwd.dq_atomic, **consts}
-        n_ptr = sum(1 for t in sig.values() if t.startswith("*"))
+            consts = {"ATOMIC_DQ": bwd.dq_atomic, **consts, "INTERP_BF16": cfg.interp_bf16}
+        # the packed tiles' pointers a config without packing leaves unused
+        consts.update({name: None for name in BACKWARD_PACKED.get(kernel, ())
+                       if sig[name] == "constexpr"})
         shape = "_".join(f"{k[6:].lower() or 'm'}{v}" for k, v in consts.items()
                          if k.startswith("BLOCK"))
         stem = (f"triton_{source.name.removesuffix('.py')}_{kernel}_{shape}"
                 f"_w{launch['num_warps']}_s{launch['num_stages']}")
-        arts.append(_compile_kernel(source, BACKWARD_KERNELS[kernel], sig, consts, n_ptr, launch,
+        arts.append(_compile_kernel(source, BACKWARD_KERNELS[kernel], sig, consts, launch,
                                     target, out_dir, stem, bwd.name))
     return arts
 
 
 def _compile_kernel(source: Source, kernel: str, sig: dict[str, str], constexprs: dict,
-                    n_ptr: int, launch: dict[str, int], target: Target, out_dir: Path,
-                    stem: str, config_name: str) -> Artifact:
-    """triton.compile one @triton.jit kernel of `source` (pointer arguments first in `sig`)."""
+                    launch: dict[str, int], target: Target, out_dir: Path, stem: str,
+                    config_name: str) -> Artifact:
+    """triton.compile one @triton.jit kernel of `source` (`sig`: every parameter in order)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -153,9 +162,10 @@ def _compile_kernel(source: Source, kernel: str, sig: dict[str, str], constexprs
     saved = os.environ.pop("TRITON_INTERPRET", None)
     try:
         fn = load_triton(source, kernel)
-        # Pointers are 16-byte aligned (torch allocations) and the sizes are multiples of 16
-        # for every spec we accept (S = cubes * block, H*D, topk is not: no hint there).
-        attrs = {(i,): [["tt.divisibility", 16]] for i in range(n_ptr)}
+        # Pointers are 16-byte aligned (torch allocations); sizes get no hint (S = cubes *
+        # block and H*D are multiples of 16 for every spec we accept, topk is not).
+        attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(sig.values())
+                 if kind.startswith("*")}
         src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
         gpu = GPUTarget(target.triton_backend, target.triton_arch,
                         target.warp_size)

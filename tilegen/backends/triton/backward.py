@@ -10,8 +10,10 @@ split, no atomics):
    cubes that chose the cube (`inverse_map`, CSR built on the device by a vectorized torch
    routine). Every dK/dV row is written by exactly one program: no atomics.
 
-Launch parameters (`BackwardConfig`) are constexprs and launch arguments, as in the forward;
-the render-time options come from the forward's `KernelConfig` (``interp_bf16`` only).
+Launch parameters and template options (`BackwardConfig`) are constexprs and launch arguments,
+as in the forward (the packed tiles' pointers are None without DQ_PACK / DKDV_PACK), and so is
+the forward `KernelConfig`'s ``interp_bf16`` (INTERP_BF16): one source serves every config of a
+spec. Its file name still spells the template options (`backward_render_name`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ BACKWARD_KERNELS = {
     "dq": "tilegen_bsa_bwd_dq",
     "dkdv": "tilegen_bsa_bwd_dkdv",
 }
+#: the packed tiles' pointer parameters of the dQ (dq_pack) and dK/dV (dkdv_pack) kernels, after
+#: ERR; None when the config does not pack
+BACKWARD_PACKED = {
+    "dq": ("DQ_OFFSETS", "DQ_ITEMS", "DQ_TSTART", "DQ_TMETA", "DQ_TCOUNT"),
+    "dkdv": ("KV_TSTART", "KV_TMETA", "KV_TCOUNT"),
+}
 
 
 @dataclass(frozen=True)
@@ -47,12 +55,13 @@ class BackwardConfig:
     - ``dq_atomic``: the dK/dV kernel also computes dQ (fp32 atomic adds; 5 matmuls per block
       pair instead of 7) and the dQ kernel is skipped: the variant that trades the S and dP
       recomputation for atomics (`finish_atomic_dq` does the epilogue);
-    - ``dq_pack`` (render-time): the dQ kernel walks its LUT row in *packed* key tiles built on
-      the device (`pack_tiles`): a full KV cube is a tile of its own, partial cubes of one size
-      class (vbs rounded up to a power of two) share a tile (two of 32, four of 16, ...), so no
-      MMA work goes to key padding; needs ``dq_block_n == block_kv``;
-    - ``dkdv_pack`` (render-time): the same for the query cubes of the dK/dV kernel's inverse map
-      (query padding); needs ``dkdv_block_m == block_q``.
+    - ``dq_pack`` (the dQ kernel's constexpr DQ_PACK): the dQ kernel walks its LUT row in
+      *packed* key tiles built on the device (`pack_tiles`): a full KV cube is a tile of its
+      own, partial cubes of one size class (vbs rounded up to a power of two) share a tile (two
+      of 32, four of 16, ...), so no MMA work goes to key padding; needs
+      ``dq_block_n == block_kv``;
+    - ``dkdv_pack`` (the dK/dV kernel's DKDV_PACK): the same for the query cubes of the dK/dV
+      kernel's inverse map (query padding); needs ``dkdv_block_m == block_q``.
     """
 
     dq_block_m: int = 64
@@ -130,11 +139,11 @@ class BackwardConfig:
 
     @property
     def render_name(self) -> str:
-        """The render-time options alone (part of the backward module's file name)."""
+        """The template options alone (part of the backward module's file name)."""
         return "".join(f"_{n.replace('_', '')}" for n in RENDER_FIELDS if getattr(self, n))
 
     def render_options(self) -> BackwardConfig:
-        """The render-time options alone, every launch parameter at its class default."""
+        """The template options alone, every launch parameter at its class default."""
         return BackwardConfig(**{n: getattr(self, n) for n in RENDER_FIELDS})
 
     # -- as a KernelConfig (the tuner's and the tuning DB's currency) -----------------------
@@ -159,35 +168,39 @@ class BackwardConfig:
         if kernel == "preprocess":
             return {"BLOCK_M": self.pre_block_m}, {"num_warps": 4, "num_stages": 1}
         if kernel == "dq":
-            return ({"BLOCK_M": self.dq_block_m, "BLOCK_N": self.dq_block_n},
+            return ({"BLOCK_M": self.dq_block_m, "BLOCK_N": self.dq_block_n,
+                     "DQ_PACK": self.dq_pack},
                     {"num_warps": self.dq_warps, "num_stages": self.dq_stages})
         if kernel == "dkdv":
-            return ({"BLOCK_M": self.dkdv_block_m, "BLOCK_N": self.dkdv_block_n},
+            return ({"BLOCK_M": self.dkdv_block_m, "BLOCK_N": self.dkdv_block_n,
+                     "DKDV_PACK": self.dkdv_pack},
                     {"num_warps": self.dkdv_warps, "num_stages": self.dkdv_stages})
         raise ValueError(f"kernel={kernel!r} is not allowed; allowed values: "
                          f"{list(BACKWARD_KERNELS)}")
 
 
-#: BackwardConfig fields that change the rendered source (template options)
+#: BackwardConfig fields that change the kernels' code (template options: constexprs that add
+#: the packed tiles' arguments, DQ_PACK and DKDV_PACK), named in the backward module's file name
 RENDER_FIELDS: tuple[str, ...] = ("dq_pack", "dkdv_pack")
 
 
 def backward_render_name(cfg: KernelConfig, bwd: BackwardConfig | None = None) -> str:
-    """The render-time options the backward depends on (the forward config's interp_bf16 and
-    the backward config's template options)."""
+    """The options the backward's kernels are compiled for (the forward config's interp_bf16
+    and the backward config's template options), as the module's file name spells them."""
     return ("bwd" + (bwd.render_name if bwd is not None else "")
             + ("_interpbf16" if cfg.interp_bf16 else ""))
 
 
 def render_triton_backward(spec: Spec, cfg: KernelConfig, target: Target | None,
                            bwd: BackwardConfig | None = None) -> Source:
-    """The backward module's source for a spec, the forward config's render-time options
-    (interp_bf16) and the backward config's template options (default: none)."""
+    """The backward module's source for a spec. The text is the spec's alone; its file name
+    spells the forward config's interp_bf16 and the backward config's template options
+    (default: none), which are the kernels' constexprs."""
     bwd = (bwd or BackwardConfig()).render_options()
     name = f"{spec_basename(spec)}_{backward_render_name(cfg, bwd)}.py"
     opts = KernelConfig(interp_bf16=cfg.interp_bf16)
     return render(TRITON_BACKWARD_TEMPLATE, "triton", spec, opts, name,
-                  BACKWARD_KERNELS["dq"], target, names=BACKWARD_KERNELS, bwd=bwd)
+                  BACKWARD_KERNELS["dq"], target, names=BACKWARD_KERNELS)
 
 
 def is_backward(source: Source) -> bool:

@@ -56,11 +56,13 @@ def load_triton(source: Source, kernel: str = TRITON_KERNEL_NAME):
     check_interpreter_mode()
     key = (source.sha256, interpreting())
     with _lock:
+        # stored under every name it is loaded as (one text serves the configs whose knobs are
+        # constexprs, each named by its own file), imported once per text
+        path = cache.store("triton", source.sha256, source.name, source.text,
+                           meta={"template": source.template, "tilegen": __version__,
+                                 "sha256": source.sha256})
         module = _modules.get(key)
         if module is None:
-            path = cache.store("triton", source.sha256, source.name, source.text,
-                               meta={"template": source.template, "tilegen": __version__,
-                                     "sha256": source.sha256})
             mod_name = f"tilegen_generated_{source.sha256[:16]}_{int(key[1])}"
             spec = importlib.util.spec_from_file_location(mod_name, path)
             assert spec is not None and spec.loader is not None

@@ -8,8 +8,9 @@ Execution paths:
   call, or `op.check()`, raises as a ValueError. ``check_values=True`` checks eagerly instead.
 - CPU tensors with TRITON_INTERPRET=1: the same generated kernel under Triton's interpreter.
   Triton 3.6's interpreter computes bf16 ``tl.dot`` wrongly (it multiplies raw bits) and
-  truncates fp32 -> bf16 casts, so for bf16 the kernel is rendered with the ``interp_bf16``
-  option (see `KernelConfig`); the op says so once in the log. fp16 runs the GPU text unchanged.
+  truncates fp32 -> bf16 casts, so for bf16 the kernel runs with the ``interp_bf16`` option (see
+  `KernelConfig`; the kernel's constexpr INTERP_BF16); the op says so once in the log. fp16
+  runs the GPU kernel unchanged.
 - CPU tensors otherwise: the fp32 PyTorch path (`tilegen.reference`), cast to the input dtype.
 
 Gradients flow to q, k and v on every path (`_Attention`, a `torch.autograd.Function`): the
@@ -31,6 +32,7 @@ import torch
 
 from tilegen.backends.triton.backward import (
     BACKWARD_KERNELS,
+    BACKWARD_PACKED,
     BackwardConfig,
     BackwardMaps,
     PackedTiles,
@@ -315,8 +317,8 @@ class BlockSparseAttention:
             offsets, qcubes = packed.offsets, packed.items
             dkdv_extra: tuple = (packed.tile_start, packed.tile_meta, packed.count)
         else:
-            (offsets, qcubes), dkdv_extra = maps.inverse, ()
-        dq_extra: tuple = ()
+            (offsets, qcubes), dkdv_extra = maps.inverse, (None,) * len(BACKWARD_PACKED["dkdv"])
+        dq_extra: tuple = (None,) * len(BACKWARD_PACKED["dq"])  # constexpr None: no argument
         if bcfg.dq_pack:
             lut = maps.lut
             dq_extra = (lut.offsets, lut.items, lut.tile_start, lut.tile_meta, lut.count)
@@ -334,12 +336,13 @@ class BlockSparseAttention:
             kernels["dq"][(nq * (spec.block_q // consts["BLOCK_M"]), B * H)](
                 q, k, v, do, lse, delta, dsum if dsum is not None else delta, *tensors, vbs, dq,
                 err, *dq_extra, S, H, nq, nkv, *scalars, scale * LOG2E, scale,
-                HAS_DSUM=dsum is not None, **flags, **consts, **opts)
+                HAS_DSUM=dsum is not None, **flags, **consts, INTERP_BF16=cfg.interp_bf16,
+                **opts)
         consts, opts = bcfg.kernel_launch("dkdv")
         kernels["dkdv"][(nkv * (spec.block_kv // consts["BLOCK_N"]), B * H)](
             q, k, v, do, lse, delta, offsets, qcubes, vbs, dk, dv, dq_acc, ds_sum, err,
             *dkdv_extra, S, H, nkv, scale * LOG2E, scale, ATOMIC_DQ=bcfg.dq_atomic, **consts,
-            **opts)
+            INTERP_BF16=cfg.interp_bf16, **opts)
         self.errors.after_launch(q.device)
         if bcfg.dq_atomic:
             dq = finish_atomic_dq(dq_acc, ds_sum, dsum, k, topk_idx,
@@ -395,7 +398,7 @@ class BlockSparseAttention:
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg = self.kernel_config(q.device, store_lse, max_prob_out is not None)
         if cfg.interp_bf16:
-            note_once("Triton interpreter with bf16: rendering the kernel with interp_bf16 "
+            note_once("Triton interpreter with bf16: running the kernel with interp_bf16 "
                       "(fp32 dots on bf16-rounded operands, output rounded by torch), since "
                       "Triton 3.6's interpreter gets bf16 tl.dot wrong and truncates "
                       "fp32->bf16 casts")
@@ -418,8 +421,8 @@ class BlockSparseAttention:
             q, k, v, *tensors, vbs, o, lse, err, *extra,
             shapes.seq_len, shapes.heads, shapes.num_q_blocks, shapes.num_kv_blocks,
             *scalars, scale * LOG2E,
-            **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STORE_LSE=cfg.store_lse,
+            INTERP_BF16=cfg.interp_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         self.errors.after_launch(q.device)
         if cfg.interp_bf16 and out is None:

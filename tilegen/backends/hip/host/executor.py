@@ -1,9 +1,9 @@
 """CPU executor of the gfx942 HIP kernel: the rendered HIP C++ itself, built as host C++.
 
 ``render_hip(spec, cfg, target)`` (the text ``tilegen build --target gfx942`` compiles for the
-GPU) is
-written to disk unchanged and compiled with clang++-19 as host C++ into a shared library,
-after ``hip_host_runtime.h``, which supplies the launch model (workgroups of 64-lane waves,
+GPU, with the same snapshot of the library's headers, passed with -I) is written to disk
+unchanged and compiled with clang++-19 as host C++ into a shared library, after
+``hip_host_runtime.h``, which supplies the launch model (workgroups of 64-lane waves,
 every lane a fiber), LDS, barriers and every ``__builtin_amdgcn_*`` the kernel calls, the MFMAs
 with the lane layouts of AMD's matrix instruction calculator (see the header's comment).
 
@@ -37,7 +37,7 @@ from tilegen import cache
 # The HIP backend's render, plan and toolchain (tilegen.backends.hip.plan, .compile) and its ROCm
 # launcher's kernarg packing and grid (tilegen.backends.hip.runtime) are imported here only.
 from tilegen.backends.hip.compile import clang_version, find_clang
-from tilegen.backends.hip.plan import HIP_KERNEL_NAME, plan_for, render_hip
+from tilegen.backends.hip.plan import HIP_KERNEL_NAME, as_cxx, plan_for, render_hip
 from tilegen.backends.hip.runtime import (
     check_alignment,
     kernel_values,
@@ -117,15 +117,18 @@ def host_flags() -> list[str]:
 
 
 def build_library(source: Source) -> Path:
-    """Compile `source` (rendered HIP text, unchanged) with the runtime header into a shared
-    library; cached under the kernel cache (`hip-host/`) by sha256 of the source, the header,
-    the flags and the clang version. CompileError with clang's diagnostics on failure."""
+    """Compile `source` (rendered HIP text, unchanged, and the library headers it includes:
+    `tilegen.identity.CxxSource`) with the runtime header into a shared library; cached under
+    the kernel cache (`hip-host/`) by the source's sha256 (headers included), the runtime
+    header, the flags and the clang version. CompileError with clang's diagnostics on
+    failure."""
+    source = as_cxx(source)
     clang = find_clang()
     version = clang_version(clang)
     header = HEADER.read_text()
     entry = _ENTRY.format(name=source.name, kernel=HIP_KERNEL_NAME)
     flags = host_flags()
-    key = cache.key_of(source.text, header, entry, " ".join(flags), version)
+    key = cache.key_of(source.sha256, header, entry, " ".join(flags), version)
     folder = cache_root() / key[:2] / key
     lib = folder / f"{source.name.removesuffix('.hip')}.so"
     if lib.exists():
@@ -136,8 +139,10 @@ def build_library(source: Source) -> Path:
         (tmpdir / source.name).write_text(source.text)
         (tmpdir / "hip_host_runtime.h").write_text(header)
         (tmpdir / "entry.cpp").write_text(entry)
+        include = source.write_headers(tmpdir / "include")
         out = tmpdir / "kernel.so"
-        cmd = [str(clang), *flags, str(tmpdir / "entry.cpp"), "-o", str(out)]
+        cmd = [str(clang), *flags, "-I", str(include), str(tmpdir / "entry.cpp"), "-o",
+               str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
             raise CompileError(f"host build of {source.name} with clang++ {version} failed "

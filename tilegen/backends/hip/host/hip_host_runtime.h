@@ -1,17 +1,19 @@
 // hip_host_runtime.h: run tilegen's rendered gfx942 HIP source on the CPU, as host C++.
 //
-// The kernel text is compiled unchanged (`tilegen.compile.hip.render_hip`, the same render that
-// `tilegen build --target gfx942` hands to clang's AMDGPU backend); this header comes first and
-// supplies what the device build gets from the hardware:
+// The kernel text is compiled unchanged (`tilegen.backends.hip.plan.render_hip`, the same render
+// and the same library headers, -I templates/hip/include, that `tilegen build --target gfx942`
+// hands to clang's AMDGPU backend); this header comes first and supplies what the device build
+// gets from the hardware:
 //
-//   * TG_KERNEL / TG_DEVICE / TG_SHARED, which the prelude only defines when they are undefined;
+//   * TG_KERNEL / TG_DEVICE / TG_SHARED, which the prelude (tilegen/hip/prelude.hpp) only
+//     defines when they are undefined;
 //   * the launch model: a grid of workgroups, run one after another; each workgroup is
 //     THREADS work-items in waves of 64 lanes; every lane is a fiber (its own stack and
 //     registers) and a scheduler decides who runs;
 //   * LDS: TG_SHARED makes `smem` a static array in the section "tg_lds" (one workgroup runs at a
 //     time, so one copy is enough); it is filled with a poison byte before every workgroup, so
 //     a read of LDS nobody wrote this workgroup reads NaN (0xff.. is NaN in bf16, fp16 and fp32);
-//   * every __builtin_amdgcn_* the templates call (grep templates/hip for `__builtin_amdgcn`):
+//   * every __builtin_amdgcn_* the library calls (grep templates/hip for `__builtin_amdgcn`):
 //       workitem_id_x, workgroup_id_x/y, mbcnt_lo/hi (V_MBCNT_*_U32_B32: popcount of the mask
 //       bits below the lane), readfirstlane, ds_bpermute, s_barrier, fence, s_waitcnt (no-op),
 //       and the four MFMAs mfma_f32_{32x32x8,16x16x16}{bf16_1k,f16}.

@@ -17,9 +17,6 @@ import stat
 import tempfile
 from pathlib import Path
 
-#: Exit status of a command stopped by a `PathError`.
-EXIT_STATUS = 2
-
 
 class PathError(OSError):
     """A path the user gave cannot be used; ``str(exc)`` is one line naming it."""
@@ -195,20 +192,6 @@ def write_error(path: str | os.PathLike[str], exc: OSError, *,
     return PathError(f"cannot write {p} ({why})", path=p)
 
 
-__all__ = [
-    "EXIT_STATUS",
-    "PathError",
-    "blocking_file",
-    "cannot_create_in",
-    "capture_dir",
-    "readable_dir",
-    "readable_file",
-    "sqlite_url_file",
-    "writable_dir",
-    "writable_file",
-    "write_error",
-]
-
 
 def check_spec_option(args: object) -> None:
     """``--spec``, when given, must be a readable file; shared by every command that takes
@@ -222,3 +205,19 @@ def check_captures_option(args: object) -> None:
     raw = getattr(args, "captures", None)
     if raw and raw != "synthetic":
         capture_dir(raw, "--captures")
+
+
+__all__ = [
+    "PathError",
+    "blocking_file",
+    "cannot_create_in",
+    "capture_dir",
+    "check_captures_option",
+    "check_spec_option",
+    "readable_dir",
+    "readable_file",
+    "sqlite_url_file",
+    "writable_dir",
+    "writable_file",
+    "write_error",
+]

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -162,22 +162,31 @@ def _from_db(spec: Spec, backend: str, device: str, target: str,
                    w.timer) for w in found]
 
 
-def _from_exports(spec: Spec, backend: str, device: str, target: str,
-                  folder: Path) -> list[_Match]:
-    from tilegen.identity import VariantKey
-
+def export_files(folder: Path, on_error: Callable[[Path, Exception], None]
+                 ) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """(path, parsed JSON) of each tuning export in `folder` (the shipped winners): another JSON
+    file there (notes, plots' data) is skipped; one that cannot be read goes to `on_error`."""
     if not folder.is_dir():
-        return []
-    out: list[_Match] = []
+        return
     for path in sorted(folder.glob("*.json")):
         try:
             doc = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
-            _log_once(f"json-error:{path}", logging.WARNING,
-                      f"cannot read tuning export {path}: {exc}")
+            on_error(path, exc)
             continue
-        if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
-            continue  # another JSON file in the folder (notes, plots' data): not an export
+        if isinstance(doc, dict) and doc.get("format") == EXPORT_FORMAT:
+            yield path, doc
+
+
+def _from_exports(spec: Spec, backend: str, device: str, target: str,
+                  folder: Path) -> list[_Match]:
+    from tilegen.identity import VariantKey
+
+    def unreadable(path: Path, exc: Exception) -> None:
+        _log_once(f"json-error:{path}", logging.WARNING, f"cannot read tuning export {path}: {exc}")
+
+    out: list[_Match] = []
+    for path, doc in export_files(folder, unreadable):
         if doc.get("schema_version") != 2:
             _log_once(f"json-version:{path}", logging.WARNING,
                       f"tuning export {path} has schema version {doc.get('schema_version')!r}; "
@@ -353,6 +362,7 @@ def lookup_config(spec: Spec, target: Target, *, backend: str = "triton"
 __all__ = [
     "EXPORT_FORMAT",
     "SHIPPED_DIR",
+    "export_files",
     "WinnerResult",
     "current_device_name",
     "current_template_set_hash",

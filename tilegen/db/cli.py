@@ -95,19 +95,17 @@ def _shipped() -> list[_Shipped]:
     another JSON file there is skipped, a broken export is named on stderr and skipped."""
     from tilegen import winners
     from tilegen.db.exchange import read_export
-    from tilegen.db.policy import EXPORT_FORMAT
 
-    folder = Path(winners.SHIPPED_DIR)
+    def unreadable(path: Path, exc: Exception) -> None:
+        print(f"tilegen db: note: shipped winners {path} cannot be read ({exc}); left out",
+              file=sys.stderr)
+
     out = []
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+    for path, doc in winners.export_files(Path(winners.SHIPPED_DIR), unreadable):
         try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-            if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
-                continue  # not an export (notes, plot data): tilegen.load skips it too
             out.append(_Shipped(path, read_export(doc, name=str(path))))
-        except (OSError, ValueError) as exc:
-            print(f"tilegen db: note: shipped winners {path} cannot be read ({exc}); left out",
-                  file=sys.stderr)
+        except ValueError as exc:
+            unreadable(path, exc)
     return out
 
 

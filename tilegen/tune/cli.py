@@ -44,10 +44,9 @@ def _spec(args: argparse.Namespace):
 
 
 def check_paths(args: argparse.Namespace) -> None:
-    """Every path option of ``tune``, before any worker starts: `PathError` or `TuningDBError`
-    (one line naming the path; exit status 2). Creates nothing."""
+    """Every path option of ``tune`` but the DB's, before any worker starts: `PathError` (one
+    line naming the path; exit status 2). Creates nothing."""
     from tilegen import pathcheck
-    from tilegen.db.engine import check_writable, db_setting, inspect_file, resolve_db_path
 
     pathcheck.check_spec_option(args)
     pathcheck.check_captures_option(args)
@@ -59,10 +58,7 @@ def check_paths(args: argparse.Namespace) -> None:
             pathcheck.writable_file(value, option)
     if args.export and Path(args.export).exists():
         pathcheck.readable_file(args.export, "--export")  # merged with, so read first
-    db = resolve_db_path(args.db)
-    if db.exists():
-        inspect_file(db)
-    check_writable(db, db_setting(args.db))
+    # the DB file itself is checked by the session, before any worker (run_session callers too)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

@@ -161,7 +161,7 @@ class _Session:
         import optuna
 
         from tilegen import backends
-        from tilegen.db.engine import check_writable, inspect_file, resolve_db_path
+        from tilegen.db.engine import check_writable, db_setting, inspect_file, resolve_db_path
 
         self.optuna = optuna
         self.TS = optuna.trial.TrialState
@@ -183,7 +183,7 @@ class _Session:
         # the file itself is opened (created) in prepare(), once no refusal can come.
         if self.db_path.exists():
             inspect_file(self.db_path)
-        check_writable(self.db_path)
+        check_writable(self.db_path, db_setting(opts.db_path))
         self.db: Any = None
         self.storage_url = opts.storage or default_storage_url(self.db_path)
         self.host = socket.gethostname()

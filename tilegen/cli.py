@@ -21,7 +21,7 @@ from tilegen.pathcheck import (
     writable_dir,
     writable_file,
 )
-from tilegen.spec import Spec
+from tilegen.spec import ENCODINGS, Spec
 from tilegen.targets import TARGET_NAMES, get_target
 
 EPILOG = """examples:
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grid", type=_bench_type("parse_grid"), metavar="T,H,W",
                    help="latent grid of another model (overrides the spec's grid)")
     p.add_argument("--heads", type=int, metavar="N", help="number of heads (overrides the spec)")
-    p.add_argument("--encoding", choices=["lut", "mask", "sliding_tile"],
+    p.add_argument("--encoding", choices=ENCODINGS,
                    help="bench this encoding (overrides the spec's): mask runs on the capture's "
                    "LUT as a block mask, sliding_tile on its window; both beside a 'lut' row and "
                    "FlexAttention on the same pattern")

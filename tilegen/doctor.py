@@ -51,7 +51,7 @@ class Check:
 def doctor_spec(spec: Spec, device: str) -> Spec:
     """The spec's kernel fields at the doctor's small workload."""
     work = dict(GPU_WORKLOAD if device == "cuda" else CPU_WORKLOAD)
-    if spec.encoding != "lut":
+    if not spec.encoding_info.takes_lut:
         raise ValueError(f"tilegen doctor checks the lut encoding; the spec's is "
                          f"{spec.encoding!r} (its op runs the lut kernel: --spec of the lut spec)")
     return spec.replace(**work)

@@ -14,7 +14,9 @@
   FlexAttention's BlockMask.
 
 `call_args`, `reference_lut` and `validate` give every caller that holds a capture (the tuner,
-the bench) the op's arguments, the equivalent LUT and the input checks of a spec's encoding.
+the bench) the op's arguments, the equivalent LUT and the input checks of a spec's encoding:
+they dispatch through the encoding's entry in `tilegen.encoding_registry`, which names the
+per-encoding functions here (`lut_call_args`, `capture_lut`, ...).
 """
 
 from __future__ import annotations
@@ -25,16 +27,12 @@ from typing import Any
 
 import torch
 
-from tilegen.inputs import (
-    Shapes,
-    validate_inputs,
-    validate_mask_inputs,
-    validate_sliding_tile_inputs,
-)
+from tilegen.inputs import Shapes, validate_mask_inputs
 from tilegen.spec import Spec
 
-__all__ = ["MaskAttention", "call_args", "lut_spec", "mask_to_lut_device", "reference_lut",
-           "sliding_tile_lut", "validate", "window_table"]
+__all__ = ["MaskAttention", "call_args", "capture_lut", "lut_call_args", "lut_spec",
+           "mask_call_args", "mask_to_lut_device", "reference_lut", "sliding_tile_call_args",
+           "sliding_tile_lut", "sliding_tile_reference_lut", "validate", "window_table"]
 
 
 # -- mask -> LUT on the device ------------------------------------------------------------------
@@ -178,16 +176,47 @@ def sliding_tile_lut(spec: Spec, batch: int, heads: int, device: torch.device | 
 
 
 # -- what callers holding a capture need --------------------------------------------------------
+# Each encoding's entry in `tilegen.encoding_registry` names its functions below; `call_args`,
+# `reference_lut` and `validate` dispatch on the spec's encoding.
+def capture_lut(spec: Spec, cap: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """lut and mask: the capture's own ``topk_idx`` (and counts; the mask is built from them)."""
+    return cap["topk_idx"], cap.get("counts")
+
+
+def sliding_tile_reference_lut(spec: Spec, cap: dict
+                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """sliding_tile: the window LUT (`sliding_tile_lut`), built once per capture."""
+    if "sliding_tile_lut" not in cap:
+        B, H = cap["topk_idx"].shape[:2]
+        cap["sliding_tile_lut"] = sliding_tile_lut(spec, B, H, cap["q"].device)
+    return cap["sliding_tile_lut"]
+
+
+def lut_call_args(spec: Spec, cap: dict) -> tuple[torch.Tensor, ...]:
+    """lut: (q, k, v, topk_idx, vbs)."""
+    return cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"]
+
+
+def mask_call_args(spec: Spec, cap: dict) -> tuple[torch.Tensor, ...]:
+    """mask: (q, k, v, mask, vbs), the capture's LUT as a block mask
+    (`tilegen.sparsity.lut_to_mask`), built once per capture."""
+    if "mask" not in cap:
+        from tilegen.sparsity import lut_to_mask
+
+        cap["mask"] = lut_to_mask(cap["topk_idx"], cap["vbs"].shape[0])
+    return cap["q"], cap["k"], cap["v"], cap["mask"], cap["vbs"]
+
+
+def sliding_tile_call_args(spec: Spec, cap: dict) -> tuple[torch.Tensor, ...]:
+    """sliding_tile: (q, k, v, vbs)."""
+    return cap["q"], cap["k"], cap["v"], cap["vbs"]
+
+
 def reference_lut(spec: Spec, cap: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The LUT (and counts) that computes the capture's attention under the spec's encoding:
     the capture's own ``topk_idx`` for lut and mask (the mask is built from it), the window
     LUT for sliding_tile. For the fp32 oracle, the LUT reference kernel and FlexAttention."""
-    if spec.encoding == "sliding_tile":
-        if "sliding_tile_lut" not in cap:
-            B, H = cap["topk_idx"].shape[:2]
-            cap["sliding_tile_lut"] = sliding_tile_lut(spec, B, H, cap["q"].device)
-        return cap["sliding_tile_lut"]
-    return cap["topk_idx"], cap.get("counts")
+    return spec.encoding_info.reference_lut(spec, cap)
 
 
 def call_args(spec: Spec, cap: dict) -> tuple[torch.Tensor, ...]:
@@ -195,16 +224,7 @@ def call_args(spec: Spec, cap: dict) -> tuple[torch.Tensor, ...]:
     (q, k, v, topk_idx, vbs) for lut, (q, k, v, mask, vbs) for mask (the capture's LUT as a
     block mask, `tilegen.sparsity.lut_to_mask`, built once per capture), (q, k, v, vbs) for
     sliding_tile."""
-    q, k, v, vbs = cap["q"], cap["k"], cap["v"], cap["vbs"]
-    if spec.encoding == "mask":
-        if "mask" not in cap:
-            from tilegen.sparsity import lut_to_mask
-
-            cap["mask"] = lut_to_mask(cap["topk_idx"], vbs.shape[0])
-        return q, k, v, cap["mask"], vbs
-    if spec.encoding == "sliding_tile":
-        return q, k, v, vbs
-    return q, k, v, cap["topk_idx"], vbs
+    return spec.encoding_info.call_args(spec, cap)
 
 
 def lut_spec(spec: Spec, topk: int) -> Spec:
@@ -215,8 +235,4 @@ def lut_spec(spec: Spec, topk: int) -> Spec:
 
 def validate(spec: Spec, *args: torch.Tensor, check_values: bool = False) -> Shapes:
     """The input checks of the spec's encoding on `call_args`-shaped arguments."""
-    if spec.encoding == "mask":
-        return validate_mask_inputs(spec, *args, check_values=check_values)
-    if spec.encoding == "sliding_tile":
-        return validate_sliding_tile_inputs(spec, *args, check_values=check_values)
-    return validate_inputs(spec, *args, check_values=check_values)
+    return spec.encoding_info.validate(spec, *args, check_values=check_values)

@@ -13,6 +13,7 @@ import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
+from tilegen import encoding_registry
 from tilegen.build import plan
 from tilegen.cache import atomic_write
 from tilegen.paths import ROOT
@@ -41,10 +42,10 @@ class Drift:
         return f"{self.label}: {shown} ({self.kind})"
 
 
-#: The specs whose sources are committed: the default (LUT) spec, and the default spec of each
-#: other kernel encoding (`Spec.kernel_spec`; "mask" runs the LUT kernel, nothing of its own),
-#: rendered for the families that implement it.
-GENERATED_SPECS = (Spec(), Spec(encoding="sliding_tile"))
+#: The specs whose sources are committed: the default spec of each kernel encoding
+#: (`encoding_registry.kernel_encodings`: lut, then sliding_tile; "mask" runs the LUT kernel,
+#: nothing of its own), rendered for the families that implement it.
+GENERATED_SPECS = tuple(Spec(encoding=name) for name in encoding_registry.kernel_encodings())
 
 
 def _planned(targets: tuple[str, ...]) -> dict[Path, tuple[str, str]]:

@@ -20,13 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: How the op is told which KV cubes each query cube attends (README "Encodings"):
-#: "lut" (VSA: index list + optional counts), "mask" (Jenga: a (B, H, NQ, NKV) block mask,
-#: turned into a LUT + counts on the device and run by the LUT kernel) and "sliding_tile" (STA:
-#: a 3-D window of cubes around the query cube, computed from coordinates in the kernel).
-ENCODINGS = ("lut", "mask", "sliding_tile")
+from tilegen import encoding_registry
+
+#: How the op is told which KV cubes each query cube attends (README "Encodings"), from the
+#: encoding registry (`tilegen.encoding_registry`): "lut" (VSA: index list + optional counts),
+#: "mask" (Jenga: a (B, H, NQ, NKV) block mask, turned into a LUT + counts on the device and run
+#: by the LUT kernel) and "sliding_tile" (STA: a 3-D window of cubes around the query cube,
+#: computed from coordinates in the kernel).
+ENCODINGS = encoding_registry.names()
 #: The encoding whose kernel computes each encoding: "mask" runs the LUT kernel (tilegen.encodings)
-KERNEL_ENCODING = {"lut": "lut", "mask": "lut", "sliding_tile": "sliding_tile"}
+KERNEL_ENCODING = {name: e.kernel for name, e in encoding_registry.REGISTRY.items()}
 #: The sliding_tile window when a spec gives none: STA's (3, 3, 3) cubes around the query cube
 DEFAULT_WINDOW = (3, 3, 3)
 HEAD_DIMS = (64, 128)
@@ -124,7 +127,7 @@ class Spec:
                 "encoding 'lut': each LUT row belongs to one query cube"
             )
         object.__setattr__(self, "window", self._checked_window())
-        if self.encoding != "sliding_tile" and self.topk > self.num_cubes:
+        if self.encoding_info.has_lut_rows and self.topk > self.num_cubes:
             raise ValueError(
                 f"Spec.topk={self.topk} exceeds the {self.num_cubes} KV cubes of "
                 f"grid {self.grid} with cube {self.cube}"
@@ -134,9 +137,11 @@ class Spec:
 
     def _checked_window(self) -> tuple | None:
         """The window in canonical form: a tuple of 3 ints, or a tuple of num_heads of them."""
-        if self.encoding != "sliding_tile":
+        if not self.encoding_info.needs_window:
             if self.window is not None:
-                raise ValueError(f"Spec.window applies to encoding 'sliding_tile' only, got "
+                windowed = ", ".join(repr(n) for n, e in encoding_registry.REGISTRY.items()
+                                     if e.needs_window)
+                raise ValueError(f"Spec.window applies to encoding {windowed} only, got "
                                  f"window={self.window!r} with encoding={self.encoding!r}")
             return None
         window = DEFAULT_WINDOW if self.window is None else self.window
@@ -163,6 +168,11 @@ class Spec:
 
     # -- derived quantities ------------------------------------------------------------------
     @property
+    def encoding_info(self) -> encoding_registry.Encoding:
+        """The registry entry of the spec's encoding (`tilegen.encoding_registry`)."""
+        return encoding_registry.REGISTRY[self.encoding]
+
+    @property
     def kernel_spec(self) -> Spec:
         """The spec whose kernel computes this one: a "mask" spec runs the LUT kernel after an
         on-device mask -> LUT conversion (`tilegen.encodings`); other specs are their own."""
@@ -182,9 +192,9 @@ class Spec:
     @property
     def kv_per_query(self) -> float:
         """KV cubes each query cube attends: topk (lut, mask) or the mean window volume."""
-        if self.encoding == "sliding_tile":
-            return sum(math.prod(w) for w in self.windows) / self.num_heads
-        return float(self.topk)
+        if self.encoding_info.has_lut_rows:
+            return float(self.topk)
+        return sum(math.prod(w) for w in self.windows) / self.num_heads
 
     @property
     def cube_grid(self) -> tuple[int, int, int]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from tilegen import encoding_registry
 from tilegen.config import KernelConfig
 from tilegen.encodings import reference_lut
 from tilegen.spec import Spec
@@ -109,7 +110,8 @@ def encoding_spec(spec: Spec, encoding: str | None = None,
     if encoding is None and window is None:
         return spec
     encoding = encoding or ("sliding_tile" if window is not None else spec.encoding)
-    if encoding != "sliding_tile":
+    entry = encoding_registry.REGISTRY.get(encoding)
+    if entry is None or not entry.needs_window:  # an unknown name: Spec.replace says so
         if window is not None:
             raise ValueError(f"--window applies to --encoding sliding_tile, not {encoding!r}")
         return spec.replace(encoding=encoding, window=None)
@@ -143,7 +145,7 @@ def sweep_topks(spec: Spec, topk: Sequence[int] | None = None, sweep: bool = Fal
     """The TOPK values to run: `topk` if given, else `SWEEP_TOPK` with `sweep`, else the spec's
     own. Returns (kept, dropped): values above the grid's NKV are dropped (ValueError if none
     is left)."""
-    if spec.encoding == "sliding_tile":
+    if not spec.encoding_info.has_lut_rows:
         if topk or sweep:
             raise ValueError("--topk and --sweep set the LUT width of lut and mask specs; a "
                              "sliding_tile spec attends its window (--window)")
@@ -245,7 +247,7 @@ class Plan:
                  f"{s.layout}, D={s.head_dim}, blocks {s.block_q}x{s.block_kv}, cube {s.cube})",
                  f"  workload: batch {s.batch}, grid {s.grid} -> NKV {s.num_cubes} cubes, "
                  f"S {s.seq_len}, heads {s.num_heads}"]
-        if self.synthetic and s.encoding == "sliding_tile":
+        if self.synthetic and s.encoding_info.needs_window:
             seeds = f"seeds 0..{self.seeds - 1}" if self.seeds > 1 else "seed 0"
             lines.append(f"  captures: synthetic (seeded, with an outlier head), {seeds}; window "
                          f"{s.window}: {s.kv_per_query:g} KV cubes per query cube "
@@ -312,7 +314,7 @@ def make_plan(spec: Spec, captures_dir: str = "synthetic", *, seeds: int = 1,
     if not synthetic and not Path(captures_dir).is_dir():
         raise FileNotFoundError(f"--captures {captures_dir}: not a directory (or 'synthetic')")
     spec = workload_spec(encoding_spec(spec, encoding, window), grid, heads)
-    if backward and spec.encoding != "lut":
+    if backward and not spec.encoding_info.takes_lut:
         raise ValueError(f"--backward times the LUT encoding's backward rows; spec encoding "
                          f"is {spec.encoding!r}")
     topks, dropped = sweep_topks(spec, topk, sweep) if synthetic else ([], [])
@@ -324,7 +326,7 @@ def make_plan(spec: Spec, captures_dir: str = "synthetic", *, seeds: int = 1,
                 f"{default_calls}: op(..., return_lse=False), block_sparse_attention(...), "
                 "launch"),
     ]
-    if spec.encoding != "lut":
+    if not spec.encoding_info.takes_lut:
         variants.append(Variant("lut", "tilegen", "auto",
                                 "tilegen.load(LUT spec): op(q, k, v, idx, vbs, counts, "
                                 "return_lse=False) on the same pattern, launch"))
@@ -333,7 +335,7 @@ def make_plan(spec: Spec, captures_dir: str = "synthetic", *, seeds: int = 1,
                                 f"tilegen.load(spec, backend={name!r}): op(..., "
                                 "return_lse=False), launch"))
     if flex:
-        pattern = "LUT" if spec.encoding == "lut" else f"{spec.encoding} pattern"
+        pattern = "LUT" if spec.encoding_info.takes_lut else f"{spec.encoding} pattern"
         variants.append(Variant("flex", "peer", "flex",
                                 "torch.compile(flex_attention)(BHSD, BlockMask from the "
                                 f"{pattern}, "

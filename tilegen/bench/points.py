@@ -50,7 +50,7 @@ def spec_for_capture(spec: Spec, cap: dict) -> Spec:
 
 def iter_points(plan: Plan) -> list[Point]:
     if plan.synthetic:
-        if plan.spec.encoding == "sliding_tile":
+        if plan.spec.encoding_info.needs_window:
             w = plan.spec.window
             label = ("window" + "x".join(map(str, w))) if isinstance(w[0], int) else "windows"
             return [Point(f"synthetic_seed{seed}_{label}", plan.spec, seed=seed)

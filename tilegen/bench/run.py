@@ -244,7 +244,7 @@ def _time_custom_op(spec: Spec, args: tuple, timer: Callable, row: Row) -> None:
     from tilegen.ops import _op_for, block_sparse_attention
 
     plain = Spec(head_dim=spec.head_dim, dtype=spec.dtype, layout=spec.layout)
-    if spec.encoding != "lut":
+    if not spec.encoding_info.takes_lut:
         row.add_note(f"block_sparse_attention not timed: it takes a LUT, not encoding "
                      f"{spec.encoding!r}")
         return

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tilegen import layout, sparsity
+from tilegen import encoding_registry, layout, sparsity
 
 # |v| bound of synthetic captures: bf16 spacing in [1, 2) is 2^-7, far under MAX_ABS
 V_BOUND = 2.0
@@ -341,7 +341,8 @@ def for_spec(cap: dict, spec: Any) -> dict:
     for field_name, have, want in (("head_dim", D, spec.head_dim), ("batch", B, spec.batch),
                                    ("seq_len (grid, cube)", S, spec.seq_len),
                                    ("num_heads", H, spec.num_heads), ("topk", topk, spec.topk)):
-        if field_name == "topk" and getattr(spec, "encoding", "lut") == "sliding_tile":
+        if field_name == "topk" and not encoding_registry.get(
+                getattr(spec, "encoding", "lut")).has_lut_rows:
             continue  # the window decides which cubes a sliding_tile spec attends
         if have != want:
             raise ValueError(f"capture q {tuple(cap['q'].shape)} (BSHD) does not fit the spec: "

@@ -86,7 +86,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             print(f"tilegen tune: error: the {args.backend} family has no backward kernels "
                   "(--backward tunes the triton family's)", file=sys.stderr)
             return 2
-        if _spec(args).encoding != "lut":
+        if not _spec(args).encoding_info.takes_lut:
             print(f"tilegen tune: error: --backward tunes the LUT encoding's backward kernels; "
                   f"the spec's encoding is {_spec(args).encoding!r}", file=sys.stderr)
             return 2

@@ -101,7 +101,7 @@ class _WorkerState:
         from tilegen import backends
 
         self.gradients = backends.get(setup.backend).gradients
-        if self.gradients and self.spec.encoding != "lut":
+        if self.gradients and not self.spec.encoding_info.takes_lut:
             raise WorkerSetupError(
                 f"tuning the backward kernels takes a LUT spec; encoding "
                 f"{self.spec.encoding!r} reaches them through its own cursor and maps, which "

@@ -369,14 +369,15 @@ def test_plan_lists_backward_rows_only_with_the_flag():
     assert bench.steps_per_point(plain) == len(plain.variants) + 2
     plan = bench.make_plan(Spec(), backward=True)
     labels = [v.label for v in plan.backward_variants]
-    assert labels == ["fwd+bwd", "bwd kernels", "inverse map", "flex fwd+bwd"]
+    assert labels == ["fwd+bwd", "fwd (grad)", "reference fwd+bwd", "bwd kernels",
+                      "inverse map", "flex fwd+bwd"]
     assert {v.kind for v in plan.backward_variants} == {"backward"}
-    assert bench.steps_per_point(plan) == len(plan.variants) + 2 + 4
+    assert bench.steps_per_point(plan) == len(plan.variants) + 2 + 6
     text = plan.describe()
     assert "launch_backward" in text and "inverse_map" in text and "2.5 * forward" in text
     no_flex = bench.make_plan(Spec(), backward=True, flex=False)
-    assert [v.label for v in no_flex.backward_variants] == ["fwd+bwd", "bwd kernels",
-                                                             "inverse map"]
+    assert [v.label for v in no_flex.backward_variants] == [
+        "fwd+bwd", "fwd (grad)", "reference fwd+bwd", "bwd kernels", "inverse map"]
 
 
 def test_cli_dry_run_shows_the_backward_plan(capsys, monkeypatch):
@@ -386,8 +387,8 @@ def test_cli_dry_run_shows_the_backward_plan(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", no_cuda)
     assert main(["bench", "--dry-run", "--backward", "--sweep"]) == 0
     out = capsys.readouterr().out
-    assert "backward (4 rows" in out and "bwd kernels" in out and "flex fwd+bwd" in out
-    assert "+ 4 backward row(s)" in out
+    assert "backward (6 rows" in out and "bwd kernels" in out and "flex fwd+bwd" in out
+    assert "reference fwd+bwd" in out and "+ 6 backward row(s)" in out
 
 
 def test_backward_flops_formula():
@@ -436,21 +437,24 @@ def test_run_bench_backward_end_to_end_on_the_cpu(tmp_path, interpreter):
     rows = {r["variant"]: r for r in doc["rows"]}
     assert rc == 0, out
     assert list(rows) == ["reference", "reference-vs-fp32", "default", "flex", "fwd+bwd",
-                          "bwd kernels", "inverse map", "flex fwd+bwd"]
+                          "fwd (grad)", "reference fwd+bwd", "bwd kernels", "inverse map",
+                          "flex fwd+bwd"]
     assert doc["backward_flops_formula"] == bench.BACKWARD_FLOPS_FORMULA
     fwd_flops = rows["reference"]["flops"]
-    for name in ("fwd+bwd", "bwd kernels"):
+    for name in ("fwd+bwd", "reference fwd+bwd", "bwd kernels"):
         r = rows[name]
         assert r["kind"] == "backward" and r["error"] is None, r
         assert r["passed"] is True and r["min_head_cos"] >= 0.9999, r["score"]
         assert r["heads_checked"] == [0, 1] and r["ms_op"] == 2.0 and r["speedup"] is None
     assert rows["bwd kernels"]["flops"] == pytest.approx(2.5 * fwd_flops)
     assert rows["fwd+bwd"]["flops"] == pytest.approx(3.5 * fwd_flops)
+    assert rows["reference fwd+bwd"]["flops"] == pytest.approx(3.5 * fwd_flops)
+    assert rows["fwd (grad)"]["ms_op"] == 2.0 and rows["fwd (grad)"]["passed"] is None
     assert rows["bwd kernels"]["tflops"] == pytest.approx(2.5 * fwd_flops / 2.0 / 1e9)
     assert rows["inverse map"]["ms_op"] == 2.0 and rows["inverse map"]["passed"] is None
     flex = rows["flex fwd+bwd"]
     assert flex["error"] or flex["passed"] is True, flex
-    assert "[9/9]" in out and "bwd kernels" in out
+    assert "[11/11]" in out and "bwd kernels" in out
 
 
 def test_cli_backward_without_a_gpu_exits_2(capsys, monkeypatch):

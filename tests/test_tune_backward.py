@@ -21,9 +21,11 @@ from tilegen.targets import get_target
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 SMALL = Spec(grid=(5, 6, 8), num_heads=2, head_dim=64, topk=3, dtype="bf16")
-#: 4 points: the two packing switches, everything else pinned
+#: 4 points: the two packing switches, everything else pinned (the Triton kernels: the Gluon
+#: backward runs on a GPU only)
 SPACE = {"dq_stages": (2,), "dkdv_stages": (2,), "dkdv_warps": (4,),
-         "dq_pack": (True, False), "dkdv_pack": (True, False)}
+         "dq_pack": (True, False), "dkdv_pack": (True, False), "gluon": (False,),
+         "ds_store": (False,)}
 BROKEN = BackwardConfig(dq_pack=True, dkdv_pack=False, dq_stages=2)
 
 
@@ -65,7 +67,7 @@ def test_backward_space_and_seeds() -> None:
     assert all(d.kind == "render" for d in space.dims)  # options, not forward launch fields
     (label, seed), = seed_configs(space)
     assert label == "target default"
-    assert BackwardConfig.from_kernel_config(seed) == BackwardConfig.default_for(target)
+    assert BackwardConfig.from_kernel_config(seed) == BackwardConfig.default_for(target, Spec())
     bad = BackwardConfig(dkdv_pack=True, dkdv_block_m=32).to_kernel_config()
     assert space.violations(bad) == [
         "dkdv_pack packs whole 64-row query tiles: needs dkdv_block_m=64, got 32"]
@@ -106,7 +108,7 @@ def test_op_backward_takes_the_backward_winner(tune_env: Path) -> None:
     target = get_target("sm_90")
     tuned = BackwardConfig(dq_pack=True, dkdv_pack=True, dq_stages=4)
     op = BlockSparseAttention(SMALL, KernelConfig(), target)
-    assert op.backward_config == BackwardConfig.default_for(target).fit(SMALL)
+    assert op.backward_config == BackwardConfig.default_for(target, SMALL).fit(SMALL)
     cfg = tuned.to_kernel_config()
     key = backends.get("triton_bwd").variant_key(SMALL, cfg, target).to_dict()
     with TuningDB.open() as db:

@@ -409,8 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", type=_bench_type("parse_backends"), metavar="NAME[,NAME...]",
                    help="also bench these kernel families' defaults, e.g. triton,gluon,cuda")
     p.add_argument("--backward", action="store_true",
-                   help="also time and check the backward (Triton family): fwd+bwd through "
-                   "block_sparse_attention, the backward kernels, the inverse map, FlexAttention "
+                   help="also time and check the training step: fwd+bwd through "
+                   "block_sparse_attention, its forward alone, the reference step (Triton "
+                   "forward and backward), the backward kernels, the inverse map, FlexAttention "
                    "fwd+bwd; gradients scored against the fp32 reference")
     p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer")
     p.add_argument("--no-dense", action="store_true", help="skip the dense SDPA peers")

@@ -86,7 +86,8 @@ def run_backward(plan: Plan, point: Point, spec: Spec, cap: dict, args: tuple,
         ref_error = f"{type(exc).__name__}: {exc}"
         do = backward_do(args[0], point.seed)
         free_memory(device)
-    runners = {"fwd+bwd": _bwd_custom_op, "bwd kernels": _bwd_kernels,
+    runners = {"fwd+bwd": _bwd_custom_op, "fwd (grad)": _fwd_for_grad,
+               "reference fwd+bwd": _bwd_reference_step, "bwd kernels": _bwd_kernels,
                "inverse map": _bwd_inverse_map, "flex fwd+bwd": bwd_flex}
     rows = []
     for variant in plan.backward_variants:
@@ -134,6 +135,52 @@ def _bwd_custom_op(spec: Spec, args: tuple, do: torch.Tensor, timer: Callable, r
 
     grads = first_call(step, row, device)
     row.config = _op_for(args[0], spec.layout, "triton").backward_config.name
+    row.ms_op = timer(step)
+    return grads
+
+
+def _fwd_for_grad(spec: Spec, args: tuple, do: torch.Tensor, timer: Callable, row: Row,
+                  device: str, **_: Any) -> None:
+    """fwd (grad): the custom op's forward on requires_grad leaves (timed, not scored: the
+    fwd+bwd row scores the gradients it leads to)."""
+    from tilegen.ops import _op_for, block_sparse_attention
+
+    plain = Spec(head_dim=spec.head_dim, dtype=spec.dtype, layout=spec.layout)
+    if plain.kernel_dict() != spec.kernel_dict():
+        row.add_note("not run: block_sparse_attention runs the default kernel fields")
+        return None
+    q, k, v = (t.detach().requires_grad_(True) for t in args[:3])
+
+    def step() -> torch.Tensor:
+        return block_sparse_attention(q, k, v, args[3], args[4], layout=spec.layout,
+                                      sm_scale=spec.sm_scale)
+
+    first_call(step, row, device)
+    fast = _op_for(args[0], spec.layout, "triton").grad_forward()
+    row.backend = getattr(fast, "backend", "triton")
+    row.config = fast.config.name if fast is not None else "triton forward_for_grad"
+    row.ms_op = timer(step)
+    return None
+
+
+def _bwd_reference_step(spec: Spec, args: tuple, do: torch.Tensor, timer: Callable, row: Row,
+                        device: str, *, loader: Callable, **_: Any
+                        ) -> tuple[torch.Tensor, ...]:
+    """reference fwd+bwd: the Triton family's forward and its default backward kernels (the
+    training step before the Gluon backward), through the op's autograd."""
+    from tilegen.backends.triton.backward import BackwardConfig
+
+    op = loader(spec, backend="triton")
+    op.grad_forward_family = "triton"
+    op.backward_config = BackwardConfig().fit(spec)
+    row.config = f"{op.config.name} + {op.backward_config.name}"
+    q, k, v = (t.detach().requires_grad_(True) for t in args[:3])
+
+    def step() -> tuple[torch.Tensor, ...]:
+        o = op(q, k, v, args[3], args[4], return_lse=False)
+        return torch.autograd.grad(o, (q, k, v), do)
+
+    grads = first_call(step, row, device)
     row.ms_op = timer(step)
     return grads
 

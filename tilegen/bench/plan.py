@@ -29,7 +29,8 @@ BACKWARD_FLOPS_FACTOR = 2.5
 
 BACKWARD_FLOPS_FORMULA = (
     "backward FLOPs = 2.5 * forward FLOPs (the forward's real-key count above: 5 matmuls "
-    "against 2, the nominal count; the split dQ | dK/dV kernels execute 7); fwd+bwd rows count "
+    "against 2, the nominal count; the Triton split dQ | dK/dV kernels execute 7, the Gluon "
+    "backward with the stored dS^T 5); fwd+bwd rows count "
     "3.5 * forward FLOPs; the inverse map counts none. TFLOP/s = FLOPs / ms / 1e9.")
 
 #: the backward rows: label -> (FLOPs per forward FLOP or None, what is timed)
@@ -37,6 +38,13 @@ BACKWARD_ROWS: dict[str, tuple[float | None, str]] = {
     "fwd+bwd": (1.0 + BACKWARD_FLOPS_FACTOR,
                 "block_sparse_attention(q, k, v, idx, vbs) with requires_grad q/k/v, then "
                 "torch.autograd.grad(o, (q, k, v), dO); grads scored"),
+    "fwd (grad)": (1.0, "block_sparse_attention(q, k, v, idx, vbs) with requires_grad q/k/v, "
+                        "the forward alone (what autograd saves: lse and the fp32 O)"),
+    "reference fwd+bwd": (1.0 + BACKWARD_FLOPS_FACTOR,
+                          "the reference training step: tilegen.load(spec, backend='triton') "
+                          "with grad_forward_family='triton' and BackwardConfig() (the Triton "
+                          "forward and backward kernels), op(q, k, v, idx, vbs) then "
+                          "torch.autograd.grad; grads scored"),
     "bwd kernels": (BACKWARD_FLOPS_FACTOR,
                     "tilegen.load(spec, backend='triton').launch_backward(dO, ..., "
                     "inverse=<prebuilt>, config=op.backward_config); grads scored"),
@@ -267,7 +275,8 @@ class Plan:
         lines.append("  check: reference variant vs the fp32 oracle on a subset of heads "
                      "(outlier head included)")
         if self.backward:
-            lines.append(f"  backward ({len(self.backward_variants)} rows, Triton family, random "
+            lines.append(f"  backward ({len(self.backward_variants)} rows, the gradient op's "
+                         "kernels (its BackwardConfig: Triton or Gluon), random "
                          "dO seeded per capture):")
             for v in self.backward_variants:
                 lines.append(f"    {v.label:18s} {v.kind:8s} {v.calls}")

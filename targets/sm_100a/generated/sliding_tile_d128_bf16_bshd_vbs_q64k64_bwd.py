@@ -174,34 +174,35 @@ def tilegen_bsa_bwd_dq(
             dq += tl.dot(ds_op, k)
             ds_sum += tl.sum(ds_op.to(tl.float32), 1)
 
-    # The row's KV cubes one by one from the cursor (none left to walk with DQ_PACK)
-    for i in range(0, 0 if DQ_PACK else n_blocks):
-        kv_raw = ((start_t + i // win_hw) * grid_h + start_h + i // win_w % win_h) * grid_w + start_w + i % win_w
-        kv_ok = (kv_raw >= 0) & (kv_raw < num_kv_blocks)
-        kv_cube = tl.where(kv_ok, kv_raw, 0).to(tl.int64)
-        if HAS_VBS:
-            n_valid = tl.load(VBS + kv_cube)
-            row_ok = row_ok & kv_ok & (n_valid >= 1) & (n_valid <= BLOCK_KV)
-        else:
-            row_ok = row_ok & kv_ok
-        for j in tl.static_range(BLOCK_KV // BLOCK_N):
-            sub_start = j * BLOCK_N
-            kv_rows = kv_cube * BLOCK_KV + sub_start + offs_n
-            # sub-tile 0 of a cube always holds a key, and only partial cubes skip any
-            if not HAS_VBS or j == 0 or sub_start < n_valid:
-                k = tl.load(K + base + kv_rows[:, None] * row + offs_d[None, :])
-                v = tl.load(V + base + kv_rows[:, None] * row + offs_d[None, :])
-                if INTERP_BF16:
-                    k, v = k.to(tl.float32), v.to(tl.float32)
-                qk = tl.dot(q, tl.trans(k)) * qk_scale
-                p = tl.math.exp2(qk - lse[:, None])
-                if HAS_VBS:
-                    p = tl.where(q_valid[:, None] & (sub_start + offs_n < n_valid)[None, :], p, 0.0)
-                dp = tl.dot(do, tl.trans(v))
-                ds = p * (dp - delta[:, None])
-                ds_op = (ds.to(Q.dtype.element_ty) if not INTERP_BF16 else _round_bf16(ds))
-                dq += tl.dot(ds_op, k)
-                ds_sum += tl.sum(ds_op.to(tl.float32), 1)
+    else:
+        # The row's KV cubes one by one from the cursor
+        for i in range(0, n_blocks):
+            kv_raw = ((start_t + i // win_hw) * grid_h + start_h + i // win_w % win_h) * grid_w + start_w + i % win_w
+            kv_ok = (kv_raw >= 0) & (kv_raw < num_kv_blocks)
+            kv_cube = tl.where(kv_ok, kv_raw, 0).to(tl.int64)
+            if HAS_VBS:
+                n_valid = tl.load(VBS + kv_cube)
+                row_ok = row_ok & kv_ok & (n_valid >= 1) & (n_valid <= BLOCK_KV)
+            else:
+                row_ok = row_ok & kv_ok
+            for j in tl.static_range(BLOCK_KV // BLOCK_N):
+                sub_start = j * BLOCK_N
+                kv_rows = kv_cube * BLOCK_KV + sub_start + offs_n
+                # sub-tile 0 of a cube always holds a key, and only partial cubes skip any
+                if not HAS_VBS or j == 0 or sub_start < n_valid:
+                    k = tl.load(K + base + kv_rows[:, None] * row + offs_d[None, :])
+                    v = tl.load(V + base + kv_rows[:, None] * row + offs_d[None, :])
+                    if INTERP_BF16:
+                        k, v = k.to(tl.float32), v.to(tl.float32)
+                    qk = tl.dot(q, tl.trans(k)) * qk_scale
+                    p = tl.math.exp2(qk - lse[:, None])
+                    if HAS_VBS:
+                        p = tl.where(q_valid[:, None] & (sub_start + offs_n < n_valid)[None, :], p, 0.0)
+                    dp = tl.dot(do, tl.trans(v))
+                    ds = p * (dp - delta[:, None])
+                    ds_op = (ds.to(Q.dtype.element_ty) if not INTERP_BF16 else _round_bf16(ds))
+                    dq += tl.dot(ds_op, k)
+                    ds_sum += tl.sum(ds_op.to(tl.float32), 1)
 
     if HAS_DSUM:
         ds_sum -= tl.load(DSUM + bh * seq_len + offs_m)

@@ -199,10 +199,12 @@ def _store_max_prob(l_i, l_safe, bad, vbs_ptr, mp_ptr, mpc_ptr, row_off, cube_of
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, bad, q_smem, o_desc, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr, mpc_off,
-              q_row0, col, lse_off, q_cube, qk_scale, ZERO_PAD_ROWS: gl.constexpr,
-              STORE_LSE: gl.constexpr, STORE_MAX_PROB: gl.constexpr):
-    """Normalise, zero padded query rows, NaN for a row with a bad value; O through TMA."""
+def _epilogue(acc, m_i, l_i, bad, q_smem, o_desc, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr, o32_ptr,
+              mpc_off, q_row0, col, lse_off, q_cube, qk_scale, ZERO_PAD_ROWS: gl.constexpr,
+              STORE_LSE: gl.constexpr, STORE_MAX_PROB: gl.constexpr,
+              STORE_O32: gl.constexpr):
+    """Normalise, zero padded query rows, NaN for a row with a bad value; O through TMA (and
+    with STORE_O32 in fp32 to o32_ptr)."""
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     o = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, ROW_O), 1)
     if ZERO_PAD_ROWS:
@@ -214,6 +216,13 @@ def _epilogue(acc, m_i, l_i, bad, q_smem, o_desc, vbs_ptr, lse_ptr, mp_ptr, mpc_
     q_smem.store(o.to(DTYPE))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [q_row0, col], q_smem)
+    if STORE_O32:
+        # O before its rounding, for the backward's delta = rowsum(dO * O) (see backward.py)
+        rows_o = gl.arange(0, BLOCK, layout=ROW_O)
+        cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_LAYOUT))
+        offs = (gl.expand_dims((q_row0 + rows_o).to(gl.int64) * o_desc.shape[1], 1)
+                + gl.expand_dims(col + cols_o, 0))
+        gl.store(o32_ptr + offs, o)
     if STORE_LSE:
         lse = gl.where(l_i > 0.0, m_i * qk_scale + gl.log2(l_safe), float("-inf"))
         if bad:
@@ -270,11 +279,12 @@ def _allocate(q_desc, k_full, v_full, K_STAGES: gl.constexpr, V_STAGES: gl.const
 
 @gluon.jit
 def _consumer(bufs, mma_bufs, bars, mma_bars, o_desc, tinfo_ptr, meta_ptr, vbs_ptr, lse_ptr,
-              mp_ptr, mpc_ptr, row, live, q_row0, col, lse_off, q_cube, topk, qk_scale,
+              mp_ptr, mpc_ptr, o32_ptr, row, live, q_row0, col, lse_off, q_cube, topk,
+              qk_scale,
               K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr,
               QK_AHEAD: gl.constexpr, FENCE_WAIT: gl.constexpr, DEBUG: gl.constexpr,
               ZERO_PAD_ROWS: gl.constexpr, STORE_LSE: gl.constexpr,
-              STORE_MAX_PROB: gl.constexpr):
+              STORE_MAX_PROB: gl.constexpr, STORE_O32: gl.constexpr):
     """One query cube, on its consumer's buffers and barriers (`_allocate`)."""
     q_smem, k_smem, v_smem = bufs
     q_bar, k_ready, k_empty, v_ready, v_empty = bars
@@ -387,8 +397,8 @@ def _consumer(bufs, mma_bufs, bars, mma_bars, o_desc, tinfo_ptr, meta_ptr, vbs_p
             acc = warpgroup_mma(p_op, v_smem.index(vs), acc)
             mbarrier.arrive(v_empty.index(vs), count=1)
         _epilogue(acc, m_i, l_i, n_tiles < 0, q_smem, o_desc, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr,
-                  row, q_row0, col, lse_off, q_cube, qk_scale, ZERO_PAD_ROWS, STORE_LSE,
-                  STORE_MAX_PROB)
+                  o32_ptr, row, q_row0, col, lse_off, q_cube, qk_scale, ZERO_PAD_ROWS, STORE_LSE,
+                  STORE_MAX_PROB, STORE_O32)
 
 
 # ------------------------------------------------------------------------------- SHARE_KV: pairs
@@ -449,11 +459,11 @@ def _finish_pv(p_op, v_smem, v_ready, v_empty, acc, prev, V_STAGES: gl.constexpr
 
 @gluon.jit
 def _pair_consumer(q_smem, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o_desc,
-                   tinfo_ptr, tmask_ptr, meta_ptr, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr, mpc_off,
-                   pair, live, q_row0, col, lse_off, q_cube, ent, qk_scale, C: gl.constexpr,
-                   K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, FENCE_WAIT: gl.constexpr,
+                   tinfo_ptr, tmask_ptr, meta_ptr, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr, o32_ptr,
+                   mpc_off, pair, live, q_row0, col, lse_off, q_cube, ent, qk_scale,
+                   C: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, FENCE_WAIT: gl.constexpr,
                    ZERO_PAD_ROWS: gl.constexpr, STORE_LSE: gl.constexpr,
-                   STORE_MAX_PROB: gl.constexpr):
+                   STORE_MAX_PROB: gl.constexpr, STORE_O32: gl.constexpr):
     n_tiles = gl.load(meta_ptr + pair * 4)
     bad = gl.load(meta_ptr + pair * 4 + 2 + C) != 0
     tinfo_row = tinfo_ptr + pair.to(gl.int64) * (ent + 1)
@@ -514,25 +524,26 @@ def _pair_consumer(q_smem, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_e
     if owed != 0:
         acc = _finish_pv(p_op, v_smem, v_ready, v_empty, acc, prev, V_STAGES)
     if live:
-        _epilogue(acc, m_i, l_i, bad, q_smem, o_desc, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr, mpc_off,
-                  q_row0, col, lse_off, q_cube, qk_scale, ZERO_PAD_ROWS, STORE_LSE,
-                  STORE_MAX_PROB)
+        _epilogue(acc, m_i, l_i, bad, q_smem, o_desc, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr, o32_ptr,
+                  mpc_off, q_row0, col, lse_off, q_cube, qk_scale, ZERO_PAD_ROWS, STORE_LSE,
+                  STORE_MAX_PROB, STORE_O32)
 
 
 # ------------------------------------------------------------------------------- the kernel
 @gluon.jit
 def tilegen_gluon_lut_ws(q_desc, k_full, k_half, k_quarter, k_eighth, v_full, v_half, v_quarter,
                       v_eighth, o_desc, sidx_ptr, tinfo_ptr, tmask_ptr, meta_ptr, vbs_ptr, lse_ptr,
-                      mp_ptr, mpc_ptr, seq_len, num_heads, num_q_blocks, topk, qk_scale,
+                      mp_ptr, mpc_ptr, o32_ptr, seq_len, num_heads, num_q_blocks, topk, qk_scale,
                       K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
                       PACK_PARTIALS: gl.constexpr,
                       Q_IN_REGS: gl.constexpr, QK_AHEAD: gl.constexpr, FENCE_WAIT: gl.constexpr,
                       STORE_LSE: gl.constexpr, STORE_MAX_PROB: gl.constexpr,
                       SHARE_KV: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                       PRODUCER_REGS: gl.constexpr, DEBUG: gl.constexpr,
-                      ZERO_PAD_ROWS: gl.constexpr):
+                      ZERO_PAD_ROWS: gl.constexpr, STORE_O32: gl.constexpr):
     """Without PACK_PARTIALS the half/quarter/eighth descriptors are None; without SHARE_KV
-    tmask_ptr is, and without STORE_MAX_PROB mp_ptr and mpc_ptr are."""
+    tmask_ptr is, without STORE_MAX_PROB mp_ptr and mpc_ptr are, and without STORE_O32 (the
+    fp32 O of a call that needs gradients) o32_ptr is."""
     pid_q = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // num_heads
@@ -572,16 +583,16 @@ def tilegen_gluon_lut_ws(q_desc, k_full, k_half, k_quarter, k_eighth, v_full, v_
         gl.warp_specialize([
             (_pair_consumer, (
                 q_smem0, q_bar0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o_desc,
-                tinfo_ptr, tmask_ptr, meta_ptr, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr,
+                tinfo_ptr, tmask_ptr, meta_ptr, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr, o32_ptr,
                 bh * num_q_blocks + q_cube0, pair, True, q_row0, col, lse_off0, q_cube0, ent,
                 qk_scale, 0, K_STAGES, V_STAGES, FENCE_WAIT, ZERO_PAD_ROWS, STORE_LSE,
-                STORE_MAX_PROB)),
+                STORE_MAX_PROB, STORE_O32)),
             (_pair_consumer, (
                 q_smem1, q_bar1, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o_desc,
-                tinfo_ptr, tmask_ptr, meta_ptr, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr,
+                tinfo_ptr, tmask_ptr, meta_ptr, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr, o32_ptr,
                 bh * num_q_blocks + q_cube0 + 1, pair, live1, q_row0 + BLOCK, col,
                 lse_off0 + BLOCK, q_cube0 + 1, ent, qk_scale, 1, K_STAGES, V_STAGES, FENCE_WAIT,
-                ZERO_PAD_ROWS, STORE_LSE, STORE_MAX_PROB)),
+                ZERO_PAD_ROWS, STORE_LSE, STORE_MAX_PROB, STORE_O32)),
             (_pair_producer, (
                 q_desc, k_descs, v_descs, q_smem0, q_smem1, q_bar0, q_bar1, k_smem, v_smem,
                 k_ready, v_ready, k_empty, v_empty, sidx_ptr, tinfo_ptr, meta_ptr, vbs_ptr, pair,
@@ -602,9 +613,9 @@ def tilegen_gluon_lut_ws(q_desc, k_full, k_half, k_quarter, k_eighth, v_full, v_
         gl.warp_specialize([
             (_consumer, (
                 bufs_0, mma_bufs_0, bars_0, mma_bars_0, o_desc, tinfo_ptr, meta_ptr, vbs_ptr,
-                lse_ptr, mp_ptr, mpc_ptr, row_0, live_0, q_row0_0, col, lse_off_0, q_cube_0,
-                topk, qk_scale, K_STAGES, V_STAGES, Q_IN_REGS, QK_AHEAD, FENCE_WAIT, DEBUG,
-                ZERO_PAD_ROWS, STORE_LSE, STORE_MAX_PROB)),
+                lse_ptr, mp_ptr, mpc_ptr, o32_ptr, row_0, live_0, q_row0_0, col,
+                lse_off_0, q_cube_0, topk, qk_scale, K_STAGES, V_STAGES, Q_IN_REGS, QK_AHEAD, FENCE_WAIT, DEBUG,
+                ZERO_PAD_ROWS, STORE_LSE, STORE_MAX_PROB, STORE_O32)),
             (_producer, (
                 q_desc, k_descs, v_descs, bufs_0, bars_0, sidx_ptr, tinfo_ptr, meta_ptr, vbs_ptr,
                 row_0, live_0, q_row0_0, row0, col, topk, K_STAGES, V_STAGES, PACK_PARTIALS,

@@ -57,15 +57,29 @@ class GluonBackend(Backend):
 
         return render_gluon(spec, cfg, target)
 
+    def sources(self, spec: Spec, cfg: KernelConfig, target: Target) -> list[Source]:
+        """The forward kernel, and on a wgmma target for a LUT spec the backward module (dK/dV
+        and dQ, `backward.render_backward`); other targets train on the Triton backward
+        (`backward.spec_problem` says why)."""
+        from tilegen.backends.gluon.backward import render_backward, spec_problem
+
+        out = [self.render(spec, cfg, target)]
+        if spec_problem(spec, target) is None:
+            out.append(render_backward(spec, target))
+        return out
+
     def toolchain(self, target: Target | None = None) -> str:
         import triton
 
         return f"triton={triton.__version__}"
 
     def compile(self, spec: Spec, cfg: KernelConfig, target: Target, source: Source,
-                out_dir: Path) -> Artifact:
-        from tilegen.backends.gluon.aot import compile_gluon
+                out_dir: Path) -> Artifact | list[Artifact]:
+        from tilegen.backends.gluon.aot import compile_gluon, compile_gluon_backward
+        from tilegen.backends.gluon.backward import TEMPLATE
 
+        if source.template == TEMPLATE:
+            return compile_gluon_backward(spec, target, source, out_dir)
         return compile_gluon(spec, cfg, target, source, out_dir)
 
     def make_op(self, spec: Spec, cfg: KernelConfig, target: Target | None,

@@ -17,11 +17,51 @@ from tilegen.spec import Spec
 from tilegen.targets import Target
 
 
+def _artifact(compiled, path: Path, source: Source, target: Target, config: str) -> Artifact:
+    import triton
+
+    res = cubin_resources(path)
+    meta = compiled.metadata
+    return Artifact(
+        path=path, kind="cubin", backend="gluon", target=target.name, arch=target.arch,
+        kernel_name=meta.name, source_sha256=source.sha256, config=config,
+        registers=res.get("registers"), shared_bytes=meta.shared,
+        spill_bytes=res.get("local_bytes"), stack_bytes=res.get("stack_bytes"),
+        threads=meta.num_warps * target.warp_size,
+        compiler={"triton": triton.__version__, "ptxas": ptxas_version()},
+        matrix_ops=cubin_matrix_ops(path),
+    )
+
+
+def compile_gluon_backward(spec: Spec, target: Target, source: Source, out_dir: Path
+                           ) -> list[Artifact]:
+    """Compile the Gluon backward module (dK/dV and dQ, their default knobs) for `target`."""
+    from tilegen.backends.gluon.backward import compile_offline
+
+    _require_compiled_mode()
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        compiled = compile_offline(spec, target)
+    except Exception as exc:  # triton raises several exception types for bad kernels
+        raise CompileError(f"Gluon backward compile failed for {target.name}: "
+                           f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for kernel, ck in compiled.items():
+        stem = f"gluon_{source.name.removesuffix('.py')}_{kernel}"
+        path = cache.atomic_write(out_dir / f"{stem}.cubin", ck.asm["cubin"])
+        cache.atomic_write(out_dir / f"{stem}.ptx", ck.asm["ptx"])
+        out.append(_artifact(ck, path, source, target, "backward"))
+    return out
+
+
 def compile_gluon(spec: Spec, cfg: KernelConfig, target: Target, source: Source,
                   out_dir: Path) -> Artifact:
     """Compile the Gluon source for `target` into `out_dir`; return its Artifact (registers,
     shared memory, spills, and the HGMMA count in the SASS)."""
-    import triton
 
     _require_compiled_mode()
     opts = options_of(cfg)
@@ -38,14 +78,4 @@ def compile_gluon(spec: Spec, cfg: KernelConfig, target: Target, source: Source,
     stem = f"gluon_{source.name.removesuffix('.py')}"
     path = cache.atomic_write(out_dir / f"{stem}.cubin", compiled.asm["cubin"])
     cache.atomic_write(out_dir / f"{stem}.ptx", compiled.asm["ptx"])
-    res = cubin_resources(path)
-    meta = compiled.metadata
-    return Artifact(
-        path=path, kind="cubin", backend="gluon", target=target.name, arch=target.arch,
-        kernel_name=meta.name, source_sha256=source.sha256, config=cfg.name,
-        registers=res.get("registers"), shared_bytes=meta.shared,
-        spill_bytes=res.get("local_bytes"), stack_bytes=res.get("stack_bytes"),
-        threads=meta.num_warps * target.warp_size,
-        compiler={"triton": triton.__version__, "ptxas": ptxas_version()},
-        matrix_ops=cubin_matrix_ops(path),
-    )
+    return _artifact(compiled, path, source, target, cfg.name)

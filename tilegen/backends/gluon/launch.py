@@ -35,8 +35,9 @@ _lock = threading.Lock()
 _modules: dict[str, Any] = {}
 
 
-def load_kernel(source: Source):
-    """Import the rendered kernel from the kernel cache (Gluon's jit reads the source file)."""
+def load_kernel(source: Source, name: str = _render.KERNEL_NAME):
+    """Import the rendered source from the kernel cache (Gluon's jit reads the source file) and
+    return its kernel `name` (the forward kernel by default)."""
     with _lock:
         # stored under every name it is loaded as (one text serves the configs whose knobs are
         # constexprs), imported once per text
@@ -44,14 +45,14 @@ def load_kernel(source: Source):
                            meta={"template": source.template, "sha256": source.sha256})
         mod = _modules.get(source.sha256)
         if mod is None:
-            name = f"tilegen_gluon_{source.sha256[:16]}"
-            spec = importlib.util.spec_from_file_location(name, path)
+            mod_name = f"tilegen_gluon_{source.sha256[:16]}"
+            spec = importlib.util.spec_from_file_location(mod_name, path)
             assert spec is not None and spec.loader is not None
             mod = importlib.util.module_from_spec(spec)
-            sys.modules[name] = mod
+            sys.modules[mod_name] = mod
             spec.loader.exec_module(mod)
             _modules[source.sha256] = mod
-    return getattr(mod, _render.KERNEL_NAME)
+    return getattr(mod, name)
 
 
 def _layout(rows: int, head_dim: int, gl_dtype):
@@ -108,10 +109,12 @@ class GluonLaunch:
 
     def __call__(self, q, k, v, topk_idx, vbs, counts, o, lse, err, sm_scale: float,
                  zero_pad_rows: bool = False, max_prob_out=None, windows=None,
-                 cube_grid: tuple[int, int, int] | None = None, topk: int = 0) -> None:
+                 cube_grid: tuple[int, int, int] | None = None, topk: int = 0,
+                 o32=None) -> None:
         """Pre-pass and kernel on validated inputs (`tilegen.inputs.validate_inputs`). A
         sliding-tile call passes `windows` (`tilegen.encodings.window_table`), the cube grid and
-        the largest window volume as `topk` instead of a LUT."""
+        the largest window volume as `topk` instead of a LUT. ``o32`` (fp32, q's shape) also
+        receives O before its rounding (a call that needs gradients: the backward's delta)."""
         B, S, H, D = q.shape
         nq, nkv = S // 64, vbs.shape[0]
         if windows is None:
@@ -142,9 +145,10 @@ class GluonLaunch:
         self.kernel[grid](
             self._desc(q, 64), *kd, *vd, self._desc(o, 64),
             bufs["sidx"], bufs["tinfo"], bufs["tmask"] if share else None, bufs["meta"], vbs,
-            lse if lse is not None else bufs["meta"], *mp,
+            lse if lse is not None else bufs["meta"], *mp, o32,
             S, H, nq, topk, float(sm_scale) * LOG2E,
-            **_render.constexprs(self.cfg, zero_pad_rows=bool(zero_pad_rows) and nkv == nq),
+            **_render.constexprs(self.cfg, zero_pad_rows=bool(zero_pad_rows) and nkv == nq,
+                                 store_o32=o32 is not None),
             num_warps=self.num_warps, maxnreg=self.maxnreg,
         )
 
@@ -152,10 +156,11 @@ class GluonLaunch:
 # ----------------------------------------------------------------------------- offline compile
 
 
-def signature(opts: dict, head_dim: int, dtype: str) -> tuple[dict, dict]:
+def signature(opts: dict, head_dim: int, dtype: str, store_o32: bool = False
+              ) -> tuple[dict, dict]:
     """Kernel signature strings for triton.compile (no tensors needed), and the constexpr
     values: the knobs (`render.constexprs`) and the None of each parameter the options leave
-    unused (the packed-cube descriptors, tmask_ptr, mp_ptr and mpc_ptr)."""
+    unused (the packed-cube descriptors, tmask_ptr, mp_ptr, mpc_ptr and o32_ptr)."""
     from triton.experimental.gluon import language as gl
 
     gdt = gl.bfloat16 if dtype == "bf16" else gl.float16
@@ -174,10 +179,11 @@ def signature(opts: dict, head_dim: int, dtype: str) -> tuple[dict, dict]:
                  "vbs_ptr": "*i32", "lse_ptr": "*fp32"})
     for name in ("mp_ptr", "mpc_ptr"):
         args[name] = "*fp32" if opts["store_max_prob"] else None
+    args["o32_ptr"] = "*fp32" if store_o32 else None
     args.update({"seq_len": "i32", "num_heads": "i32", "num_q_blocks": "i32", "topk": "i32",
                  "qk_scale": "fp32"})
     consts: dict = {name: None for name, kind in args.items() if kind is None}
-    consts.update(_render.constexprs(opts))
+    consts.update(_render.constexprs(opts, store_o32=store_o32))
     sig = {name: kind or "constexpr" for name, kind in args.items()}
     sig.update({name: "constexpr" for name in _render.constexprs(opts)})
     return sig, consts

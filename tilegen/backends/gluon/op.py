@@ -111,6 +111,31 @@ class GluonBlockSparseAttention:
         """Wait for this op's launches and raise ValueError if any met a bad value."""
         self.errors.check()
 
+    def forward_for_grad(self, q, k, v, topk_idx, vbs, counts=None, *,
+                         shapes: Shapes | None = None, sm_scale: float | None = None,
+                         max_prob_out=None, errors: DeviceErrorFlag | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The forward of a call that needs gradients, as the Triton family's
+        (`BlockSparseAttention.forward_for_grad`, which hands its calls here on a wgmma target):
+        (o, lse, o32), o32 being O before its rounding (fp32, written by the same launch:
+        STORE_O32) for the backward's delta. ``errors`` is the error word to set (default:
+        this op's)."""
+        if shapes is None:
+            shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
+                                     check_values=False)
+        flag = errors or self.errors
+        flag.raise_pending(q.device)
+        o = torch.empty_like(q)
+        o32 = torch.empty_like(q, dtype=torch.float32)
+        lse = torch.empty((shapes.batch, shapes.heads, shapes.seq_len), dtype=torch.float32,
+                          device=q.device)
+        scale = sm_scale if sm_scale is not None else self.spec.sm_scale
+        self._launch_for(True, max_prob_out is not None)(
+            q, k, v, topk_idx, vbs, counts, o, lse, flag.buffer(q.device), scale,
+            max_prob_out=max_prob_out, o32=o32)
+        flag.after_launch(q.device)
+        return o, lse, o32
+
     def launch(self, q, k, v, topk_idx, vbs, counts=None, *, shapes: Shapes | None = None,
                sm_scale: float | None = None, store_lse: bool = True, out=None,
                max_prob_out=None):

@@ -233,11 +233,13 @@ CONSTEXPR_NAMES: dict[str, str] = {
 }
 
 
-def constexprs(opts: Mapping[str, Any], zero_pad_rows: bool = False) -> dict[str, Any]:
+def constexprs(opts: Mapping[str, Any], zero_pad_rows: bool = False,
+               store_o32: bool = False) -> dict[str, Any]:
     """The kernel's constexpr parameters for the resolved options `opts` (`options_of`), in the
-    kernel's order; ``zero_pad_rows`` writes zeros into padded query rows (ZERO_PAD_ROWS)."""
+    kernel's order; ``zero_pad_rows`` writes zeros into padded query rows (ZERO_PAD_ROWS),
+    ``store_o32`` O in fp32 as well (STORE_O32: the forward of a call that needs gradients)."""
     return {**{name: opts[knob] for knob, name in CONSTEXPR_NAMES.items()},
-            "ZERO_PAD_ROWS": bool(zero_pad_rows)}
+            "ZERO_PAD_ROWS": bool(zero_pad_rows), "STORE_O32": bool(store_o32)}
 
 
 def options_of(cfg: KernelConfig) -> dict[str, Any]:

@@ -62,6 +62,13 @@ class BackwardConfig:
       ``dq_block_n == block_kv``;
     - ``dkdv_pack`` (the dK/dV kernel's DKDV_PACK): the same for the query cubes of the dK/dV
       kernel's inverse map (query padding); needs ``dkdv_block_m == block_q``.
+    - ``gluon``: dK/dV from the warp-specialized Gluon kernel instead
+      (`tilegen.backends.gluon.backward`: a TMA producer warp, wgmma; Hopper, BSHD, LUT, 64-token
+      cubes) with ``gluon_dkdv_stages`` Q/dO stages; with ``ds_store`` it also stores each
+      pair's dS^T and dQ is one matmul per pair in the Gluon dQ kernel (``gluon_dq_stages``),
+      else the Triton dQ kernel runs. The dK/dV launch fields above are then unused.
+      ``ds_scratch_mib`` bounds the dS^T scratch of one launch group (the heads run in groups
+      that fit it: `tilegen.backends.gluon.backward.GluonBackward.heads_per_group`).
     """
 
     dq_block_m: int = 64
@@ -76,6 +83,11 @@ class BackwardConfig:
     dq_atomic: bool = False
     dq_pack: bool = False
     dkdv_pack: bool = False
+    gluon: bool = False
+    ds_store: bool = False
+    gluon_dkdv_stages: int = 2
+    gluon_dq_stages: int = 3
+    ds_scratch_mib: int = 4096
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -86,12 +98,19 @@ class BackwardConfig:
                                  f"{'bool' if want is bool else 'positive int'}, got {value!r}")
 
     @classmethod
-    def default_for(cls, target: Target | None) -> BackwardConfig:
+    def default_for(cls, target: Target | None, spec: Spec | None = None) -> BackwardConfig:
         """The default launch of `target`: on AMD (wave64, 512 VGPRs + AGPRs) the dK/dV kernel
-        takes 32-row query steps at 4 warps (64 x 64 at 8 warps spills ~1.4 KB on gfx942);
-        elsewhere (and for the interpreter) the class defaults."""
+        takes 32-row query steps at 4 warps (64 x 64 at 8 warps spills ~1.4 KB on gfx942); on
+        a wgmma GPU, for a spec the Gluon backward computes, the Gluon dK/dV kernel with the
+        stored dS^T (the H200's fastest, bench/RESULTS.md); elsewhere (and for the
+        interpreter) the class defaults."""
         if target is not None and target.vendor == "amd":
             return cls(dkdv_block_m=32, dkdv_warps=4)
+        if target is not None and spec is not None and "gluon" in target.backends:
+            from tilegen.backends.gluon.backward import spec_problem
+
+            if spec_problem(spec, target) is None:
+                return cls(gluon=True, ds_store=True)
         return cls()
 
     def fit(self, spec: Spec) -> BackwardConfig:
@@ -124,6 +143,23 @@ class BackwardConfig:
                        "cubes through its own cursor")
         if self.dq_pack and self.dq_atomic:
             out.append("dq_pack packs the dQ kernel's tiles, which dq_atomic does not launch")
+        if self.gluon:
+            from tilegen.backends.gluon.render import spec_problem
+
+            why = spec_problem(spec)
+            if why is None and spec.encoding != "lut":
+                why = "it walks LUT rows and their inverse map (encoding 'lut')"
+            if why:
+                out.append(f"gluon: the Gluon backward cannot run this spec: {why}")
+            if self.dkdv_pack:
+                out.append("gluon streams whole query cubes of the inverse map: no dkdv_pack")
+            if self.ds_store and (self.dq_pack or self.dq_atomic):
+                out.append("ds_store computes dQ in the Gluon dQ kernel: no dq_pack or "
+                           "dq_atomic")
+            if self.dq_atomic:
+                out.append("gluon's dK/dV kernel adds no dQ terms: no dq_atomic")
+        elif self.ds_store:
+            out.append("ds_store is an option of the Gluon backward: it needs gluon")
         if self.dkdv_pack and self.dkdv_block_m != spec.block_q:
             out.append(f"dkdv_pack packs whole {spec.block_q}-row query tiles: needs "
                        f"dkdv_block_m={spec.block_q}, got {self.dkdv_block_m}")
@@ -135,7 +171,11 @@ class BackwardConfig:
                 f"dkdv{self.dkdv_block_n}x{self.dkdv_block_m}w{self.dkdv_warps}"
                 f"s{self.dkdv_stages}_pre{self.pre_block_m}"
                 + ("_atomicdq" if self.dq_atomic else "")
-                + ("_dqpack" if self.dq_pack else "") + ("_dkdvpack" if self.dkdv_pack else ""))
+                + ("_dqpack" if self.dq_pack else "") + ("_dkdvpack" if self.dkdv_pack else "")
+                + (f"_gluon{self.gluon_dkdv_stages}" if self.gluon else "")
+                + (f"_ds{self.gluon_dq_stages}" if self.gluon and self.ds_store else "")
+                + (f"m{self.ds_scratch_mib}" if self.gluon and self.ds_store
+                   and self.ds_scratch_mib != 4096 else ""))
 
     @property
     def render_name(self) -> str:
@@ -208,15 +248,16 @@ def is_backward(source: Source) -> bool:
 
 
 # -- the inverse map ------------------------------------------------------------------------------
-def inverse_map(topk_idx: torch.Tensor, counts: torch.Tensor | None, num_kv_blocks: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def inverse_map(topk_idx: torch.Tensor, counts: torch.Tensor | None, num_kv_blocks: int,
+                return_order: bool = False):
     """For each (batch*head, KV cube), the query cubes whose LUT row chose it, as CSR.
 
     Returns ``offsets`` (int32, ``B*H*NKV + 1``) and ``qcubes`` (int32): the query cubes of
     (bh, c) are ``qcubes[offsets[bh*NKV + c]:offsets[bh*NKV + c + 1]]``, ascending. Only the first
     ``counts[b, h, q]`` entries of a row are real; entries outside [0, NKV) are left out (the dQ
     kernel flags them). Vectorized torch on the LUT's device, no host sync: one stable sort of
-    ``B*H*NQ*TOPK`` int64 keys and one bincount.
+    ``B*H*NQ*TOPK`` int64 keys and one bincount. With ``return_order`` also the sort's
+    permutation (int64, B*H*NQ*TOPK): slot p of the map is flat LUT entry ``order[p]``.
     """
     B, H, NQ, TOPK = topk_idx.shape
     BH = B * H
@@ -235,6 +276,8 @@ def inverse_map(topk_idx: torch.Tensor, counts: torch.Tensor | None, num_kv_bloc
     per_key = torch.bincount(key, minlength=sentinel + 1)[:sentinel]
     offsets = torch.zeros(sentinel + 1, dtype=torch.int32, device=dev)
     offsets[1:] = torch.cumsum(per_key, 0).to(torch.int32)
+    if return_order:
+        return offsets, qcubes, order
     return offsets, qcubes
 
 
@@ -354,23 +397,33 @@ def packed_lut(topk_idx: torch.Tensor, counts: torch.Tensor | None, vbs: torch.T
 @dataclass(frozen=True)
 class BackwardMaps:
     """What the backward kernels walk besides the LUT, built on the device from it:
-    ``inverse`` (`inverse_map`'s (offsets, qcubes), or its `PackedTiles` with ``dkdv_pack``)
-    and ``lut`` (`packed_lut`, with ``dq_pack``; else None)."""
+    ``inverse`` (`inverse_map`'s (offsets, qcubes), or its `PackedTiles` with ``dkdv_pack``),
+    ``lut`` (`packed_lut`, with ``dq_pack``; else None) and, with ``ds_store``, ``dq_plan``
+    (`tilegen.backends.gluon.backward.dq_plan`: each LUT entry's slot in the inverse map and
+    the rows' entry counts, -1 for a bad row)."""
 
     inverse: tuple[torch.Tensor, torch.Tensor] | PackedTiles
     lut: PackedTiles | None = None
+    dq_plan: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def backward_maps(topk_idx: torch.Tensor, counts: torch.Tensor | None, vbs: torch.Tensor,
                   num_kv_blocks: int, block: int, bwd: BackwardConfig) -> BackwardMaps:
     """The maps `bwd` needs (prebuild them once to share them between calls)."""
+    plan = None
     if bwd.dkdv_pack:
         inverse: tuple[torch.Tensor, torch.Tensor] | PackedTiles = packed_inverse_map(
             topk_idx, counts, vbs, num_kv_blocks, block)
+    elif bwd.gluon and bwd.ds_store:
+        from tilegen.backends.gluon.backward import dq_plan
+
+        offsets, qcubes, order = inverse_map(topk_idx, counts, num_kv_blocks, return_order=True)
+        inverse = (offsets, qcubes)
+        plan = dq_plan(topk_idx, counts, vbs, num_kv_blocks, order, block)
     else:
         inverse = inverse_map(topk_idx, counts, num_kv_blocks)
     lut = packed_lut(topk_idx, counts, vbs, num_kv_blocks, block) if bwd.dq_pack else None
-    return BackwardMaps(inverse, lut)
+    return BackwardMaps(inverse, lut, plan)
 
 
 def finish_atomic_dq(dq_acc: torch.Tensor, ds_sum: torch.Tensor, dsum: torch.Tensor | None,

@@ -28,6 +28,7 @@ from tilegen.targets import Target
 
 if TYPE_CHECKING:
     from tilegen.compile import Artifact
+    from tilegen.identity import VariantKey
     from tilegen.render import Source
 
 
@@ -65,12 +66,28 @@ class TritonBackwardBackend(Backend):
         return dict(own)
 
     def default_config(self, spec: Spec, target: Target) -> KernelConfig:
-        return BackwardConfig.default_for(target).fit(spec).to_kernel_config()
+        return BackwardConfig.default_for(target, spec).fit(spec).to_kernel_config()
 
     def render(self, spec: Spec, cfg: KernelConfig, target: Target | None) -> Source:
         from tilegen.backends.triton.backward import render_triton_backward
 
         return render_triton_backward(spec, cfg, target, BackwardConfig.from_kernel_config(cfg))
+
+    def variant_key(self, spec: Spec, cfg: KernelConfig, target: Target,
+                    source: Source | None = None) -> VariantKey:
+        """As every family's (`Backend.variant_key`), and a config with ``gluon`` also names
+        the Gluon backward's source: its sha256 is that of both sources' hashes, so an edit
+        of either template makes such a winner stale."""
+        key = super().variant_key(spec, cfg, target, source)
+        if not BackwardConfig.from_kernel_config(cfg).gluon:
+            return key
+        import hashlib
+        from dataclasses import replace
+
+        from tilegen.backends.gluon.backward import render_backward
+
+        both = key.source_sha256 + render_backward(spec.kernel_spec, target).sha256
+        return replace(key, source_sha256=hashlib.sha256(both.encode()).hexdigest())
 
     def toolchain(self, target: Target | None = None) -> str:
         import triton

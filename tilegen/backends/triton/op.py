@@ -112,6 +112,10 @@ class BlockSparseAttention:
         self._kernels: dict[KernelConfig, object] = {}
         self._bwd_kernels: dict[tuple[KernelConfig, BackwardConfig], dict[str, object]] = {}
         self._backward_config: BackwardConfig | None = None
+        self._gluon_bwd: dict = {}
+        #: the family whose forward serves calls that need gradients (`grad_forward`)
+        self.grad_forward_family = "gluon"
+        self._grad_forward = None
 
     def __repr__(self) -> str:
         where = self.target.name if self.target else "cpu"
@@ -195,23 +199,55 @@ class BlockSparseAttention:
         its rounding to the input dtype (fp32), which the backward's delta = rowsum(dO * O)
         needs: with the rounded o, delta is off by ~2^-9 |dO||O| per row, and on a head whose
         softmax is nearly one-hot (the outlier head) dS = P (dP - delta) cancels to the size of
-        that error (dQ's per-head cosine drops to ~0.998). The kernel writes fp32 directly
-        (Triton specialises the store on the output pointer's dtype); o is its rounding.
-        ``max_prob_out`` (see `launch`) is filled by the same launch."""
+        that error (on the H200 default workload dQ's max error went from 0.46% to 0.92% of
+        max|dQ|, against the rule's 1%). The kernel writes fp32 directly (Triton specialises
+        the store on the output pointer's dtype); o is its rounding. On a GPU with wgmma the
+        launch is the tuned Gluon forward's instead (`grad_forward`), which writes o, lse and
+        the fp32 O in one pass. ``max_prob_out`` (see `launch`) is filled by the same launch."""
         if shapes is None:
             shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
                                      check_values=False)
         if self._pytorch_path(q.device):
             o_acc, lse = self._pytorch_forward(q, k, v, topk_idx, vbs, counts, sm_scale,
                                                max_prob_out)
-        else:
-            self.errors.raise_pending(q.device)
-            o_acc = torch.empty_like(q, dtype=torch.float32)
-            lse = torch.empty((shapes.batch, shapes.heads, shapes.seq_len),
-                              dtype=torch.float32, device=q.device)
-            self._launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
-                         out=(o_acc, lse), max_prob_out=max_prob_out)
+            return o_acc.to(q.dtype), lse, o_acc
+        fast = self.grad_forward()
+        if fast is not None:
+            return fast.forward_for_grad(q, k, v, topk_idx, vbs, counts, shapes=shapes,
+                                         sm_scale=sm_scale, max_prob_out=max_prob_out,
+                                         errors=self.errors)
+        self.errors.raise_pending(q.device)
+        o_acc = torch.empty_like(q, dtype=torch.float32)
+        lse = torch.empty((shapes.batch, shapes.heads, shapes.seq_len),
+                          dtype=torch.float32, device=q.device)
+        self._launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
+                     out=(o_acc, lse), max_prob_out=max_prob_out)
         return o_acc.to(q.dtype), lse, o_acc
+
+    def grad_forward(self):
+        """The op whose forward serves calls that need gradients: the Gluon family's (its tuned
+        winner, as `tilegen.load` resolves it) when this op's target is a wgmma GPU that the
+        Gluon kernel can compute the spec on (BSHD, LUT, 64-token cubes); None otherwise (this
+        op's own kernel). ``grad_forward_family = "triton"`` pins the Triton forward."""
+        if self._grad_forward is None:
+            self._grad_forward = False
+            if (self.grad_forward_family == "gluon" and self.target is not None
+                    and "gluon" in self.target.backends):
+                from tilegen.backends.gluon.backward import spec_problem
+
+                if spec_problem(self.spec, self.target) is None:
+                    # the family's winner, as `tilegen.load` resolves it (the registry and the
+                    # winner lookup directly: the ops module imports this one)
+                    from tilegen import backends
+                    from tilegen.winners import lookup_config
+
+                    impl = backends.get("gluon")
+                    cfg = lookup_config(self.spec, self.target, backend="gluon")
+                    source = "winner" if cfg is not None else "default"
+                    cfg = cfg or impl.default_config(self.spec, self.target)
+                    impl.check(self.spec, self.target, cfg)
+                    self._grad_forward = impl.make_op(self.spec, cfg, self.target, source)
+        return self._grad_forward or None
 
     def backward(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, lse: torch.Tensor, topk_idx: torch.Tensor, vbs: torch.Tensor,
@@ -239,7 +275,7 @@ class BlockSparseAttention:
         then the shipped winners, the nearest tuned workload counting), else the target's
         default (`BackwardConfig.default_for`). Resolved at first use; assignable."""
         if self._backward_config is None:
-            bcfg = BackwardConfig.default_for(self.target)
+            bcfg = BackwardConfig.default_for(self.target, self.spec)
             if self.target is not None:
                 from tilegen.winners import lookup_config
 
@@ -269,6 +305,26 @@ class BlockSparseAttention:
                 k: load_triton(src, name) for k, name in BACKWARD_KERNELS.items()}
         return kernels
 
+    def gluon_backward(self, device: torch.device, bwd: BackwardConfig):
+        """The Gluon backward kernels (`tilegen.backends.gluon.backward.GluonBackward`) at the
+        stages of `bwd`, for this op's target (a wgmma target with a CUDA device)."""
+        from tilegen.backends.gluon.backward import GluonBackward, spec_problem
+
+        if device.type != "cuda" or self.target is None:
+            raise ValueError(f"backward config {bwd.name}: the Gluon backward runs on CUDA "
+                             f"devices with wgmma (sm_90); this call is on {device}")
+        why = spec_problem(self.spec, self.target)
+        if why:
+            raise ValueError(f"backward config {bwd.name}: {why}")
+        key = ("gluon", bwd.ds_store, bwd.gluon_dkdv_stages, bwd.gluon_dq_stages,
+               bwd.ds_scratch_mib)
+        run = self._gluon_bwd.get(key)
+        if run is None:
+            run = self._gluon_bwd[key] = GluonBackward(self.spec, self.target, {
+                "ds_store": bwd.ds_store, "dkdv_stages": bwd.gluon_dkdv_stages,
+                "dq_stages": bwd.gluon_dq_stages, "scratch_bytes": bwd.ds_scratch_mib << 20})
+        return run
+
     def launch_backward(self, do, q, k, v, o, lse, topk_idx, vbs, counts=None, *,
                         sm_scale: float | None = None, dlse: torch.Tensor | None = None,
                         inverse: BackwardMaps | tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -289,6 +345,8 @@ class BlockSparseAttention:
             B, H, S, _ = q.shape
         nq = S // spec.block_q
         nkv = S // spec.block_kv
+        if bcfg.gluon and vbs is None:  # the Gluon kernels read vbs: every cube full
+            vbs = torch.full((nkv,), spec.block_kv, dtype=torch.int32, device=q.device)
         do = do.contiguous()
         if do.dtype != q.dtype:
             do = do.to(q.dtype)
@@ -325,12 +383,9 @@ class BlockSparseAttention:
         buf = torch.float32 if cfg.interp_bf16 else q.dtype
         dk = torch.empty_like(k, dtype=buf)
         dv = torch.empty_like(v, dtype=buf)
-        if bcfg.dq_atomic:
-            dq_acc = torch.zeros_like(q, dtype=torch.float32)
-            ds_sum = torch.zeros((B, H, S), dtype=torch.float32, device=q.device)
-        else:
-            dq = torch.empty_like(q, dtype=buf)
-            dq_acc = ds_sum = delta  # not touched
+        dq = None if bcfg.dq_atomic else torch.empty_like(q, dtype=buf)
+
+        def launch_dq() -> None:
             consts, opts = bcfg.kernel_launch("dq")
             tensors, scalars, flags = self.cursor_args(topk_idx, counts, H, q.device)
             kernels["dq"][(nq * (spec.block_q // consts["BLOCK_M"]), B * H)](
@@ -338,11 +393,26 @@ class BlockSparseAttention:
                 err, *dq_extra, S, H, nq, nkv, *scalars, scale * LOG2E, scale,
                 HAS_DSUM=dsum is not None, **flags, **consts, INTERP_BF16=cfg.interp_bf16,
                 **opts)
-        consts, opts = bcfg.kernel_launch("dkdv")
-        kernels["dkdv"][(nkv * (spec.block_kv // consts["BLOCK_N"]), B * H)](
-            q, k, v, do, lse, delta, offsets, qcubes, vbs, dk, dv, dq_acc, ds_sum, err,
-            *dkdv_extra, S, H, nkv, scale * LOG2E, scale, ATOMIC_DQ=bcfg.dq_atomic, **consts,
-            INTERP_BF16=cfg.interp_bf16, **opts)
+
+        if bcfg.gluon:
+            if bcfg.ds_store and maps.dq_plan is None:
+                raise ValueError(f"inverse: the prebuilt maps do not fit backward config "
+                                 f"{bcfg.name} (build them with backward_maps(..., config))")
+            self.gluon_backward(q.device, bcfg).run(
+                q, k, v, do, lse, delta, dsum, topk_idx, vbs, offsets, qcubes, maps.dq_plan, dk,
+                dv, err, scale, dq=dq, triton_dq=launch_dq)
+        else:
+            if bcfg.dq_atomic:
+                dq_acc = torch.zeros_like(q, dtype=torch.float32)
+                ds_sum = torch.zeros((B, H, S), dtype=torch.float32, device=q.device)
+            else:
+                dq_acc = ds_sum = delta  # not touched
+                launch_dq()
+            consts, opts = bcfg.kernel_launch("dkdv")
+            kernels["dkdv"][(nkv * (spec.block_kv // consts["BLOCK_N"]), B * H)](
+                q, k, v, do, lse, delta, offsets, qcubes, vbs, dk, dv, dq_acc, ds_sum, err,
+                *dkdv_extra, S, H, nkv, scale * LOG2E, scale, ATOMIC_DQ=bcfg.dq_atomic,
+                **consts, INTERP_BF16=cfg.interp_bf16, **opts)
         self.errors.after_launch(q.device)
         if bcfg.dq_atomic:
             dq = finish_atomic_dq(dq_acc, ds_sum, dsum, k, topk_idx,

@@ -1,0 +1,230 @@
+"""The Gluon backward (issue #18) where the CPU can check it: the dQ pass's plan against the
+inverse map, the config's rules, the refusal off the GPU, and the sm_90a build (wgmma count,
+registers, no spills in the streaming loop). The kernels' gradients are scored on the GPU by
+bench/experiments/h200_gluon_backward.py (Gluon kernels do not run under the interpreter)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tilegen
+from tilegen import KernelConfig, Spec
+from tilegen.backends.gluon.backward import dq_plan
+from tilegen.backends.triton.backward import BackwardConfig, backward_maps, inverse_map
+
+
+def _lut(seed, B=2, H=3, NQ=7, NKV=9, TOPK=4):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(NKV, generator=g)[:TOPK]
+                       for _ in range(B * H * NQ)]).view(B, H, NQ, TOPK).to(torch.int32)
+    counts = torch.randint(0, TOPK + 1, (B, H, NQ), generator=g, dtype=torch.int32)
+    vbs = torch.randint(1, 65, (NKV,), generator=g, dtype=torch.int32)
+    return idx, counts, vbs, NKV
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dq_plan_points_every_entry_at_its_pair(seed):
+    idx, counts, vbs, nkv = _lut(seed)
+    B, H, NQ, TOPK = idx.shape
+    offsets, qcubes, order = inverse_map(idx, counts, nkv, return_order=True)
+    pos, meta = dq_plan(idx, counts, vbs, nkv, order)
+    assert pos.shape == idx.shape and meta.shape == (B * H * NQ,)
+    assert torch.equal(meta, counts.reshape(-1))  # no bad value here
+    for b in range(B):
+        for h in range(H):
+            bh = b * H + h
+            for q in range(NQ):
+                for s in range(int(counts[b, h, q])):
+                    p = int(pos[b, h, q, s])
+                    kv = int(idx[b, h, q, s])
+                    first, last = int(offsets[bh * nkv + kv]), int(offsets[bh * nkv + kv + 1])
+                    # the slot lies in the pair's CSR segment and names the query cube
+                    assert first <= p < last
+                    assert int(qcubes[p]) == q
+    # every slot of the map is the pair of exactly one real entry
+    real = torch.arange(TOPK)[None, None, None, :] < counts[..., None]
+    used = pos[real].sort().values
+    assert torch.equal(used, torch.arange(int(offsets[-1]), dtype=used.dtype))
+
+
+def test_dq_plan_marks_rows_with_bad_values():
+    idx, counts, vbs, nkv = _lut(3)
+    counts[:] = idx.shape[3]
+    idx[0, 0, 1, 2] = nkv  # index out of range
+    idx[0, 1, 2, 0] = -1
+    vbs[int(idx[1, 2, 3, 1])] = 0  # a chosen cube with vbs 0: every row that chose it
+    counts[1, 0, 4] = idx.shape[3] + 1  # count past TOPK
+    _offsets, _qcubes, order = inverse_map(idx, counts, nkv, return_order=True)
+    _pos, meta = dq_plan(idx, counts, vbs, nkv, order)
+    meta = meta.view(counts.shape)
+    bad_cube = int(idx[1, 2, 3, 1])
+    expect = (idx == bad_cube).any(-1)
+    expect[0, 0, 1] = expect[0, 1, 2] = expect[1, 0, 4] = True
+    assert torch.equal(meta < 0, expect)
+    assert torch.equal(meta[~expect], counts[~expect])
+
+
+def test_backward_maps_build_the_plan_for_ds_store():
+    idx, counts, vbs, nkv = _lut(4)
+    maps = backward_maps(idx, counts, vbs, nkv, 64, BackwardConfig(gluon=True, ds_store=True))
+    assert maps.dq_plan is not None
+    assert backward_maps(idx, counts, vbs, nkv, 64, BackwardConfig(gluon=True)).dq_plan is None
+
+
+def test_gluon_backward_config_rules():
+    lut = Spec()
+    assert BackwardConfig(gluon=True, ds_store=True).violations(lut) == []
+    assert "needs gluon" in " ".join(BackwardConfig(ds_store=True).violations(lut))
+    assert "dkdv_pack" in " ".join(BackwardConfig(gluon=True, dkdv_pack=True).violations(lut))
+    assert "dq_atomic" in " ".join(BackwardConfig(gluon=True, dq_atomic=True).violations(lut))
+    why = " ".join(BackwardConfig(gluon=True).violations(Spec(layout="bhsd")))
+    assert "BSHD" in why
+    why = " ".join(BackwardConfig(gluon=True).violations(Spec(encoding="sliding_tile")))
+    assert "LUT" in why
+    assert BackwardConfig(gluon=True, ds_store=True).name.endswith("_gluon2_ds3")
+
+
+def test_gluon_backward_refuses_the_cpu(interpreter):
+    spec = Spec(grid=(2, 4, 8), num_heads=1, head_dim=64, topk=1)
+    op = tilegen.load(spec, KernelConfig(), target=None)
+    op.backward_config = BackwardConfig(gluon=True)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 256, 1, 64, generator=g).to(torch.bfloat16).requires_grad_(True)
+               for _ in range(3))
+    idx = torch.zeros(1, 1, 4, 1, dtype=torch.int32)
+    vbs = torch.full((4,), 64, dtype=torch.int32)
+    o = op(q, k, v, idx, vbs, return_lse=False)
+    with pytest.raises(ValueError, match="CUDA devices with wgmma"):
+        o.backward(torch.ones_like(o))
+
+
+def test_gluon_backward_builds_for_sm90a_with_wgmma():
+    """The sm_90a build, in a process without the interpreter (as `tilegen build` compiles):
+    the dK/dV kernel issues S^T and dP^T (8 k-steps each), dV and dK (4 each) as wgmma, the dQ
+    kernel dQ and the row sums (4 each); no local memory, and in the dK/dV kernel at most the
+    three registers ptxas parks around the partial-cube masking (bench/NOTES.md); shared
+    memory for two CTAs per SM."""
+    code = (
+        "import subprocess, tempfile, triton\n"
+        "from pathlib import Path\n"
+        "from tilegen import Spec\n"
+        "from tilegen.backends.gluon.backward import compile_offline\n"
+        "from tilegen.cubin import cubin_matrix_ops, cubin_resources\n"
+        "from tilegen.targets import get_target\n"
+        "out = compile_offline(Spec(), get_target('sm_90'), {'ds_store': True})\n"
+        "cu = Path(triton.__file__).parent / 'backends/nvidia/bin/cuobjdump'\n"
+        "d = Path(tempfile.mkdtemp())\n"
+        "for k, ck in out.items():\n"
+        "    p = d / f'{k}.cubin'; p.write_bytes(ck.asm['cubin'])\n"
+        "    sass = subprocess.run([str(cu), '--dump-sass', str(p)], capture_output=True,"
+        " text=True, check=True).stdout\n"
+        "    print(k, cubin_matrix_ops(p)['HGMMA'], cubin_resources(p)['local_bytes'],"
+        " sass.count('STL '), ck.metadata.shared)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=env, check=True).stdout.split("\n")
+    got = {ln.split()[0]: [int(x) for x in ln.split()[1:]] for ln in lines if ln.strip()}
+    assert set(got) == {"dkdv", "dq"}
+    hgmma, local, stl, shared = got["dkdv"]
+    assert (hgmma, local) == (24, 0) and stl <= 5, got
+    hgmma, local, stl, shared_dq = got["dq"]
+    assert (hgmma, local, stl) == (8, 0, 0), got
+    assert max(shared, shared_dq) <= 232448 // 2 - 1024, got
+
+
+def test_hopper_trains_on_the_gluon_kernels_by_default():
+    """On a wgmma target the default backward is the Gluon one with the stored dS^T and the
+    forward of a gradient call is the Gluon winner's; elsewhere the Triton kernels."""
+    from tilegen.backends.gluon.op import GluonBlockSparseAttention
+    from tilegen.backends.triton.op import BlockSparseAttention
+    from tilegen.targets import get_target
+
+    hopper, blackwell = get_target("sm_90"), get_target("sm_100a")
+    assert BackwardConfig.default_for(hopper, Spec()) == BackwardConfig(gluon=True,
+                                                                       ds_store=True)
+    for target, spec in ((blackwell, Spec()), (hopper, Spec(layout="bhsd")),
+                         (hopper, Spec(encoding="sliding_tile")), (None, Spec())):
+        assert not BackwardConfig.default_for(target, spec).gluon, (target, spec)
+    assert BackwardConfig.default_for(hopper) == BackwardConfig()  # no spec: no claim
+    op = BlockSparseAttention(Spec(), KernelConfig(), hopper)
+    assert op.backward_config.gluon and op.backward_config.ds_store
+    assert isinstance(op.grad_forward(), GluonBlockSparseAttention)
+    pinned = BlockSparseAttention(Spec(), KernelConfig(), hopper)
+    pinned.grad_forward_family = "triton"
+    assert pinned.grad_forward() is None
+    assert BlockSparseAttention(Spec(), KernelConfig(), blackwell).grad_forward() is None
+
+
+def test_backward_winner_key_names_the_gluon_source(monkeypatch):
+    """A triton_bwd winner with gluon goes stale when the Gluon backward's source changes,
+    one without it does not."""
+    from tilegen import backends
+    from tilegen.backends.gluon import backward as gb
+    from tilegen.targets import get_target
+
+    impl, target, spec = backends.get("triton_bwd"), get_target("sm_90"), Spec()
+    gluon = BackwardConfig(gluon=True, ds_store=True).to_kernel_config()
+    plain = BackwardConfig().to_kernel_config()
+    before = (impl.variant_key(spec, gluon, target), impl.variant_key(spec, plain, target))
+    assert before[0].source_sha256 != before[1].source_sha256
+    real = gb.render_backward
+
+    def edited(spec, target):
+        src = real(spec, target)
+        return type(src)(src.text + "# an edit\n", src.name, src.template, src.backend)
+
+    monkeypatch.setattr(gb, "render_backward", edited)
+    after = (impl.variant_key(spec, gluon, target), impl.variant_key(spec, plain, target))
+    assert after[0] != before[0] and after[1] == before[1]
+
+
+def test_gluon_family_builds_its_backward_on_hopper_only():
+    from tilegen import backends
+    from tilegen.backends.gluon.backward import TEMPLATE, spec_problem
+    from tilegen.targets import get_target
+
+    impl = backends.get("gluon")
+    for name, with_backward in (("sm_90", True), ("sm_100a", False)):
+        target = get_target(name)
+        cfg = impl.default_config(Spec(), target)
+        templates = [s.template for s in impl.sources(Spec(), cfg, target)]
+        assert (TEMPLATE in templates) == with_backward, name
+    why = spec_problem(Spec(), get_target("sm_100a"))
+    assert "wgmma" in why and "Triton backward" in why
+
+
+def test_forward_for_grad_store_compiles_without_spills():
+    """STORE_O32 (the fp32 O of a gradient call) adds the fp32 stores and leaves the matmuls,
+    and every variant without it compiles as before (bench/NOTES.md: the winners' SASS)."""
+    code = (
+        "import subprocess, tempfile, triton\n"
+        "from pathlib import Path\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.experimental.gluon._runtime import GluonASTSource\n"
+        "from tilegen import Spec, backends\n"
+        "from tilegen.backends.gluon import launch, render as R\n"
+        "from tilegen.cubin import cubin_matrix_ops, cubin_resources\n"
+        "from tilegen.targets import get_target\n"
+        "t = get_target('sm_90'); b = backends.get('gluon'); s = Spec()\n"
+        "cfg = b.default_config(s, t).replace(store_lse=True)\n"
+        "opts = R.options_of(cfg); fn = launch.load_kernel(b.render(s, cfg, t))\n"
+        "cu = Path(triton.__file__).parent / 'backends/nvidia/bin/cuobjdump'\n"
+        "for o32 in (False, True):\n"
+        "    sig, consts = launch.signature(opts, 128, 'bf16', store_o32=o32)\n"
+        "    ck = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget('cuda', 90,"
+        " 32), options={'num_warps': 4, 'maxnreg': R.maxnreg_for(opts, t)})\n"
+        "    p = Path(tempfile.mkdtemp()) / 'k.cubin'; p.write_bytes(ck.asm['cubin'])\n"
+        "    sass = subprocess.run([str(cu), '--dump-sass', str(p)], capture_output=True,"
+        " text=True, check=True).stdout\n"
+        "    print(int(o32), cubin_matrix_ops(p)['HGMMA'], cubin_resources(p)['local_bytes'],"
+        " sass.count('STG'))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=env, check=True).stdout.split("\n")
+    got = {int(ln.split()[0]): [int(x) for x in ln.split()[1:]] for ln in lines if ln.strip()}
+    (mma0, local0, stg0), (mma1, local1, stg1) = got[0], got[1]
+    assert mma0 == mma1 and local0 == local1 == 0
+    assert stg1 - stg0 == 64  # 64 x 128 fp32 per consumer: 64 two-element stores per thread

@@ -1,0 +1,282 @@
+"""The warp-specialized Gluon backward kernels (templates/gluon/lut_ws_backward.py.j2): render,
+the dQ pass's plan, the launches and the offline compile.
+
+The backward runs, after the Triton family's delta preprocess:
+
+1. dK/dV (`KERNELS["dkdv"]`), one CTA per (KV cube, b*h) over the inverse map, K and V
+   resident, Q and dO streamed by a TMA producer warp; with ``ds_store`` it also writes each
+   pair's dS^T (bf16) and its column sums;
+2. dQ: with ``ds_store``, the Gluon dQ kernel (`KERNELS["dq"]`): one matmul per pair, dS K,
+   from the stored dS^T; without it the Triton family's dQ kernel (S and dP recomputed).
+
+``ds_store`` trades memory for two of the seven matmuls per pair: the dS^T scratch holds
+B*H*NQ*TOPK tiles of 64x64 bf16 (8 KiB each: 16 GB at the default Wan2.2 workload), so
+`GluonBackward` runs the heads in groups whose scratch fits ``scratch_bytes``.
+
+Knobs (`DEFAULTS`): ``dkdv_stages`` / ``dq_stages`` (ring depths), ``ds_store``,
+``consumer_regs`` / ``producer_regs`` (setmaxnreg of the consumer warpgroup and the producer),
+``scratch_bytes`` (the dS^T scratch budget of one launch group), ``centre`` (the dQ kernel's
+centring; off only to measure it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tilegen.backends.gluon import render as _render
+from tilegen.config import KernelConfig
+from tilegen.render import Source, render, spec_basename
+from tilegen.spec import Spec
+from tilegen.targets import Target
+
+TEMPLATE = "gluon/lut_ws_backward.py.j2"
+KERNELS = {"dkdv": "tilegen_gluon_bwd_dkdv", "dq": "tilegen_gluon_bwd_dq"}
+DEFAULTS: dict[str, Any] = {
+    "dkdv_stages": 2,
+    "dq_stages": 3,
+    "ds_store": True,
+    "consumer_regs": 232,
+    "producer_regs": 24,
+    "scratch_bytes": 4 << 30,
+    "centre": True,
+}
+
+
+def resolve(opts: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`opts` over `DEFAULTS`; an unknown key is an error."""
+    opts = dict(opts or {})
+    unknown = sorted(set(opts) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown Gluon backward option(s) {unknown}; known: {sorted(DEFAULTS)}")
+    return {**DEFAULTS, **opts}
+
+
+def spec_problem(spec: Spec, target: Target) -> str | None:
+    """Why the Gluon backward cannot compute `spec` on `target`, or None."""
+    why = _render.spec_problem(spec)
+    if why:
+        return why
+    if spec.encoding != "lut":
+        return "the Gluon backward walks LUT rows and their inverse map (encoding 'lut')"
+    if _render.mma_kind(spec, target) != "wgmma":
+        return (f"the Gluon backward is written for Hopper's wgmma; target {target.name} has "
+                "none (the Triton backward serves it)")
+    return None
+
+
+def render_backward(spec: Spec, target: Target) -> Source:
+    why = spec_problem(spec, target)
+    if why:
+        raise ValueError(why)
+    name = f"{spec_basename(spec)}_gluon_bwd.py"
+    return render(TEMPLATE, "triton", spec, KernelConfig(), name, KERNELS["dkdv"], target,
+                  names=KERNELS, block=spec.block_kv, head_dim=spec.head_dim, dtype=spec.dtype,
+                  gl_dtype=_render.GL_DTYPES[spec.dtype], arch=target.arch)
+
+
+def maxnreg_for(opts: Mapping[str, Any], target: Target) -> int:
+    """The kernel-wide register cap of one consumer warpgroup and one producer warp."""
+    return _render.maxnreg_for({"num_consumers": 1, "consumer_regs": opts["consumer_regs"],
+                                "producer_regs": opts["producer_regs"]}, target)
+
+
+def dq_plan(topk_idx, counts, vbs, num_kv_blocks: int, order, block: int = 64):
+    """What the Gluon dQ kernel walks besides the LUT: ``pos`` (int32, the LUT's shape: the
+    inverse-map slot of each entry, i.e. its pair's dS^T tile) from `inverse_map`'s sort
+    ``order``, and ``meta`` (int32, B*H*NQ: the row's entry count, or -1 for a row with an
+    index outside [0, NKV), a chosen cube's vbs outside 1..block or a count outside 0..TOPK).
+    Vectorized torch on the device, no host sync."""
+    import torch
+
+    B, H, NQ, TOPK = topk_idx.shape
+    n = B * H * NQ * TOPK
+    pos = torch.empty(n, dtype=torch.int32, device=topk_idx.device)
+    pos[order] = torch.arange(n, dtype=torch.int32, device=topk_idx.device)
+    idx = topk_idx.reshape(B * H * NQ, TOPK).long()
+    slot = torch.arange(TOPK, device=idx.device)
+    if counts is None:
+        count = torch.full((B * H * NQ,), TOPK, dtype=torch.long, device=idx.device)
+    else:
+        count = counts.reshape(-1).long()
+    real = slot[None, :] < count[:, None]
+    ok = (idx >= 0) & (idx < num_kv_blocks)
+    n_valid = vbs.long()[torch.where(ok, idx, 0)]
+    bad = (real & (~ok | (n_valid < 1) | (n_valid > block))).any(1)
+    bad |= (count < 0) | (count > TOPK)
+    meta = torch.where(bad, -1, count).to(torch.int32)
+    return pos.view(topk_idx.shape), meta
+
+
+class GluonBackward:
+    """The Gluon dK/dV kernel (and, with ``ds_store``, the dQ kernel) of one spec, launchable on
+    CUDA tensors of a wgmma target. `dkdv` and `dq` launch one kernel each on validated,
+    contiguous BSHD tensors."""
+
+    def __init__(self, spec: Spec, target: Target, opts: Mapping[str, Any] | None = None
+                 ) -> None:
+        from tilegen.backends.gluon.launch import load_kernel
+
+        self.spec = spec
+        self.target = target
+        self.opts = resolve(opts)
+        self.source = render_backward(spec, target)
+        self.kernels = {k: load_kernel(self.source, name) for k, name in KERNELS.items()}
+        self.maxnreg = maxnreg_for(self.opts, target)
+        self.num_warps = target.fact("warps_per_warpgroup")
+        self._layouts: dict = {}
+
+    def _layout(self, rows: int, cols: int, dtype):
+        key = (rows, cols, dtype)
+        layout = self._layouts.get(key)
+        if layout is None:
+            from triton.experimental.gluon import language as gl
+
+            gdt = gl.bfloat16 if str(dtype) == "torch.bfloat16" else gl.float16
+            layout = self._layouts[key] = gl.NVMMASharedLayout.get_default_for([rows, cols], gdt)
+        return layout
+
+    def _desc(self, t):
+        """A TMA descriptor over the (B*S, H*D) view with a (64, D) box."""
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        B, S, H, D = t.shape
+        return TensorDescriptor(t.view(B * S, H * D), [B * S, H * D], [H * D, 1], [64, D],
+                                self._layout(64, D, t.dtype))
+
+    def _ds_desc(self, ds):
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        rows = ds.shape[0]
+        return TensorDescriptor(ds, [rows, 64], [64, 1], [64, 64],
+                                self._layout(64, 64, ds.dtype))
+
+    def heads_per_group(self, heads_total: int, nq: int, topk: int) -> int:
+        """b*h per launch group: as many as the dS^T scratch budget holds (at most NQ * TOPK
+        pairs of 8 KiB each per b*h; at least one)."""
+        if not self.opts["ds_store"]:
+            return heads_total
+        per = nq * topk * 64 * 64 * 2
+        return max(1, min(heads_total, self.opts["scratch_bytes"] // per))
+
+    def dkdv(self, q, k, v, do, lse, delta, offsets, qcubes, vbs, dk, dv, ds, err,
+             sm_scale: float, bh_base: int = 0, bh_count: int | None = None) -> None:
+        """dK, dV of b*h ``bh_base .. + bh_count`` (default: all), and with ``ds`` their pairs'
+        dS^T (pair p of the inverse map at rows (p - p0) * 64, p0 the group's first pair)."""
+        from tilegen.reference import LOG2E
+
+        B, S, H, D = q.shape
+        nkv = S // 64
+        store = ds is not None
+        self.kernels["dkdv"][(nkv, bh_count if bh_count is not None else B * H)](
+            self._desc(q), self._desc(k), self._desc(v), self._desc(do), self._desc(dk),
+            self._desc(dv), self._ds_desc(ds) if store else None, offsets, qcubes, vbs, lse,
+            delta, err, S, H, nkv, bh_base, float(sm_scale) * LOG2E, float(sm_scale),
+            STAGES=self.opts["dkdv_stages"], DS_STORE=store,
+            PRODUCER_REGS=self.opts["producer_regs"], num_warps=self.num_warps,
+            maxnreg=self.maxnreg)
+
+    def dq(self, k, ds, dq, topk_idx, pos, meta, vbs, dsum, offsets, err, sm_scale: float,
+           bh_base: int = 0, bh_count: int | None = None) -> None:
+        """dQ of b*h ``bh_base .. + bh_count`` from the dS^T `dkdv` stored for the same group,
+        with the centring (``dsum``: log2(e) dlse, or None)."""
+        B, S, H, D = k.shape
+        nq, nkv = S // 64, S // 64
+        self.kernels["dq"][(nq, bh_count if bh_count is not None else B * H)](
+            self._ds_desc(ds), self._desc(k), self._desc(dq), topk_idx, pos, meta, vbs, dsum,
+            offsets, err, S, H, nq, nkv, topk_idx.shape[3], bh_base, float(sm_scale),
+            STAGES=self.opts["dq_stages"], HAS_DSUM=dsum is not None,
+            CENTRE=self.opts["centre"], PRODUCER_REGS=self.opts["producer_regs"],
+            num_warps=self.num_warps, maxnreg=self.maxnreg)
+
+    def run(self, q, k, v, do, lse, delta, dsum, topk_idx, vbs, offsets, qcubes, plan, dk, dv,
+            err, sm_scale: float, dq=None, triton_dq=None) -> None:
+        """The whole backward after delta: dK/dV, and dQ into ``dq`` (with ``ds_store``, from
+        ``plan`` = `dq_plan`'s (pos, meta); else ``triton_dq()`` launches the Triton dQ
+        kernel). Groups of b*h as the scratch allows; the scratch is allocated once per call
+        and reused by the groups."""
+        import torch
+
+        B, S, H, D = q.shape
+        nq = S // 64
+        topk = topk_idx.shape[3]
+        if not self.opts["ds_store"]:
+            self.dkdv(q, k, v, do, lse, delta, offsets, qcubes, vbs, dk, dv, None, err,
+                      sm_scale)
+            triton_dq()
+            return
+        pos, meta = plan
+        group = self.heads_per_group(B * H, nq, topk)
+        ds = torch.empty((group * nq * topk * 64, 64), dtype=q.dtype, device=q.device)
+        for base in range(0, B * H, group):
+            n = min(group, B * H - base)
+            self.dkdv(q, k, v, do, lse, delta, offsets, qcubes, vbs, dk, dv, ds, err, sm_scale,
+                      base, n)
+            self.dq(k, ds, dq, topk_idx, pos, meta, vbs, dsum, offsets, err, sm_scale, base, n)
+
+
+# ----------------------------------------------------------------------------- offline compile
+
+
+def signatures(spec: Spec, opts: Mapping[str, Any]) -> dict[str, tuple[dict, dict]]:
+    """(signature, constexprs) of each kernel for triton.compile, with no tensors."""
+    from triton.experimental.gluon import language as gl
+
+    opts = resolve(opts)
+    gdt = gl.bfloat16 if spec.dtype == "bf16" else gl.float16
+    D = spec.head_dim
+
+    def td(rows, cols):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gdt)
+        return f"tensordesc<{spec.dtype}[{rows}, {cols}],{layout!r}>"
+
+    store = opts["ds_store"]
+    dkdv = {"q_desc": td(64, D), "k_desc": td(64, D), "v_desc": td(64, D), "do_desc": td(64, D),
+            "dk_desc": td(64, D), "dv_desc": td(64, D), "ds_desc": td(64, 64) if store else None,
+            "kv_offsets_ptr": "*i32", "qcubes_ptr": "*i32", "vbs_ptr": "*i32",
+            "lse_ptr": "*fp32", "delta_ptr": "*fp32", "err_ptr": "*i32", "seq_len": "i32",
+            "num_heads": "i32", "num_kv_blocks": "i32", "bh_base": "i32", "qk_scale": "fp32",
+            "sm_scale": "fp32"}
+    dkdv_c = {"STAGES": opts["dkdv_stages"], "DS_STORE": store,
+              "PRODUCER_REGS": opts["producer_regs"]}
+    dq = {"ds_desc": td(64, 64), "k_desc": td(64, D), "dq_desc": td(64, D), "idx_ptr": "*i32",
+          "pos_ptr": "*i32", "meta_ptr": "*i32", "vbs_ptr": "*i32", "dsum_ptr": None,
+          "kv_offsets_ptr": "*i32", "err_ptr": "*i32", "seq_len": "i32", "num_heads": "i32",
+          "num_q_blocks": "i32", "num_kv_blocks": "i32", "topk": "i32", "bh_base": "i32",
+          "sm_scale": "fp32"}
+    dq_c = {"STAGES": opts["dq_stages"], "HAS_DSUM": False, "CENTRE": opts["centre"],
+            "PRODUCER_REGS": opts["producer_regs"]}
+
+    def pack(args, consts):
+        c = {name: None for name, kind in args.items() if kind is None}
+        c.update(consts)
+        sig = {name: kind or "constexpr" for name, kind in args.items()}
+        sig.update({name: "constexpr" for name in consts})
+        return sig, c
+
+    out = {"dkdv": pack(dkdv, dkdv_c)}
+    if store:
+        out["dq"] = pack(dq, dq_c)
+    return out
+
+
+def compile_offline(spec: Spec, target: Target, opts: Mapping[str, Any] | None = None
+                    ) -> dict[str, Any]:
+    """Compile the kernels for `target` here (no GPU): {kernel: CompiledKernel}."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from tilegen.backends.gluon.launch import load_kernel
+
+    opts = resolve(opts)
+    source = render_backward(spec, target)
+    out = {}
+    for kernel, (sig, consts) in signatures(spec, opts).items():
+        fn = load_kernel(source, KERNELS[kernel])
+        out[kernel] = triton.compile(
+            GluonASTSource(fn, sig, consts),
+            target=GPUTarget(target.triton_backend, target.triton_arch, target.warp_size),
+            options={"num_warps": target.fact("warps_per_warpgroup"),
+                     "maxnreg": maxnreg_for(opts, target)})
+    return out

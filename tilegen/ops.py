@@ -129,12 +129,11 @@ def load_kernel_set(spec: Spec, config: KernelConfig | None = None, *,
                     target: Target | str | None = None, backend: str | None = None) -> Any:
     """`load` for any registered kernel set, the tuned-only ones included (``triton_bwd``: the
     tuner's workers load it by name)."""
-    if spec.encoding == "mask":
-        # the LUT kernel of the family (and its tuned winners) behind the on-device conversion
-        from tilegen.encodings import MaskAttention
-
-        return MaskAttention(spec, load_kernel_set(spec.kernel_spec, config, target=target,
-                                                   backend=backend))
+    if spec.encoding_info.converts:
+        # the kernel encoding's op of the family (and its tuned winners) behind the encoding's
+        # on-device conversion (mask: `tilegen.encodings.MaskAttention`)
+        return spec.encoding_info.wrap_op(spec, load_kernel_set(
+            spec.kernel_spec, config, target=target, backend=backend))
     if config is not None:
         if not isinstance(config, KernelConfig):
             raise TypeError(f"config must be a tilegen.KernelConfig, got {type(config).__name__}")

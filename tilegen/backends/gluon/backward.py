@@ -57,7 +57,7 @@ def spec_problem(spec: Spec, target: Target) -> str | None:
     why = _render.spec_problem(spec)
     if why:
         return why
-    if spec.encoding != "lut":
+    if not spec.encoding_info.takes_lut:
         return "the Gluon backward walks LUT rows and their inverse map (encoding 'lut')"
     if _render.mma_kind(spec, target) != "wgmma":
         return (f"the Gluon backward is written for Hopper's wgmma; target {target.name} has "

@@ -162,7 +162,7 @@ def check(spec: Spec, cfg: Mapping[str, Any], target: Target | None = None,
                     "them off on this target")
         if cfg["debug"]:
             return "the timing experiments (debug) are written for the wgmma consumer only"
-    if spec.encoding == "sliding_tile" and cfg["share_kv"]:
+    if not spec.encoding_info.has_lut_rows and cfg["share_kv"]:
         return "share_kv merges two LUT rows; sliding_tile has none (its windows overlap anyway)"
     if cfg["num_consumers"] not in (1, 2, 3):
         return "num_consumers must be 1, 2 or 3"

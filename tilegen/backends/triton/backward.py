@@ -147,7 +147,7 @@ class BackwardConfig:
             from tilegen.backends.gluon.render import spec_problem
 
             why = spec_problem(spec)
-            if why is None and spec.encoding != "lut":
+            if why is None and not spec.encoding_info.takes_lut:
                 why = "it walks LUT rows and their inverse map (encoding 'lut')"
             if why:
                 out.append(f"gluon: the Gluon backward cannot run this spec: {why}")

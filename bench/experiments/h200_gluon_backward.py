@@ -63,13 +63,13 @@ def _dump() -> None:
         JSON_PATH[0].write_text(json.dumps(RESULTS, indent=2, default=str) + "\n")
 
 
-def small_case(seed: int, head_dim: int):
+def small_case(seed: int, head_dim: int, batch: int = 1):
     """The tests' small case (tests/test_backward.py `_case`) on the GPU, BSHD bf16."""
     from tilegen import captures
     from tilegen.reference import query_valid
 
     cap = captures.synthesize(seed=seed, grid=GRID, heads=HEADS, head_dim=head_dim, topk=TOPK,
-                              dtype=torch.bfloat16, outlier=[1])
+                              dtype=torch.bfloat16, outlier=[1], batch=batch)
     idx = cap["topk_idx"].clone()
     for b, h, qc, _ in (idx == UNCHOSEN).nonzero().tolist():
         row = idx[b, h, qc].tolist()
@@ -102,15 +102,15 @@ def run_grads(op, q, k, v, do, c):
     return q.grad, k.grad, v.grad
 
 
-def check_small(bcfg: BackwardConfig, seed: int, head_dim: int) -> dict:
+def check_small(bcfg: BackwardConfig, seed: int, head_dim: int, batch: int = 1) -> dict:
     import tilegen
     from tilegen import captures
     from tilegen.reference import attention_grads_fp32
 
-    spec = tilegen.Spec(head_dim=head_dim, grid=GRID, num_heads=HEADS, topk=TOPK)
+    spec = tilegen.Spec(head_dim=head_dim, grid=GRID, num_heads=HEADS, topk=TOPK, batch=batch)
     op = tilegen.load(spec, backend="triton")
     op.backward_config = bcfg
-    c = small_case(seed, head_dim)
+    c = small_case(seed, head_dim, batch)
     ref = attention_grads_fp32(c["q"], c["k"], c["v"], c["idx"], c["vbs"], c["counts"], c["do"],
                                layout="bshd")
     q, k, v, do = garbage(c, 100 + seed)
@@ -247,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rep", type=int, default=200)
     ap.add_argument("--skip-small", action="store_true")
     ap.add_argument("--small-only", action="store_true", help="the small shapes alone")
+    ap.add_argument("--batch", type=int, default=1, help="batch of the small shapes")
     a = ap.parse_args(argv)
     JSON_PATH.append(Path(a.json or Path(os.environ.get("OUT", "out"))
                           / "h200_gluon_backward.json"))
@@ -270,9 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         for bcfg in SMALL:
             for seed in (0, 1, 2):
                 for head_dim in (64, 128):
-                    key = f"{bcfg.name} seed {seed} d{head_dim}"
+                    key = f"{bcfg.name} seed {seed} d{head_dim} batch {a.batch}"
                     try:
-                        RESULTS["small"][key] = check_small(bcfg, seed, head_dim)
+                        RESULTS["small"][key] = check_small(bcfg, seed, head_dim, a.batch)
                     except Exception as exc:  # noqa: BLE001 - a failure is data
                         traceback.print_exc()
                         RESULTS["small"][key] = {"passed": False,

@@ -16,7 +16,8 @@ B*H*NQ*TOPK tiles of 64x64 bf16 (8 KiB each: 16 GB at the default Wan2.2 workloa
 Knobs (`DEFAULTS`): ``dkdv_stages`` / ``dq_stages`` (ring depths), ``ds_store``,
 ``consumer_regs`` / ``producer_regs`` (setmaxnreg of the consumer warpgroup and the producer),
 ``scratch_bytes`` (the dS^T scratch budget of one launch group), ``centre`` (the dQ kernel's
-centring; off only to measure it).
+centring; off only to measure it), ``debug`` (timing experiments that leave out a step of the
+dS^T store: garbage results; `templates/gluon/lut_ws_backward.py.j2`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ DEFAULTS: dict[str, Any] = {
     "producer_regs": 24,
     "scratch_bytes": 4 << 30,
     "centre": True,
+    "debug": "",
 }
 
 
@@ -173,8 +175,8 @@ class GluonBackward:
             self._desc(dv), self._ds_desc(ds) if store else None, offsets, qcubes, vbs, lse,
             delta, err, S, H, nkv, bh_base, float(sm_scale) * LOG2E, float(sm_scale),
             STAGES=self.opts["dkdv_stages"], DS_STORE=store,
-            PRODUCER_REGS=self.opts["producer_regs"], num_warps=self.num_warps,
-            maxnreg=self.maxnreg)
+            PRODUCER_REGS=self.opts["producer_regs"], DEBUG=self.opts["debug"],
+            num_warps=self.num_warps, maxnreg=self.maxnreg)
 
     def dq(self, k, ds, dq, topk_idx, pos, meta, vbs, dsum, offsets, err, sm_scale: float,
            bh_base: int = 0, bh_count: int | None = None) -> None:
@@ -238,7 +240,7 @@ def signatures(spec: Spec, opts: Mapping[str, Any]) -> dict[str, tuple[dict, dic
             "num_heads": "i32", "num_kv_blocks": "i32", "bh_base": "i32", "qk_scale": "fp32",
             "sm_scale": "fp32"}
     dkdv_c = {"STAGES": opts["dkdv_stages"], "DS_STORE": store,
-              "PRODUCER_REGS": opts["producer_regs"]}
+              "PRODUCER_REGS": opts["producer_regs"], "DEBUG": opts["debug"]}
     dq = {"ds_desc": td(64, 64), "k_desc": td(64, D), "dq_desc": td(64, D), "idx_ptr": "*i32",
           "pos_ptr": "*i32", "meta_ptr": "*i32", "vbs_ptr": "*i32", "dsum_ptr": None,
           "kv_offsets_ptr": "*i32", "err_ptr": "*i32", "seq_len": "i32", "num_heads": "i32",

@@ -109,7 +109,7 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_s
 def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready, empty,
                    dk_desc, dv_desc, ds_desc, qcubes_ptr, vbs_ptr, lse_ptr, delta_ptr, err_ptr,
                    first, pair0, n_q, kv_cube, kv_row, col, stat_row0, qk_scale, sm_scale,
-                   STAGES: gl.constexpr, DS_STORE: gl.constexpr):
+                   STAGES: gl.constexpr, DS_STORE: gl.constexpr, DEBUG: gl.constexpr):
     dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, O_LAYOUT)
     dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, O_LAYOUT)
     zero_s = gl.zeros([BLOCK, BLOCK], gl.float32, S_LAYOUT)
@@ -156,10 +156,13 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do
             ds_op = gl.convert_layout(ds_lo, A_LAYOUT)
             dk_tok = warpgroup_mma(ds_op, q_smem.index(s), dk, is_async=True)
             ds_buf = ds_smem.index(j % 2)
-            tma.store_wait(1)
-            ds_buf.store(ds_lo)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(ds_desc, [(pair0 + j) * BLOCK, 0], ds_buf)
+            if DEBUG != "no_ds_wait":
+                tma.store_wait(1)
+            if DEBUG != "no_ds_smem":
+                ds_buf.store(ds_lo)
+                fence_async_shared()
+            if DEBUG != "no_ds_tma":
+                tma.async_copy_shared_to_global(ds_desc, [(pair0 + j) * BLOCK, 0], ds_buf)
             dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_op, ds_op])
         else:
             ds_op = gl.convert_layout(ds_t.to(DTYPE), A_LAYOUT)
@@ -186,9 +189,11 @@ def tilegen_gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, ds
                      kv_offsets_ptr, qcubes_ptr, vbs_ptr, lse_ptr, delta_ptr, err_ptr,
                      seq_len, num_heads, num_kv_blocks, bh_base, qk_scale, sm_scale,
                      STAGES: gl.constexpr, DS_STORE: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr):
+                     PRODUCER_REGS: gl.constexpr, DEBUG: gl.constexpr):
     """Grid (KV cubes, a group of b*h from bh_base). Without DS_STORE ds_desc is None; with it
-    pair p of the inverse map is stored at rows (p - p0) * BLOCK of DS, p0 the group's first."""
+    pair p of the inverse map is stored at rows (p - p0) * BLOCK of DS, p0 the group's first.
+    DEBUG is "" (the kernel), or a timing experiment that leaves out one step of the dS^T store
+    (results are garbage): "no_ds_wait", "no_ds_smem", "no_ds_tma"."""
     kv_cube = gl.program_id(0)
     bh = gl.program_id(1) + bh_base
     pair_base = gl.load(kv_offsets_ptr + bh_base * num_kv_blocks)
@@ -219,7 +224,7 @@ def tilegen_gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, ds
             k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready, empty, dk_desc,
             dv_desc, ds_desc, qcubes_ptr, vbs_ptr, lse_ptr, delta_ptr, err_ptr,
             first, first - pair_base, n_q, kv_cube, kv_row, col, stat_row0, qk_scale,
-            sm_scale, STAGES, DS_STORE)),
+            sm_scale, STAGES, DS_STORE, DEBUG)),
         (_dkdv_producer, (
             q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready,
             do_ready, empty, qcubes_ptr, first, n_q, row0, kv_row, col, STAGES)),

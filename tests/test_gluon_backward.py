@@ -115,6 +115,8 @@ def test_gluon_backward_builds_for_sm90a_with_wgmma():
         "from tilegen.cubin import cubin_matrix_ops, cubin_resources\n"
         "from tilegen.targets import get_target\n"
         "out = compile_offline(Spec(), get_target('sm_90'), {'ds_store': True})\n"
+        "out['dq_dsum'] = compile_offline(Spec(), get_target('sm_90'), {'ds_store': True},"
+        " has_dsum=True)['dq']\n"
         "cu = Path(triton.__file__).parent / 'backends/nvidia/bin/cuobjdump'\n"
         "d = Path(tempfile.mkdtemp())\n"
         "for k, ck in out.items():\n"
@@ -127,12 +129,17 @@ def test_gluon_backward_builds_for_sm90a_with_wgmma():
     lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env=env, check=True).stdout.split("\n")
     got = {ln.split()[0]: [int(x) for x in ln.split()[1:]] for ln in lines if ln.strip()}
-    assert set(got) == {"dkdv", "dq"}
+    assert set(got) == {"dkdv", "dq", "dq_dsum"}
     hgmma, local, stl, shared = got["dkdv"]
     assert (hgmma, local) == (24, 0) and stl <= 5, got
     hgmma, local, stl, shared_dq = got["dq"]
     assert (hgmma, local, stl) == (8, 0, 0), got
-    assert max(shared, shared_dq) <= 232448 // 2 - 1024, got
+    assert got["dq_dsum"][:3] == [8, 0, 0], got  # the dQ kernel of a gradient through lse
+    from tilegen.targets import get_target
+
+    sm90 = get_target("sm_90")  # two CTAs per SM: half the SM's shared memory, less the reserve
+    per_cta = sm90.shared_per_sm // 2 - sm90.reserved_shared_per_block
+    assert max(shared, shared_dq) <= per_cta, got
 
 
 def test_hopper_trains_on_the_gluon_kernels_by_default():
@@ -149,13 +156,17 @@ def test_hopper_trains_on_the_gluon_kernels_by_default():
                          (hopper, Spec(encoding="sliding_tile")), (None, Spec())):
         assert not BackwardConfig.default_for(target, spec).gluon, (target, spec)
     assert BackwardConfig.default_for(hopper) == BackwardConfig()  # no spec: no claim
-    op = BlockSparseAttention(Spec(), KernelConfig(), hopper)
+    op = BlockSparseAttention(Spec(), KernelConfig(), hopper, "default")
     assert op.backward_config.gluon and op.backward_config.ds_store
     assert isinstance(op.grad_forward(), GluonBlockSparseAttention)
-    pinned = BlockSparseAttention(Spec(), KernelConfig(), hopper)
+    pinned = BlockSparseAttention(Spec(), KernelConfig(), hopper, "default")
     pinned.grad_forward_family = "triton"
     assert pinned.grad_forward() is None
-    assert BlockSparseAttention(Spec(), KernelConfig(), blackwell).grad_forward() is None
+    # an explicit config pins its variant, the forward for gradients included
+    assert BlockSparseAttention(Spec(), KernelConfig(), hopper,
+                                "explicit").grad_forward() is None
+    assert BlockSparseAttention(Spec(), KernelConfig(), blackwell,
+                                "default").grad_forward() is None
 
 
 def test_backward_winner_key_names_the_gluon_source(monkeypatch):
@@ -228,3 +239,54 @@ def test_forward_for_grad_store_compiles_without_spills():
     (mma0, local0, stg0), (mma1, local1, stg1) = got[0], got[1]
     assert mma0 == mma1 and local0 == local1 == 0
     assert stg1 - stg0 == 64  # 64 x 128 fp32 per consumer: 64 two-element stores per thread
+
+
+def test_head_groups_fit_the_budget_and_int32_rows():
+    from tilegen.backends.gluon.backward import GluonBackward
+
+    gb = GluonBackward.__new__(GluonBackward)  # the grouping rule alone: no kernels to load
+    gb.opts = {"ds_store": True, "scratch_bytes": 4 << 30}
+    per_head = 624 * 78 * 64 * 64 * 2
+    assert gb.heads_per_group(40, 624, 78) == (4 << 30) // per_head == 10
+    gb.opts["scratch_bytes"] = 1 << 50  # a budget past int32 rows
+    group = gb.heads_per_group(1000, 624, 78)
+    assert group * 624 * 78 * 64 <= 2**31 - 1 < (group + 1) * 624 * 78 * 64
+    gb.opts["scratch_bytes"] = 1
+    assert gb.heads_per_group(40, 624, 78) == 1
+    gb.opts["ds_store"] = False
+    assert gb.heads_per_group(40, 624, 78) == 40
+
+
+def test_unused_fields_are_refused():
+    """One kernel, one name: a field the chosen kernels do not read must stay at its default
+    (the tuner's space would otherwise time the same kernel under several names)."""
+    why = " ".join(BackwardConfig(gluon=True, dkdv_warps=8).violations(Spec()))
+    assert "dkdv_warps" in why and "Gluon backward" in why
+    why = " ".join(BackwardConfig(gluon=True, ds_store=True, dq_stages=4).violations(Spec()))
+    assert "dq_stages" in why
+    assert "gluon_dq_stages" in " ".join(BackwardConfig(gluon_dq_stages=4).violations(Spec()))
+    assert BackwardConfig(gluon=True, dq_stages=4, gluon_dq_stages=3).violations(Spec()) == []
+
+
+def test_hopper_target_trains_on_the_cpu_through_the_triton_kernels(interpreter):
+    """An op for sm_90 (its default backward names the Gluon kernels) on CPU tensors under the
+    interpreter: the forward and the backward take the Triton kernels, gradients pass."""
+    from tilegen import captures
+    from tilegen.backends.triton.op import BlockSparseAttention
+    from tilegen.reference import attention_grads_fp32
+    from tilegen.targets import get_target
+
+    spec = Spec(grid=(2, 4, 8), num_heads=1, head_dim=64, topk=2)
+    cap = captures.synthesize(seed=0, grid=(2, 4, 8), heads=1, head_dim=64, topk=2,
+                              outlier=False)
+    op = BlockSparseAttention(spec, KernelConfig(interp_bf16=True), get_target("sm_90"),
+                              "default")
+    assert op.backward_config.gluon
+    q, k, v = (cap[n].clone().requires_grad_(True) for n in ("q", "k", "v"))
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype)
+    o = op(q, k, v, cap["topk_idx"], cap["vbs"], return_lse=False)
+    o.backward(do)
+    ref = attention_grads_fp32(cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"], None,
+                               do)
+    for g, r in zip((q.grad, k.grad, v.grad), ref, strict=True):
+        assert captures.grad_score(g, r).passed

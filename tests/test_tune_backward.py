@@ -25,7 +25,7 @@ SMALL = Spec(grid=(5, 6, 8), num_heads=2, head_dim=64, topk=3, dtype="bf16")
 #: backward runs on a GPU only)
 SPACE = {"dq_stages": (2,), "dkdv_stages": (2,), "dkdv_warps": (4,),
          "dq_pack": (True, False), "dkdv_pack": (True, False), "gluon": (False,),
-         "ds_store": (False,)}
+         "ds_store": (False,), "gluon_dq_stages": (3,)}
 BROKEN = BackwardConfig(dq_pack=True, dkdv_pack=False, dq_stages=2)
 
 

@@ -148,7 +148,7 @@ def _build_into(out_dir: Path, items: list[PlannedSource], spec: Spec, target: T
         for art in compiled if isinstance(compiled, list) else [compiled]:
             art.source = src_path
             art.source_sha256 = item.source.sha256
-            art.config = item.config.name
+            art.config = art.config if art.config == "backward" else item.config.name
             if art.occupancy is None:
                 art.occupancy = target.occupancy(art.registers, art.threads, art.shared_bytes,
                                                  art.agprs)

@@ -5,7 +5,7 @@ The backward runs, after the Triton family's delta preprocess:
 
 1. dK/dV (`KERNELS["dkdv"]`), one CTA per (KV cube, b*h) over the inverse map, K and V
    resident, Q and dO streamed by a TMA producer warp; with ``ds_store`` it also writes each
-   pair's dS^T (bf16) and its column sums;
+   pair's dS^T (bf16; the dQ kernel takes rowsum(dS) from it by a matmul with ones);
 2. dQ: with ``ds_store``, the Gluon dQ kernel (`KERNELS["dq"]`): one matmul per pair, dS K,
    from the stored dS^T; without it the Triton family's dQ kernel (S and dP recomputed).
 
@@ -93,6 +93,9 @@ def dq_plan(topk_idx, counts, vbs, num_kv_blocks: int, order, block: int = 64):
 
     B, H, NQ, TOPK = topk_idx.shape
     n = B * H * NQ * TOPK
+    if n > 2**31 - 1:
+        raise ValueError(f"the dQ plan numbers B*H*NQ*TOPK = {n} LUT entries in int32, as the "
+                         "inverse map does: use a backward config without ds_store")
     pos = torch.empty(n, dtype=torch.int32, device=topk_idx.device)
     pos[order] = torch.arange(n, dtype=torch.int32, device=topk_idx.device)
     idx = topk_idx.reshape(B * H * NQ, TOPK).long()
@@ -155,11 +158,14 @@ class GluonBackward:
 
     def heads_per_group(self, heads_total: int, nq: int, topk: int) -> int:
         """b*h per launch group: as many as the dS^T scratch budget holds (at most NQ * TOPK
-        pairs of 8 KiB each per b*h; at least one)."""
+        pairs of 8 KiB each per b*h), no more than int32 row indices reach, and at least one
+        (a single b*h larger than the budget still runs, alone)."""
         if not self.opts["ds_store"]:
             return heads_total
         per = nq * topk * 64 * 64 * 2
-        return max(1, min(heads_total, self.opts["scratch_bytes"] // per))
+        # the kernels address scratch rows (and TMA coordinates) in int32
+        rows_cap = (2**31 - 1) // (nq * topk * 64)
+        return max(1, min(heads_total, self.opts["scratch_bytes"] // per, rows_cap))
 
     def dkdv(self, q, k, v, do, lse, delta, offsets, qcubes, vbs, dk, dv, ds, err,
              sm_scale: float, bh_base: int = 0, bh_count: int | None = None) -> None:
@@ -207,6 +213,10 @@ class GluonBackward:
                       sm_scale)
             triton_dq()
             return
+        if nq * topk * 64 > 2**31 - 1:
+            raise ValueError(f"ds_store: one head's dS^T scratch ({nq} query cubes x TOPK {topk} "
+                             "tiles of 64 rows) passes int32 row indices; use a backward "
+                             "config without ds_store")
         pos, meta = plan
         group = self.heads_per_group(B * H, nq, topk)
         ds = torch.empty((group * nq * topk * 64, 64), dtype=q.dtype, device=q.device)
@@ -220,8 +230,10 @@ class GluonBackward:
 # ----------------------------------------------------------------------------- offline compile
 
 
-def signatures(spec: Spec, opts: Mapping[str, Any]) -> dict[str, tuple[dict, dict]]:
-    """(signature, constexprs) of each kernel for triton.compile, with no tensors."""
+def signatures(spec: Spec, opts: Mapping[str, Any], has_dsum: bool = False
+               ) -> dict[str, tuple[dict, dict]]:
+    """(signature, constexprs) of each kernel for triton.compile, with no tensors; ``has_dsum``
+    builds the dQ kernel of a call with a gradient of lse (HAS_DSUM)."""
     from triton.experimental.gluon import language as gl
 
     opts = resolve(opts)
@@ -242,11 +254,12 @@ def signatures(spec: Spec, opts: Mapping[str, Any]) -> dict[str, tuple[dict, dic
     dkdv_c = {"STAGES": opts["dkdv_stages"], "DS_STORE": store,
               "PRODUCER_REGS": opts["producer_regs"], "DEBUG": opts["debug"]}
     dq = {"ds_desc": td(64, 64), "k_desc": td(64, D), "dq_desc": td(64, D), "idx_ptr": "*i32",
-          "pos_ptr": "*i32", "meta_ptr": "*i32", "vbs_ptr": "*i32", "dsum_ptr": None,
+          "pos_ptr": "*i32", "meta_ptr": "*i32", "vbs_ptr": "*i32",
+          "dsum_ptr": "*fp32" if has_dsum else None,
           "kv_offsets_ptr": "*i32", "err_ptr": "*i32", "seq_len": "i32", "num_heads": "i32",
           "num_q_blocks": "i32", "num_kv_blocks": "i32", "topk": "i32", "bh_base": "i32",
           "sm_scale": "fp32"}
-    dq_c = {"STAGES": opts["dq_stages"], "HAS_DSUM": False, "CENTRE": opts["centre"],
+    dq_c = {"STAGES": opts["dq_stages"], "HAS_DSUM": has_dsum, "CENTRE": opts["centre"],
             "PRODUCER_REGS": opts["producer_regs"]}
 
     def pack(args, consts):
@@ -262,8 +275,8 @@ def signatures(spec: Spec, opts: Mapping[str, Any]) -> dict[str, tuple[dict, dic
     return out
 
 
-def compile_offline(spec: Spec, target: Target, opts: Mapping[str, Any] | None = None
-                    ) -> dict[str, Any]:
+def compile_offline(spec: Spec, target: Target, opts: Mapping[str, Any] | None = None,
+                    has_dsum: bool = False) -> dict[str, Any]:
     """Compile the kernels for `target` here (no GPU): {kernel: CompiledKernel}."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -274,7 +287,7 @@ def compile_offline(spec: Spec, target: Target, opts: Mapping[str, Any] | None =
     opts = resolve(opts)
     source = render_backward(spec, target)
     out = {}
-    for kernel, (sig, consts) in signatures(spec, opts).items():
+    for kernel, (sig, consts) in signatures(spec, opts, has_dsum).items():
         fn = load_kernel(source, KERNELS[kernel])
         out[kernel] = triton.compile(
             GluonASTSource(fn, sig, consts),

@@ -79,7 +79,8 @@ class GluonBlockSparseAttention:
                  return_max_prob: bool = False, check_values: bool = False):
         """(o, lse), or o with return_lse=False; with return_max_prob=True an
         `AttentionOutput(o, lse, max_prob, max_prob_cube)` whose signal the kernel's epilogue
-        writes (gradient calls get it from the Triton family's op, which computes them)."""
+        writes (gradient calls get it from the Triton family's op, whose forward for gradients is
+        this family's kernel on a wgmma GPU)."""
         shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
                                  check_values=check_values)
         return self._call(q, k, v, vbs, (topk_idx, vbs, counts), shapes,

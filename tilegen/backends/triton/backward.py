@@ -158,8 +158,22 @@ class BackwardConfig:
                            "dq_atomic")
             if self.dq_atomic:
                 out.append("gluon's dK/dV kernel adds no dQ terms: no dq_atomic")
-        elif self.ds_store:
-            out.append("ds_store is an option of the Gluon backward: it needs gluon")
+            # fields the chosen kernels do not read stay at their defaults (so the tuner never
+            # times one kernel under several names)
+            unused = ["dkdv_block_n", "dkdv_block_m", "dkdv_warps", "dkdv_stages"]
+            unused += (["dq_block_m", "dq_block_n", "dq_warps", "dq_stages"] if self.ds_store
+                       else ["gluon_dq_stages", "ds_scratch_mib"])
+            runs = "the Gluon backward" + (" with ds_store" if self.ds_store else "")
+        else:
+            if self.ds_store:
+                out.append("ds_store is an option of the Gluon backward: it needs gluon")
+            unused = ["gluon_dkdv_stages", "gluon_dq_stages", "ds_scratch_mib"]
+            runs = "the Triton backward"
+        default = BackwardConfig()
+        changed = [n for n in unused if getattr(self, n) != getattr(default, n)]
+        if changed:
+            out.append(f"{', '.join(changed)}: not read by the kernels this config runs "
+                       f"({runs}); leave them at their defaults")
         if self.dkdv_pack and self.dkdv_block_m != spec.block_q:
             out.append(f"dkdv_pack packs whole {spec.block_q}-row query tiles: needs "
                        f"dkdv_block_m={spec.block_q}, got {self.dkdv_block_m}")

@@ -84,8 +84,10 @@ class TritonBackwardBackend(Backend):
         import hashlib
         from dataclasses import replace
 
-        from tilegen.backends.gluon.backward import render_backward
+        from tilegen.backends.gluon.backward import render_backward, spec_problem
 
+        if spec_problem(spec.kernel_spec, target) is not None:
+            return key  # the config cannot run here (its violations say so): no Gluon source
         both = key.source_sha256 + render_backward(spec.kernel_spec, target).sha256
         return replace(key, source_sha256=hashlib.sha256(both.encode()).hexdigest())
 

@@ -26,6 +26,7 @@ On the CPU the values are always checked eagerly.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -113,6 +114,7 @@ class BlockSparseAttention:
         self._bwd_kernels: dict[tuple[KernelConfig, BackwardConfig], dict[str, object]] = {}
         self._backward_config: BackwardConfig | None = None
         self._gluon_bwd: dict = {}
+        self._bwd_pinned = False  # set by assigning backward_config
         #: the family whose forward serves calls that need gradients (`grad_forward`)
         self.grad_forward_family = "gluon"
         self._grad_forward = None
@@ -211,7 +213,7 @@ class BlockSparseAttention:
             o_acc, lse = self._pytorch_forward(q, k, v, topk_idx, vbs, counts, sm_scale,
                                                max_prob_out)
             return o_acc.to(q.dtype), lse, o_acc
-        fast = self.grad_forward()
+        fast = self.grad_forward() if q.device.type == "cuda" else None
         if fast is not None:
             return fast.forward_for_grad(q, k, v, topk_idx, vbs, counts, shapes=shapes,
                                          sm_scale=sm_scale, max_prob_out=max_prob_out,
@@ -228,10 +230,12 @@ class BlockSparseAttention:
         """The op whose forward serves calls that need gradients: the Gluon family's (its tuned
         winner, as `tilegen.load` resolves it) when this op's target is a wgmma GPU that the
         Gluon kernel can compute the spec on (BSHD, LUT, 64-token cubes); None otherwise (this
-        op's own kernel). ``grad_forward_family = "triton"`` pins the Triton forward."""
+        op's own kernel, and for an op of an explicit config: it pins its variant).
+        ``grad_forward_family = "triton"`` pins the Triton forward."""
         if self._grad_forward is None:
             self._grad_forward = False
             if (self.grad_forward_family == "gluon" and self.target is not None
+                    and self.config_source != "explicit"
                     and "gluon" in self.target.backends):
                 from tilegen.backends.gluon.backward import spec_problem
 
@@ -291,6 +295,7 @@ class BlockSparseAttention:
         if problems:
             raise ValueError(f"backward config {value.name} is invalid: " + "; ".join(problems))
         self._backward_config = value
+        self._bwd_pinned = True
 
     def backward_kernels(self, device: torch.device, bwd: BackwardConfig | None = None
                          ) -> dict[str, object]:
@@ -335,6 +340,10 @@ class BlockSparseAttention:
         spec = self.spec
         cfg = self.kernel_config(q.device)
         bcfg = (config or self.backward_config).fit(spec)
+        if bcfg.gluon and q.device.type != "cuda" and config is None and not self._bwd_pinned:
+            # the target's default (or winner) names the Gluon kernels, which run on CUDA
+            # devices only: a call on another device (the interpreter) takes the Triton ones
+            bcfg = dataclasses.replace(bcfg, gluon=False, ds_store=False)
         problems = bcfg.violations(spec)
         if problems:
             raise ValueError(f"backward config {bcfg.name} is invalid: " + "; ".join(problems))
@@ -345,7 +354,8 @@ class BlockSparseAttention:
             B, H, S, _ = q.shape
         nq = S // spec.block_q
         nkv = S // spec.block_kv
-        if bcfg.gluon and vbs is None:  # the Gluon kernels read vbs: every cube full
+        if bcfg.gluon and (vbs is None or not spec.variable_block_sizes):
+            # the Gluon kernels read vbs; a spec without variable block sizes has full cubes
             vbs = torch.full((nkv,), spec.block_kv, dtype=torch.int32, device=q.device)
         do = do.contiguous()
         if do.dtype != q.dtype:
@@ -358,7 +368,7 @@ class BlockSparseAttention:
             o, do, delta, vbs, S, H, **consts, **opts)
         dsum = None
         if dlse is not None:  # d lse_2 / d s = log2(e) * P: fold it into delta
-            dsum = dlse.to(torch.float32) * LOG2E  # = sum_j dS_ij, the dQ kernel's centring
+            dsum = (dlse.to(torch.float32) * LOG2E).contiguous()  # = sum_j dS_ij: the centring
             delta = delta - dsum
         if inverse is None:
             maps = backward_maps(topk_idx, counts, vbs, nkv, spec.block_kv, bcfg)
@@ -597,6 +607,7 @@ def differentiable_op(spec: Spec, target: Target | None, family: str) -> BlockSp
 
             cfg = lookup_config(spec, target) or triton.default_config(spec, target)
         op = _grad_ops[key] = triton.make_op(spec, cfg, target, "gradients")
-    note_once(f"the {family} family has no backward kernels: calls that need gradients run "
-              f"the Triton family's op ({op.config.name}), forward and backward")
+    note_once(f"the {family} family hands calls that need gradients to the Triton family's op "
+              f"({op.config.name}); on a wgmma GPU its forward is the Gluon winner's and its "
+              f"backward {op.backward_config.name}")
     return op

@@ -129,32 +129,20 @@ class GluonBackward:
         self.kernels = {k: load_kernel(self.source, name) for k, name in KERNELS.items()}
         self.maxnreg = maxnreg_for(self.opts, target)
         self.num_warps = target.fact("warps_per_warpgroup")
-        self._layouts: dict = {}
-
-    def _layout(self, rows: int, cols: int, dtype):
-        key = (rows, cols, dtype)
-        layout = self._layouts.get(key)
-        if layout is None:
-            from triton.experimental.gluon import language as gl
-
-            gdt = gl.bfloat16 if str(dtype) == "torch.bfloat16" else gl.float16
-            layout = self._layouts[key] = gl.NVMMASharedLayout.get_default_for([rows, cols], gdt)
-        return layout
 
     def _desc(self, t):
-        """A TMA descriptor over the (B*S, H*D) view with a (64, D) box."""
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        from tilegen.backends.gluon.launch import bshd_descriptor
 
-        B, S, H, D = t.shape
-        return TensorDescriptor(t.view(B * S, H * D), [B * S, H * D], [H * D, 1], [64, D],
-                                self._layout(64, D, t.dtype))
+        return bshd_descriptor(t, 64)
 
     def _ds_desc(self, ds):
+        """The dS^T scratch, (pairs * 64, 64), in (64, 64) boxes."""
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-        rows = ds.shape[0]
-        return TensorDescriptor(ds, [rows, 64], [64, 1], [64, 64],
-                                self._layout(64, 64, ds.dtype))
+        from tilegen.backends.gluon.launch import shared_layout
+
+        return TensorDescriptor(ds, [ds.shape[0], 64], [64, 1], [64, 64],
+                                shared_layout(64, 64, ds.dtype))
 
     def heads_per_group(self, heads_total: int, nq: int, topk: int) -> int:
         """b*h per launch group: as many as the dS^T scratch budget holds (at most NQ * TOPK

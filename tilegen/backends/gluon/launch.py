@@ -13,6 +13,7 @@ pre-pass on the GPU: the row comes out NaN and the error word gets a bit (1 inde
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 import threading
@@ -61,6 +62,25 @@ def _layout(rows: int, head_dim: int, gl_dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
 
 
+@functools.cache
+def shared_layout(rows: int, cols: int, torch_dtype) -> Any:
+    """The NVMMA shared layout of a (rows, cols) tile of a 16-bit torch dtype (cached)."""
+    from triton.experimental.gluon import language as gl
+
+    gdt = gl.bfloat16 if str(torch_dtype) == "torch.bfloat16" else gl.float16
+    return _layout(rows, cols, gdt)
+
+
+def bshd_descriptor(t, rows: int) -> Any:
+    """A TMA descriptor over the (B*S, H*D) view of a BSHD tensor with a (rows, D) box. Built
+    per call: a cached descriptor would keep the caller's tensor alive (the layout is cached)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    B, S, H, D = t.shape
+    return TensorDescriptor(t.view(B * S, H * D), [B * S, H * D], [H * D, 1], [rows, D],
+                            shared_layout(rows, D, t.dtype))
+
+
 #: the widest LUT the pair pre-pass takes (its row x row compare lives in one program's registers)
 PAIR_MAX_TOPK = 256
 
@@ -81,7 +101,6 @@ class GluonLaunch:
         self.num_warps = target.fact("warps_per_warpgroup")  # the default partition: a consumer
         self.head_dim = head_dim
         self._bufs: dict = {}
-        self._descs: dict = {}
 
     def _buffers(self, device, rows: int, topk: int):
         key = (str(device), rows, topk)
@@ -92,20 +111,7 @@ class GluonLaunch:
         return b
 
     def _desc(self, t, rows: int):
-        """A TMA descriptor over the (B*S, H*D) view with a (rows, D) box. Built per call: a
-        cached descriptor would keep the caller's tensor alive (the shared layout is cached)."""
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-        B, S, H, D = t.shape
-        key = (t.dtype, rows, D)
-        layout = self._descs.get(key)
-        if layout is None:
-            from triton.experimental.gluon import language as gl
-
-            gdt = gl.bfloat16 if str(t.dtype) == "torch.bfloat16" else gl.float16
-            layout = self._descs[key] = _layout(rows, D, gdt)
-        return TensorDescriptor(t.view(B * S, H * D), [B * S, H * D], [H * D, 1], [rows, D],
-                                layout)
+        return bshd_descriptor(t, rows)
 
     def __call__(self, q, k, v, topk_idx, vbs, counts, o, lse, err, sm_scale: float,
                  zero_pad_rows: bool = False, max_prob_out=None, windows=None,

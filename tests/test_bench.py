@@ -374,7 +374,7 @@ def test_plan_lists_backward_rows_only_with_the_flag():
     assert {v.kind for v in plan.backward_variants} == {"backward"}
     assert bench.steps_per_point(plan) == len(plan.variants) + 2 + 6
     text = plan.describe()
-    assert "launch_backward" in text and "inverse_map" in text and "2.5 * forward" in text
+    assert "launch_backward" in text and "backward_maps" in text and "2.5 * forward" in text
     no_flex = bench.make_plan(Spec(), backward=True, flex=False)
     assert [v.label for v in no_flex.backward_variants] == [
         "fwd+bwd", "fwd (grad)", "reference fwd+bwd", "bwd kernels", "inverse map"]

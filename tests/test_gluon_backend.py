@@ -333,7 +333,7 @@ def test_knobs_are_constexpr_parameters_of_one_source():
         sig, consts = signature(o, 128, "bf16")
         assert list(sig) == params
         assert {k for k, v in sig.items() if v == "constexpr"} == set(consts)
-        # o32_ptr is None too: only the forward of a gradient call stores the fp32 O
+        # o32_out is None too: only the forward of a gradient call stores the fp32 O
         assert sum(v is None for v in consts.values()) == (6 * (not o["pack_partials"])
                                                            + (not o["share_kv"])
                                                            + 2 * (not o["store_max_prob"]) + 1)

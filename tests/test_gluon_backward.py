@@ -67,6 +67,34 @@ def test_dq_plan_marks_rows_with_bad_values():
     assert torch.equal(meta[~expect], counts[~expect])
 
 
+@pytest.mark.parametrize("case", ["clean", "bad", "no_counts", "duplicates"])
+def test_device_maps_equal_the_torch_models(case):
+    """The GPU maps (maps.py: Triton kernels, here under the interpreter) are the torch models'
+    tensors bit for bit: offsets, qcubes, the plan's pos on every real entry and meta, with
+    counts, bad values, no counts, and a row that names a cube twice."""
+    from tilegen.backends.triton.maps import device_maps
+
+    idx, counts, vbs, nkv = _lut(5, B=2, H=2, NQ=9, NKV=11, TOPK=5)
+    if case == "bad":
+        idx[0, 0, 1, 2] = nkv
+        idx[1, 1, 3, 0] = -7
+        vbs[int(idx[1, 0, 2, 1])] = 0
+        counts[0, 1, 4] = 6
+        counts[1, 0, 5] = -1
+    elif case == "no_counts":
+        counts = None
+    elif case == "duplicates":
+        idx[0, 1, 2, 3] = idx[0, 1, 2, 1]
+        counts[0, 1, 2] = 5
+    offsets, qcubes, order = inverse_map(idx, counts, nkv, return_order=True)
+    pos, meta = dq_plan(idx, counts, vbs, nkv, order)
+    g_offsets, g_qcubes, (g_pos, g_meta) = device_maps(idx, counts, vbs, nkv)
+    assert torch.equal(g_offsets, offsets) and torch.equal(g_meta, meta)
+    assert torch.equal(g_qcubes, qcubes)
+    assert torch.equal(g_pos, pos)
+    assert device_maps(idx, counts, vbs, nkv, with_plan=False)[2] is None
+
+
 def test_backward_maps_build_the_plan_for_ds_store():
     idx, counts, vbs, nkv = _lut(4)
     maps = backward_maps(idx, counts, vbs, nkv, 64, BackwardConfig(gluon=True, ds_store=True))
@@ -208,8 +236,10 @@ def test_gluon_family_builds_its_backward_on_hopper_only():
 
 
 def test_forward_for_grad_store_compiles_without_spills():
-    """STORE_O32 (the fp32 O of a gradient call) adds the fp32 stores and leaves the matmuls,
-    and every variant without it compiles as before (bench/NOTES.md: the winners' SASS)."""
+    """STORE_O32 (the fp32 O of a gradient call) adds the fp32 stores and leaves the matmuls:
+    one TMA store staged in the K ring for a consumer with a ring of its own (the default), 64
+    two-element stores per thread and consumer where the ring is shared (share_kv). Every
+    variant without it compiles as before (bench/NOTES.md: the winners' SASS)."""
     code = (
         "import subprocess, tempfile, triton\n"
         "from pathlib import Path\n"
@@ -220,25 +250,34 @@ def test_forward_for_grad_store_compiles_without_spills():
         "from tilegen.cubin import cubin_matrix_ops, cubin_resources\n"
         "from tilegen.targets import get_target\n"
         "t = get_target('sm_90'); b = backends.get('gluon'); s = Spec()\n"
-        "cfg = b.default_config(s, t).replace(store_lse=True)\n"
-        "opts = R.options_of(cfg); fn = launch.load_kernel(b.render(s, cfg, t))\n"
+        "base = b.default_config(s, t).replace(store_lse=True)\n"
         "cu = Path(triton.__file__).parent / 'backends/nvidia/bin/cuobjdump'\n"
-        "for o32 in (False, True):\n"
-        "    sig, consts = launch.signature(opts, 128, 'bf16', store_o32=o32)\n"
-        "    ck = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget('cuda', 90,"
-        " 32), options={'num_warps': 4, 'maxnreg': R.maxnreg_for(opts, t)})\n"
-        "    p = Path(tempfile.mkdtemp()) / 'k.cubin'; p.write_bytes(ck.asm['cubin'])\n"
-        "    sass = subprocess.run([str(cu), '--dump-sass', str(p)], capture_output=True,"
+        "for share in (False, True):\n"
+        "    extra = {'share_kv': True, 'num_consumers': 2} if share else {}\n"
+        "    cfg = base.replace(options={**dict(base.options), **extra})\n"
+        "    opts = R.options_of(cfg); fn = launch.load_kernel(b.render(s, cfg, t))\n"
+        "    for o32 in (False, True):\n"
+        "        sig, consts = launch.signature(opts, 128, 'bf16', store_o32=o32)\n"
+        "        ck = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget('cuda',"
+        " 90, 32), options={'num_warps': 4, 'maxnreg': R.maxnreg_for(opts, t)})\n"
+        "        p = Path(tempfile.mkdtemp()) / 'k.cubin'; p.write_bytes(ck.asm['cubin'])\n"
+        "        sass = subprocess.run([str(cu), '--dump-sass', str(p)], capture_output=True,"
         " text=True, check=True).stdout\n"
-        "    print(int(o32), cubin_matrix_ops(p)['HGMMA'], cubin_resources(p)['local_bytes'],"
-        " sass.count('STG'))\n")
+        "        print(int(share), int(o32), R.o32_store_kind(opts), cubin_matrix_ops(p)['HGMMA'],"
+        " cubin_resources(p)['local_bytes'], sass.count('STG.'), sass.count('UTMASTG'))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env=env, check=True).stdout.split("\n")
-    got = {int(ln.split()[0]): [int(x) for x in ln.split()[1:]] for ln in lines if ln.strip()}
-    (mma0, local0, stg0), (mma1, local1, stg1) = got[0], got[1]
-    assert mma0 == mma1 and local0 == local1 == 0
-    assert stg1 - stg0 == 64  # 64 x 128 fp32 per consumer: 64 two-element stores per thread
+    got = {tuple(int(x) for x in ln.split()[:2]): [int(x) for x in ln.split()[2:]]
+           for ln in lines if ln.strip()}
+    for share, kind, consumers in ((0, 2, 1), (1, 1, 2)):
+        (_, mma0, local0, stg0, tma0), (k1, mma1, local1, stg1, tma1) = (got[share, 0],
+                                                                        got[share, 1])
+        assert k1 == kind and mma0 == mma1 and local0 == local1 == 0
+        if kind == 2:  # the fp32 tile leaves by TMA: one more bulk store, no 64 STG per thread
+            assert tma1 == tma0 + 1 and stg1 - stg0 < 64
+        else:  # 64 x 128 fp32 per consumer: 64 two-element stores per thread
+            assert tma1 == tma0 and stg1 - stg0 == 64 * consumers
 
 
 def test_head_groups_fit_the_budget_and_int32_rows():

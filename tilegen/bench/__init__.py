@@ -47,7 +47,8 @@ for the Triton family (the one with backward kernels); rows of ``kind`` "backwar
 - ``bwd kernels``: ``op.launch_backward(dO, q, k, v, o_acc, lse, idx, vbs, inverse=<prebuilt>,
   config=op.backward_config)`` with ``op = tilegen.load(spec, backend="triton")`` and (o_acc,
   lse) from ``op.forward_for_grad``: the three backward kernels alone;
-- ``inverse map``: ``inverse_map(idx, None, NKV)`` alone (torch; part of every real backward);
+- ``inverse map``: ``backward_maps(idx, None, vbs, NKV, 64, op.backward_config)`` alone: the
+  maps every real backward builds per call (the inverse map, and the dQ plan with ds_store);
 - ``flex fwd+bwd`` (peer): the FlexAttention peer (same compiled function, same BlockMask) forward
   plus ``torch.autograd.grad``; a compile failure is recorded in the row, never fatal.
 

@@ -211,14 +211,23 @@ def _bwd_kernels(spec: Spec, args: tuple, do: torch.Tensor, timer: Callable, row
 
 
 def _bwd_inverse_map(spec: Spec, args: tuple, do: torch.Tensor, timer: Callable, row: Row,
-                     device: str, **_: Any) -> None:
-    """inverse map: the CSR map of query cubes per KV cube, alone (timed, not scored)."""
-    from tilegen.backends.triton.backward import inverse_map
+                     device: str, *, loader: Callable, **_: Any) -> None:
+    """inverse map: the maps the op's backward config builds per call (`backward_maps`: the
+    CSR map of query cubes per KV cube, and the dQ plan with ds_store), alone (timed, not
+    scored)."""
+    from tilegen.backends.triton.backward import backward_maps
 
-    idx, nkv = args[3], args[4].shape[0]
-    row.config = "torch: stable sort + bincount"
-    first_call(lambda: inverse_map(idx, None, nkv), row, device)
-    row.ms_op = timer(lambda: inverse_map(idx, None, nkv))
+    idx, vbs = args[3], args[4]
+    cfg = loader(spec, backend="triton").backward_config
+
+    def build() -> object:
+        return backward_maps(idx, None, vbs, vbs.shape[0], spec.block_kv, cfg)
+
+    row.config = (f"{cfg.name}: "
+                  + ("Triton keys + stable sort + scatter" if idx.is_cuda and not cfg.dkdv_pack
+                     else "torch: stable sort + bincount"))
+    first_call(build, row, device)
+    row.ms_op = timer(build)
     return None
 
 

@@ -48,7 +48,8 @@ BACKWARD_ROWS: dict[str, tuple[float | None, str]] = {
     "bwd kernels": (BACKWARD_FLOPS_FACTOR,
                     "tilegen.load(spec, backend='triton').launch_backward(dO, ..., "
                     "inverse=<prebuilt>, config=op.backward_config); grads scored"),
-    "inverse map": (None, "tilegen.backends.triton.backward.inverse_map(idx, None, NKV)"),
+    "inverse map": (None, "tilegen.backends.triton.backward.backward_maps(idx, None, vbs, NKV, "
+                    "64, op.backward_config): the maps a backward builds per call"),
     "flex fwd+bwd": (1.0 + BACKWARD_FLOPS_FACTOR,
                      "the flex peer (same BlockMask, torch.compile) + torch.autograd.grad; "
                      "a failure is recorded, not fatal"),

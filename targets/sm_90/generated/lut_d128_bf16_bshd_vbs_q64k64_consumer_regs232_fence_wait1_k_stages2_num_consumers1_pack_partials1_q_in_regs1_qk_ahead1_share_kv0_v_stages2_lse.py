@@ -6,8 +6,8 @@ and its own 1-warp TMA producer; the K ring is K_STAGES deep, the V ring V_STAGE
 dim 128, bf16. The knobs (tilegen/backends/gluon/render.py says what each does)
 are constexpr parameters of the kernel, each a compile-time `if` where it changes the code,
 passed by the launch and the AOT compile: K_STAGES, V_STAGES, PACK_PARTIALS, Q_IN_REGS, QK_AHEAD,
-FENCE_WAIT, STORE_LSE, STORE_MAX_PROB, SHARE_KV, CONSUMER_REGS, PRODUCER_REGS, DEBUG and
-ZERO_PAD_ROWS; NUM_CONSUMERS is fixed when the source is rendered (below).
+FENCE_WAIT, STORE_LSE, STORE_MAX_PROB, SHARE_KV, CONSUMER_REGS, PRODUCER_REGS, DEBUG,
+ZERO_PAD_ROWS and STORE_O32; NUM_CONSUMERS is fixed when the source is rendered (below).
 
 The LUT rows come pre-processed by the pre-pass (tilegen/backends/gluon/prepass.py):
   sidx[row, i]   KV cube ids, cubes that fill a tile of their own first, then (when packing)
@@ -73,6 +73,8 @@ ROW_S = gl.constexpr(gl.SliceLayout(1, S_LAYOUT))
 COL_S = gl.constexpr(gl.SliceLayout(0, S_LAYOUT))
 ROW_O = gl.constexpr(gl.SliceLayout(1, O_LAYOUT))
 ZERO_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+# the fp32 O tile staged for its TMA store (STORE_O32 2): unswizzled, a 512-byte row per box row
+O32_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 
 
 # ------------------------------------------------------------------------------- the producer
@@ -199,12 +201,13 @@ def _store_max_prob(l_i, l_safe, bad, vbs_ptr, mp_ptr, mpc_ptr, row_off, cube_of
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, bad, q_smem, o_desc, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr, o32_ptr,
-              mpc_off, q_row0, col, lse_off, q_cube, qk_scale, ZERO_PAD_ROWS: gl.constexpr,
-              STORE_LSE: gl.constexpr, STORE_MAX_PROB: gl.constexpr,
-              STORE_O32: gl.constexpr):
+def _epilogue(acc, m_i, l_i, bad, q_smem, k_smem, o_desc, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr,
+              o32_out, mpc_off, q_row0, col, lse_off, q_cube, qk_scale,
+              ZERO_PAD_ROWS: gl.constexpr, STORE_LSE: gl.constexpr,
+              STORE_MAX_PROB: gl.constexpr, STORE_O32: gl.constexpr):
     """Normalise, zero padded query rows, NaN for a row with a bad value; O through TMA (and
-    with STORE_O32 in fp32 to o32_ptr)."""
+    with STORE_O32 in fp32 to o32_out: 1 by `gl.store` to a pointer, 2 by a TMA store from
+    ``k_smem``, the consumer's own K ring, idle once the last S = Q K^T is done)."""
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     o = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, ROW_O), 1)
     if ZERO_PAD_ROWS:
@@ -214,15 +217,22 @@ def _epilogue(acc, m_i, l_i, bad, q_smem, o_desc, vbs_ptr, lse_ptr, mp_ptr, mpc_
     if bad:
         o = o + float("nan")
     q_smem.store(o.to(DTYPE))
+    if STORE_O32 == 2:
+        # O before its rounding, for the backward's delta = rowsum(dO * O) (see backward.py):
+        # the fp32 tile takes two K slots, and TMA writes whole lines where the MMA layout's
+        # 8-byte stores would not
+        o32_smem = k_smem._reinterpret(gl.float32, [BLOCK, HEAD_DIM], O32_SMEM)
+        o32_smem.store(o)
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [q_row0, col], q_smem)
-    if STORE_O32:
-        # O before its rounding, for the backward's delta = rowsum(dO * O) (see backward.py)
+    if STORE_O32 == 2:
+        tma.async_copy_shared_to_global(o32_out, [q_row0, col], o32_smem)
+    elif STORE_O32 == 1:
         rows_o = gl.arange(0, BLOCK, layout=ROW_O)
         cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_LAYOUT))
         offs = (gl.expand_dims((q_row0 + rows_o).to(gl.int64) * o_desc.shape[1], 1)
                 + gl.expand_dims(col + cols_o, 0))
-        gl.store(o32_ptr + offs, o)
+        gl.store(o32_out + offs, o)
     if STORE_LSE:
         lse = gl.where(l_i > 0.0, m_i * qk_scale + gl.log2(l_safe), float("-inf"))
         if bad:
@@ -279,7 +289,7 @@ def _allocate(q_desc, k_full, v_full, K_STAGES: gl.constexpr, V_STAGES: gl.const
 
 @gluon.jit
 def _consumer(bufs, mma_bufs, bars, mma_bars, o_desc, tinfo_ptr, meta_ptr, vbs_ptr, lse_ptr,
-              mp_ptr, mpc_ptr, o32_ptr, row, live, q_row0, col, lse_off, q_cube, topk,
+              mp_ptr, mpc_ptr, o32_out, row, live, q_row0, col, lse_off, q_cube, topk,
               qk_scale,
               K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr,
               QK_AHEAD: gl.constexpr, FENCE_WAIT: gl.constexpr, DEBUG: gl.constexpr,
@@ -396,8 +406,8 @@ def _consumer(bufs, mma_bufs, bars, mma_bars, o_desc, tinfo_ptr, meta_ptr, vbs_p
             mbarrier.wait(v_ready.index(vs), (jv // V_STAGES) & 1)
             acc = warpgroup_mma(p_op, v_smem.index(vs), acc)
             mbarrier.arrive(v_empty.index(vs), count=1)
-        _epilogue(acc, m_i, l_i, n_tiles < 0, q_smem, o_desc, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr,
-                  o32_ptr, row, q_row0, col, lse_off, q_cube, qk_scale, ZERO_PAD_ROWS, STORE_LSE,
+        _epilogue(acc, m_i, l_i, n_tiles < 0, q_smem, k_smem, o_desc, vbs_ptr, lse_ptr, mp_ptr,
+                  mpc_ptr, o32_out, row, q_row0, col, lse_off, q_cube, qk_scale, ZERO_PAD_ROWS, STORE_LSE,
                   STORE_MAX_PROB, STORE_O32)
 
 
@@ -459,7 +469,7 @@ def _finish_pv(p_op, v_smem, v_ready, v_empty, acc, prev, V_STAGES: gl.constexpr
 
 @gluon.jit
 def _pair_consumer(q_smem, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o_desc,
-                   tinfo_ptr, tmask_ptr, meta_ptr, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr, o32_ptr,
+                   tinfo_ptr, tmask_ptr, meta_ptr, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr, o32_out,
                    mpc_off, pair, live, q_row0, col, lse_off, q_cube, ent, qk_scale,
                    C: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, FENCE_WAIT: gl.constexpr,
                    ZERO_PAD_ROWS: gl.constexpr, STORE_LSE: gl.constexpr,
@@ -524,8 +534,9 @@ def _pair_consumer(q_smem, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_e
     if owed != 0:
         acc = _finish_pv(p_op, v_smem, v_ready, v_empty, acc, prev, V_STAGES)
     if live:
-        _epilogue(acc, m_i, l_i, bad, q_smem, o_desc, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr, o32_ptr,
-                  mpc_off, q_row0, col, lse_off, q_cube, qk_scale, ZERO_PAD_ROWS, STORE_LSE,
+        # the K ring is shared with the other consumer: its O32 goes by gl.store (STORE_O32 1)
+        _epilogue(acc, m_i, l_i, bad, q_smem, k_smem, o_desc, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr,
+                  o32_out, mpc_off, q_row0, col, lse_off, q_cube, qk_scale, ZERO_PAD_ROWS, STORE_LSE,
                   STORE_MAX_PROB, STORE_O32)
 
 
@@ -533,7 +544,7 @@ def _pair_consumer(q_smem, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_e
 @gluon.jit
 def tilegen_gluon_lut_ws(q_desc, k_full, k_half, k_quarter, k_eighth, v_full, v_half, v_quarter,
                       v_eighth, o_desc, sidx_ptr, tinfo_ptr, tmask_ptr, meta_ptr, vbs_ptr, lse_ptr,
-                      mp_ptr, mpc_ptr, o32_ptr, seq_len, num_heads, num_q_blocks, topk, qk_scale,
+                      mp_ptr, mpc_ptr, o32_out, seq_len, num_heads, num_q_blocks, topk, qk_scale,
                       K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
                       PACK_PARTIALS: gl.constexpr,
                       Q_IN_REGS: gl.constexpr, QK_AHEAD: gl.constexpr, FENCE_WAIT: gl.constexpr,
@@ -543,7 +554,11 @@ def tilegen_gluon_lut_ws(q_desc, k_full, k_half, k_quarter, k_eighth, v_full, v_
                       ZERO_PAD_ROWS: gl.constexpr, STORE_O32: gl.constexpr):
     """Without PACK_PARTIALS the half/quarter/eighth descriptors are None; without SHARE_KV
     tmask_ptr is, without STORE_MAX_PROB mp_ptr and mpc_ptr are, and without STORE_O32 (the
-    fp32 O of a call that needs gradients) o32_ptr is."""
+    fp32 O of a call that needs gradients) o32_out is. STORE_O32 1: o32_out is an fp32 pointer;
+    2: an fp32 TMA descriptor over the (B*S, H*D) view, (BLOCK, HEAD_DIM) boxes in O32_SMEM
+    (one consumer per K ring and K_STAGES >= 2: the tile borrows the ring)."""
+    gl.static_assert((STORE_O32 != 2) | ((not SHARE_KV) & (K_STAGES >= 2)),
+                     "STORE_O32 2 stages the fp32 O in a K ring of its own consumer, 2+ slots")
     pid_q = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // num_heads
@@ -583,13 +598,13 @@ def tilegen_gluon_lut_ws(q_desc, k_full, k_half, k_quarter, k_eighth, v_full, v_
         gl.warp_specialize([
             (_pair_consumer, (
                 q_smem0, q_bar0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o_desc,
-                tinfo_ptr, tmask_ptr, meta_ptr, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr, o32_ptr,
+                tinfo_ptr, tmask_ptr, meta_ptr, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr, o32_out,
                 bh * num_q_blocks + q_cube0, pair, True, q_row0, col, lse_off0, q_cube0, ent,
                 qk_scale, 0, K_STAGES, V_STAGES, FENCE_WAIT, ZERO_PAD_ROWS, STORE_LSE,
                 STORE_MAX_PROB, STORE_O32)),
             (_pair_consumer, (
                 q_smem1, q_bar1, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o_desc,
-                tinfo_ptr, tmask_ptr, meta_ptr, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr, o32_ptr,
+                tinfo_ptr, tmask_ptr, meta_ptr, vbs_ptr, lse_ptr, mp_ptr, mpc_ptr, o32_out,
                 bh * num_q_blocks + q_cube0 + 1, pair, live1, q_row0 + BLOCK, col,
                 lse_off0 + BLOCK, q_cube0 + 1, ent, qk_scale, 1, K_STAGES, V_STAGES, FENCE_WAIT,
                 ZERO_PAD_ROWS, STORE_LSE, STORE_MAX_PROB, STORE_O32)),
@@ -613,7 +628,7 @@ def tilegen_gluon_lut_ws(q_desc, k_full, k_half, k_quarter, k_eighth, v_full, v_
         gl.warp_specialize([
             (_consumer, (
                 bufs_0, mma_bufs_0, bars_0, mma_bars_0, o_desc, tinfo_ptr, meta_ptr, vbs_ptr,
-                lse_ptr, mp_ptr, mpc_ptr, o32_ptr, row_0, live_0, q_row0_0, col,
+                lse_ptr, mp_ptr, mpc_ptr, o32_out, row_0, live_0, q_row0_0, col,
                 lse_off_0, q_cube_0, topk, qk_scale, K_STAGES, V_STAGES, Q_IN_REGS, QK_AHEAD, FENCE_WAIT, DEBUG,
                 ZERO_PAD_ROWS, STORE_LSE, STORE_MAX_PROB, STORE_O32)),
             (_producer, (

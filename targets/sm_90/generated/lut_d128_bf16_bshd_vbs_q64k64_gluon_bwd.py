@@ -42,6 +42,7 @@ HEAD_DIM = gl.constexpr(128)
 DTYPE = gl.constexpr(gl.bfloat16)
 TILE_BYTES = gl.constexpr(16384)
 DS_BYTES = gl.constexpr(8192)
+STAT_BYTES = gl.constexpr(256)
 S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 64, 16]))
 O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -58,6 +59,10 @@ TILE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 SUM_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, 8, 16]))
 ONES_SMEM = gl.constexpr(gl.NVMMASharedLayout.get_default_for([64, 8], DTYPE))
+# a query cube's lse or delta row (fp32, one TMA box of 1 x BLOCK) in the dK/dV ring
+# (STATS_TMA), and the same bytes read back as a vector
+STAT_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+STAT_VEC = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
 
 @gluon.jit
@@ -86,10 +91,12 @@ def _bar_ring(n: gl.constexpr, count: gl.constexpr):
 
 # ------------------------------------------------------------------------------- dK / dV
 @gluon.jit
-def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar,
-                   q_ready, do_ready, empty, qcubes_ptr, first, n_q, row0, kv_row, col,
-                   STAGES: gl.constexpr):
-    """One warp: K and V of the cube once, then Q and dO of each query cube into the ring."""
+def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_smem, v_smem,
+                   q_smem, do_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, empty,
+                   qcubes_ptr, first, n_q, row0, kv_row, col, stat_cube0,
+                   STAGES: gl.constexpr, STATS_TMA: gl.constexpr):
+    """One warp: K and V of the cube once, then Q and dO of each query cube into the ring (with
+    STATS_TMA its lse with Q and its delta with dO)."""
     if n_q > 0:
         mbarrier.expect(kv_bar, 2 * TILE_BYTES)
         tma.async_copy_global_to_shared(k_desc, [kv_row, col], kv_bar, k_smem)
@@ -97,19 +104,31 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_s
     for j in range(0, n_q):
         s = j % STAGES
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
-        q_row = row0 + gl.load(qcubes_ptr + first + j) * BLOCK
-        mbarrier.expect(q_ready.index(s), TILE_BYTES)
+        qc = gl.load(qcubes_ptr + first + j)
+        q_row = row0 + qc * BLOCK
+        if STATS_TMA:
+            mbarrier.expect(q_ready.index(s), TILE_BYTES + STAT_BYTES)
+            tma.async_copy_global_to_shared(lse_desc, [stat_cube0 + qc, 0], q_ready.index(s),
+                                            lse_smem.index(s))
+        else:
+            mbarrier.expect(q_ready.index(s), TILE_BYTES)
         tma.async_copy_global_to_shared(q_desc, [q_row, col], q_ready.index(s), q_smem.index(s))
-        mbarrier.expect(do_ready.index(s), TILE_BYTES)
+        if STATS_TMA:
+            mbarrier.expect(do_ready.index(s), TILE_BYTES + STAT_BYTES)
+            tma.async_copy_global_to_shared(delta_desc, [stat_cube0 + qc, 0], do_ready.index(s),
+                                            delta_smem.index(s))
+        else:
+            mbarrier.expect(do_ready.index(s), TILE_BYTES)
         tma.async_copy_global_to_shared(do_desc, [q_row, col], do_ready.index(s),
                                         do_smem.index(s))
 
 
 @gluon.jit
-def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready, empty,
-                   dk_desc, dv_desc, ds_desc, qcubes_ptr, vbs_ptr, lse_ptr, delta_ptr, err_ptr,
-                   first, pair0, n_q, kv_cube, kv_row, col, stat_row0, qk_scale, sm_scale,
-                   STAGES: gl.constexpr, DS_STORE: gl.constexpr, DEBUG: gl.constexpr):
+def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, lse_smem, delta_smem, kv_bar,
+                   q_ready, do_ready, empty, dk_desc, dv_desc, ds_desc, qcubes_ptr, vbs_ptr,
+                   lse_ptr, delta_ptr, err_ptr, first, pair0, n_q, kv_cube, kv_row, col,
+                   stat_row0, qk_scale, sm_scale, STAGES: gl.constexpr, DS_STORE: gl.constexpr,
+                   STATS_TMA: gl.constexpr, DS_SLOTS: gl.constexpr, DEBUG: gl.constexpr):
     dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, O_LAYOUT)
     dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, O_LAYOUT)
     zero_s = gl.zeros([BLOCK, BLOCK], gl.float32, S_LAYOUT)
@@ -117,26 +136,43 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do
     keys_s = gl.arange(0, BLOCK, layout=ROW_S)
     n_keys = gl.load(vbs_ptr + kv_cube)
     inv_scale = 1.0 / qk_scale
+    # with STATS_TMA the only per-pair load left is the query cube's vbs: one pair ahead
+    n_real_next = n_q * 0 + BLOCK
     if n_q > 0:
         mbarrier.wait(kv_bar, 0)
+        if STATS_TMA:
+            n_real_next = gl.load(vbs_ptr + gl.load(qcubes_ptr + first))
     for j in range(0, n_q):
         s = j % STAGES
         phase = (j // STAGES) & 1
-        qc = gl.load(qcubes_ptr + first + j)
-        n_real = gl.load(vbs_ptr + qc)
-        stat = stat_row0 + qc * BLOCK + cols
+        if STATS_TMA:
+            n_real = n_real_next
+            ahead = gl.minimum(j + 1, n_q - 1)
+            n_real_next = gl.load(vbs_ptr + gl.load(qcubes_ptr + first + ahead))
+        else:
+            qc = gl.load(qcubes_ptr + first + j)
+            n_real = gl.load(vbs_ptr + qc)
+            stat = stat_row0 + qc * BLOCK + cols
         # the matmuls accumulate onto the row statistics, so no register holds them long:
         # S^T - lse / qk_scale, then dP^T - delta
-        lse = gl.load(lse_ptr + stat)
-        mbarrier.wait(q_ready.index(s), phase)
+        if STATS_TMA:
+            mbarrier.wait(q_ready.index(s), phase)
+            lse = lse_smem.index(s)._reinterpret(gl.float32, [BLOCK], STAT_VEC).load(COL_S)
+        else:
+            lse = gl.load(lse_ptr + stat)
+            mbarrier.wait(q_ready.index(s), phase)
         s_t = warpgroup_mma(k_smem, q_smem.index(s).permute((1, 0)),
                             zero_s - gl.expand_dims(lse * inv_scale, 0))
         p_t = _exp2(s_t * qk_scale)
         if n_real < BLOCK:
             p_t = gl.where(gl.expand_dims(cols < n_real, 0), p_t, 0.0)
         p_op = gl.convert_layout(p_t.to(DTYPE), A_LAYOUT)
-        delta = gl.load(delta_ptr + stat)
-        mbarrier.wait(do_ready.index(s), phase)
+        if STATS_TMA:
+            mbarrier.wait(do_ready.index(s), phase)
+            delta = delta_smem.index(s)._reinterpret(gl.float32, [BLOCK], STAT_VEC).load(COL_S)
+        else:
+            delta = gl.load(delta_ptr + stat)
+            mbarrier.wait(do_ready.index(s), phase)
         dp_tok = warpgroup_mma(v_smem, do_smem.index(s).permute((1, 0)),
                                zero_s - gl.expand_dims(delta, 0), is_async=True)
         dv_tok = warpgroup_mma(p_op, do_smem.index(s), dv, is_async=True)
@@ -150,14 +186,14 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do
             ds_t = gl.where(gl.expand_dims(keys_s < n_keys, 1), ds_t, 0.0)
         if DS_STORE:
             # dK's A operand from registers as without DS_STORE; the staged copy of the same
-            # bf16 tile is what the TMA store writes out for the dQ kernel (two staging slots:
-            # the store of pair j - 1 may still be reading the other one)
+            # bf16 tile is what the TMA store writes out for the dQ kernel (DS_SLOTS staging
+            # slots: with two, the store of pair j - 1 may still be reading the other one)
             ds_lo = ds_t.to(DTYPE)
             ds_op = gl.convert_layout(ds_lo, A_LAYOUT)
             dk_tok = warpgroup_mma(ds_op, q_smem.index(s), dk, is_async=True)
-            ds_buf = ds_smem.index(j % 2)
+            ds_buf = ds_smem.index(j % DS_SLOTS)
             if DEBUG != "no_ds_wait":
-                tma.store_wait(1)
+                tma.store_wait(DS_SLOTS - 1)
             if DEBUG != "no_ds_smem":
                 ds_buf.store(ds_lo)
                 fence_async_shared()
@@ -185,13 +221,17 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do
 
 
 @gluon.jit
-def tilegen_gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, ds_desc,
-                     kv_offsets_ptr, qcubes_ptr, vbs_ptr, lse_ptr, delta_ptr, err_ptr,
-                     seq_len, num_heads, num_kv_blocks, bh_base, qk_scale, sm_scale,
-                     STAGES: gl.constexpr, DS_STORE: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr, DEBUG: gl.constexpr):
+def tilegen_gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, ds_desc, lse_desc,
+                     delta_desc, kv_offsets_ptr, qcubes_ptr, vbs_ptr, lse_ptr, delta_ptr,
+                     err_ptr, seq_len, num_heads, num_kv_blocks, bh_base, qk_scale, sm_scale,
+                     STAGES: gl.constexpr, DS_STORE: gl.constexpr, STATS_TMA: gl.constexpr,
+                     DS_SLOTS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DEBUG: gl.constexpr):
     """Grid (KV cubes, a group of b*h from bh_base). Without DS_STORE ds_desc is None; with it
     pair p of the inverse map is stored at rows (p - p0) * BLOCK of DS, p0 the group's first.
+    With STATS_TMA the producer brings each query cube's lse and delta rows by TMA (lse_desc,
+    delta_desc: the (B*H*S / BLOCK, BLOCK) views, 1 x BLOCK boxes) with its Q and dO tiles, so
+    the consumer reads them from shared memory; without it (the descriptors None) the consumer
+    loads them from lse_ptr / delta_ptr.
     DEBUG is "" (the kernel), or a timing experiment that leaves out one step of the dS^T store
     (results are garbage): "no_ds_wait", "no_ds_smem", "no_ds_tma"."""
     kv_cube = gl.program_id(0)
@@ -211,9 +251,15 @@ def tilegen_gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, ds
     q_smem = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK, HEAD_DIM], do_desc.layout)
     if DS_STORE:
-        ds_smem = gl.allocate_shared_memory(DTYPE, [2, BLOCK, BLOCK], ds_desc.layout)
+        ds_smem = gl.allocate_shared_memory(DTYPE, [DS_SLOTS, BLOCK, BLOCK], ds_desc.layout)
     else:
         ds_smem = k_smem  # not touched
+    if STATS_TMA:
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK], STAT_SMEM)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK], STAT_SMEM)
+    else:
+        lse_smem = k_smem  # not touched
+        delta_smem = k_smem
     kv_bar = _bar_ring(1, 1).index(0)
     q_ready = _bar_ring(STAGES, 1)
     do_ready = _bar_ring(STAGES, 1)
@@ -221,13 +267,14 @@ def tilegen_gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, ds
     fence_async_shared()
     gl.warp_specialize([
         (_dkdv_consumer, (
-            k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready, empty, dk_desc,
-            dv_desc, ds_desc, qcubes_ptr, vbs_ptr, lse_ptr, delta_ptr, err_ptr,
-            first, first - pair_base, n_q, kv_cube, kv_row, col, stat_row0, qk_scale,
-            sm_scale, STAGES, DS_STORE, DEBUG)),
+            k_smem, v_smem, q_smem, do_smem, ds_smem, lse_smem, delta_smem, kv_bar, q_ready,
+            do_ready, empty, dk_desc, dv_desc, ds_desc, qcubes_ptr, vbs_ptr, lse_ptr, delta_ptr,
+            err_ptr, first, first - pair_base, n_q, kv_cube, kv_row, col, stat_row0, qk_scale,
+            sm_scale, STAGES, DS_STORE, STATS_TMA, DS_SLOTS, DEBUG)),
         (_dkdv_producer, (
-            q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready,
-            do_ready, empty, qcubes_ptr, first, n_q, row0, kv_row, col, STAGES)),
+            q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem,
+            do_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, empty, qcubes_ptr, first,
+            n_q, row0, kv_row, col, bh * (seq_len // BLOCK), STAGES, STATS_TMA)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -317,7 +364,8 @@ def tilegen_gluon_bwd_dq(ds_desc, k_desc, dq_desc, idx_ptr, pos_ptr, meta_ptr, v
     n_kv = gl.maximum(meta, 0)
     ds_smem = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK, BLOCK], ds_desc.layout)
     k_smem = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK, HEAD_DIM], k_desc.layout)
-    out_smem = gl.allocate_shared_memory(DTYPE, [BLOCK, HEAD_DIM], dq_desc.layout)
+    # dQ leaves through the first K slot: the ring is idle once the last matmul is done
+    out_smem = k_smem.index(0)
     ones_smem = gl.allocate_shared_memory(DTYPE, [BLOCK, 8], ONES_SMEM)
     ready = _bar_ring(STAGES, 1)
     empty = _bar_ring(STAGES, 1)

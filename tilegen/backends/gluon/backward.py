@@ -37,6 +37,8 @@ DEFAULTS: dict[str, Any] = {
     "dkdv_stages": 2,
     "dq_stages": 3,
     "ds_store": True,
+    "stats_tma": False,
+    "ds_slots": 1,
     "consumer_regs": 232,
     "producer_regs": 24,
     "scratch_bytes": 4 << 30,
@@ -144,6 +146,13 @@ class GluonBackward:
         return TensorDescriptor(ds, [ds.shape[0], 64], [64, 1], [64, 64],
                                 shared_layout(64, 64, ds.dtype))
 
+    def _stat_desc(self, t):
+        """lse or delta ((B, H, S) fp32) as (B*H*S / 64, 64) rows, one query cube's per box."""
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        rows = t.numel() // 64
+        return TensorDescriptor(t.view(rows, 64), [rows, 64], [64, 1], [1, 64], stat_layout())
+
     def heads_per_group(self, heads_total: int, nq: int, topk: int) -> int:
         """b*h per launch group: as many as the dS^T scratch budget holds (at most NQ * TOPK
         pairs of 8 KiB each per b*h), no more than int32 row indices reach, and at least one
@@ -164,11 +173,15 @@ class GluonBackward:
         B, S, H, D = q.shape
         nkv = S // 64
         store = ds is not None
+        stats = self.opts["stats_tma"]
         self.kernels["dkdv"][(nkv, bh_count if bh_count is not None else B * H)](
             self._desc(q), self._desc(k), self._desc(v), self._desc(do), self._desc(dk),
-            self._desc(dv), self._ds_desc(ds) if store else None, offsets, qcubes, vbs, lse,
-            delta, err, S, H, nkv, bh_base, float(sm_scale) * LOG2E, float(sm_scale),
-            STAGES=self.opts["dkdv_stages"], DS_STORE=store,
+            self._desc(dv), self._ds_desc(ds) if store else None,
+            self._stat_desc(lse) if stats else None, self._stat_desc(delta) if stats else None,
+            offsets, qcubes, vbs, lse, delta, err, S, H, nkv, bh_base,
+            float(sm_scale) * LOG2E, float(sm_scale),
+            STAGES=self.opts["dkdv_stages"], DS_STORE=store, STATS_TMA=stats,
+            DS_SLOTS=self.opts["ds_slots"],
             PRODUCER_REGS=self.opts["producer_regs"], DEBUG=self.opts["debug"],
             num_warps=self.num_warps, maxnreg=self.maxnreg)
 
@@ -218,6 +231,13 @@ class GluonBackward:
 # ----------------------------------------------------------------------------- offline compile
 
 
+def stat_layout() -> Any:
+    """The template's STAT_SMEM: one query cube's lse or delta row, fp32, unswizzled."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
 def signatures(spec: Spec, opts: Mapping[str, Any], has_dsum: bool = False
                ) -> dict[str, tuple[dict, dict]]:
     """(signature, constexprs) of each kernel for triton.compile, with no tensors; ``has_dsum``
@@ -233,13 +253,17 @@ def signatures(spec: Spec, opts: Mapping[str, Any], has_dsum: bool = False
         return f"tensordesc<{spec.dtype}[{rows}, {cols}],{layout!r}>"
 
     store = opts["ds_store"]
+    stats = opts["stats_tma"]
+    stat = f"tensordesc<fp32[1, 64],{stat_layout()!r}>" if stats else None
     dkdv = {"q_desc": td(64, D), "k_desc": td(64, D), "v_desc": td(64, D), "do_desc": td(64, D),
             "dk_desc": td(64, D), "dv_desc": td(64, D), "ds_desc": td(64, 64) if store else None,
+            "lse_desc": stat, "delta_desc": stat,
             "kv_offsets_ptr": "*i32", "qcubes_ptr": "*i32", "vbs_ptr": "*i32",
             "lse_ptr": "*fp32", "delta_ptr": "*fp32", "err_ptr": "*i32", "seq_len": "i32",
             "num_heads": "i32", "num_kv_blocks": "i32", "bh_base": "i32", "qk_scale": "fp32",
             "sm_scale": "fp32"}
-    dkdv_c = {"STAGES": opts["dkdv_stages"], "DS_STORE": store,
+    dkdv_c = {"STAGES": opts["dkdv_stages"], "DS_STORE": store, "STATS_TMA": stats,
+              "DS_SLOTS": opts["ds_slots"],
               "PRODUCER_REGS": opts["producer_regs"], "DEBUG": opts["debug"]}
     dq = {"ds_desc": td(64, 64), "k_desc": td(64, D), "dq_desc": td(64, D), "idx_ptr": "*i32",
           "pos_ptr": "*i32", "meta_ptr": "*i32", "vbs_ptr": "*i32",

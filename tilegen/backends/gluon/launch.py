@@ -71,6 +71,25 @@ def shared_layout(rows: int, cols: int, torch_dtype) -> Any:
     return _layout(rows, cols, gdt)
 
 
+@functools.cache
+def o32_layout() -> Any:
+    """The forward's O32_SMEM: the fp32 O tile unswizzled (TMA's swizzle modes stop at 128-byte
+    rows; the tile's are 512)."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+def o32_descriptor(t) -> Any:
+    """The TMA descriptor of the fp32 O (BSHD) a forward for gradients writes with STORE_O32 2:
+    the (B*S, H*D) view in (64, D) boxes."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    B, S, H, D = t.shape
+    return TensorDescriptor(t.view(B * S, H * D), [B * S, H * D], [H * D, 1], [64, D],
+                            o32_layout())
+
+
 def bshd_descriptor(t, rows: int) -> Any:
     """A TMA descriptor over the (B*S, H*D) view of a BSHD tensor with a (rows, D) box. Built
     per call: a cached descriptor would keep the caller's tensor alive (the layout is cached)."""
@@ -113,6 +132,12 @@ class GluonLaunch:
     def _desc(self, t, rows: int):
         return bshd_descriptor(t, rows)
 
+    def _o32(self, o32):
+        """The kernel's o32_out: None, the fp32 tensor, or its TMA descriptor (`o32_store_kind`)."""
+        if o32 is None or _render.o32_store_kind(self.cfg) == 1:
+            return o32
+        return o32_descriptor(o32)
+
     def __call__(self, q, k, v, topk_idx, vbs, counts, o, lse, err, sm_scale: float,
                  zero_pad_rows: bool = False, max_prob_out=None, windows=None,
                  cube_grid: tuple[int, int, int] | None = None, topk: int = 0,
@@ -151,7 +176,7 @@ class GluonLaunch:
         self.kernel[grid](
             self._desc(q, 64), *kd, *vd, self._desc(o, 64),
             bufs["sidx"], bufs["tinfo"], bufs["tmask"] if share else None, bufs["meta"], vbs,
-            lse if lse is not None else bufs["meta"], *mp, o32,
+            lse if lse is not None else bufs["meta"], *mp, self._o32(o32),
             S, H, nq, topk, float(sm_scale) * LOG2E,
             **_render.constexprs(self.cfg, zero_pad_rows=bool(zero_pad_rows) and nkv == nq,
                                  store_o32=o32 is not None),
@@ -166,7 +191,7 @@ def signature(opts: dict, head_dim: int, dtype: str, store_o32: bool = False
               ) -> tuple[dict, dict]:
     """Kernel signature strings for triton.compile (no tensors needed), and the constexpr
     values: the knobs (`render.constexprs`) and the None of each parameter the options leave
-    unused (the packed-cube descriptors, tmask_ptr, mp_ptr, mpc_ptr and o32_ptr)."""
+    unused (the packed-cube descriptors, tmask_ptr, mp_ptr, mpc_ptr and o32_out)."""
     from triton.experimental.gluon import language as gl
 
     gdt = gl.bfloat16 if dtype == "bf16" else gl.float16
@@ -185,7 +210,12 @@ def signature(opts: dict, head_dim: int, dtype: str, store_o32: bool = False
                  "vbs_ptr": "*i32", "lse_ptr": "*fp32"})
     for name in ("mp_ptr", "mpc_ptr"):
         args[name] = "*fp32" if opts["store_max_prob"] else None
-    args["o32_ptr"] = "*fp32" if store_o32 else None
+    if not store_o32:
+        args["o32_out"] = None
+    elif _render.o32_store_kind(opts) == 1:
+        args["o32_out"] = "*fp32"
+    else:
+        args["o32_out"] = f"tensordesc<fp32[64, {head_dim}],{o32_layout()!r}>"
     args.update({"seq_len": "i32", "num_heads": "i32", "num_q_blocks": "i32", "topk": "i32",
                  "qk_scale": "fp32"})
     consts: dict = {name: None for name, kind in args.items() if kind is None}

@@ -425,10 +425,18 @@ def backward_maps(topk_idx: torch.Tensor, counts: torch.Tensor | None, vbs: torc
                   num_kv_blocks: int, block: int, bwd: BackwardConfig) -> BackwardMaps:
     """The maps `bwd` needs (prebuild them once to share them between calls)."""
     plan = None
+    with_plan = bwd.gluon and bwd.ds_store
     if bwd.dkdv_pack:
         inverse: tuple[torch.Tensor, torch.Tensor] | PackedTiles = packed_inverse_map(
             topk_idx, counts, vbs, num_kv_blocks, block)
-    elif bwd.gluon and bwd.ds_store:
+    elif topk_idx.is_cuda:
+        # the same tensors as the torch models below, in four launches (maps.py)
+        from tilegen.backends.triton.maps import device_maps
+
+        offsets, qcubes, plan = device_maps(topk_idx, counts, vbs, num_kv_blocks, block,
+                                            with_plan=with_plan)
+        inverse = (offsets, qcubes)
+    elif with_plan:
         from tilegen.backends.gluon.backward import dq_plan
 
         offsets, qcubes, order = inverse_map(topk_idx, counts, num_kv_blocks, return_order=True)

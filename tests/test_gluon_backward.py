@@ -12,7 +12,7 @@ import torch
 
 import tilegen
 from tilegen import KernelConfig, Spec
-from tilegen.backends.gluon.backward import dq_plan
+from tilegen.backends.gluon.backward import dq_plan, slots_of_order
 from tilegen.backends.triton.backward import BackwardConfig, backward_maps, inverse_map
 
 
@@ -30,7 +30,8 @@ def test_dq_plan_points_every_entry_at_its_pair(seed):
     idx, counts, vbs, nkv = _lut(seed)
     B, H, NQ, TOPK = idx.shape
     offsets, qcubes, order = inverse_map(idx, counts, nkv, return_order=True)
-    pos, meta = dq_plan(idx, counts, vbs, nkv, order)
+    pos, meta = dq_plan(idx, counts, vbs, nkv, slots_of_order(order))
+    pos = pos // 8  # unpacked: the slot, first row 0
     assert pos.shape == idx.shape and meta.shape == (B * H * NQ,)
     assert torch.equal(meta, counts.reshape(-1))  # no bad value here
     for b in range(B):
@@ -58,7 +59,7 @@ def test_dq_plan_marks_rows_with_bad_values():
     vbs[int(idx[1, 2, 3, 1])] = 0  # a chosen cube with vbs 0: every row that chose it
     counts[1, 0, 4] = idx.shape[3] + 1  # count past TOPK
     _offsets, _qcubes, order = inverse_map(idx, counts, nkv, return_order=True)
-    _pos, meta = dq_plan(idx, counts, vbs, nkv, order)
+    _pos, meta = dq_plan(idx, counts, vbs, nkv, slots_of_order(order))
     meta = meta.view(counts.shape)
     bad_cube = int(idx[1, 2, 3, 1])
     expect = (idx == bad_cube).any(-1)
@@ -67,14 +68,9 @@ def test_dq_plan_marks_rows_with_bad_values():
     assert torch.equal(meta[~expect], counts[~expect])
 
 
-@pytest.mark.parametrize("case", ["clean", "bad", "no_counts", "duplicates"])
-def test_device_maps_equal_the_torch_models(case):
-    """The GPU maps (maps.py: Triton kernels, here under the interpreter) are the torch models'
-    tensors bit for bit: offsets, qcubes, the plan's pos on every real entry and meta, with
-    counts, bad values, no counts, and a row that names a cube twice."""
-    from tilegen.backends.triton.maps import device_maps
-
-    idx, counts, vbs, nkv = _lut(5, B=2, H=2, NQ=9, NKV=11, TOPK=5)
+def _lut_case(case):
+    idx, counts, vbs, nkv = _lut(5, B=2, H=2, NQ=9, NKV=9, TOPK=5)
+    vbs[:] = torch.tensor([64, 32, 16, 8, 64, 4, 48, 32, 16], dtype=torch.int32)
     if case == "bad":
         idx[0, 0, 1, 2] = nkv
         idx[1, 1, 3, 0] = -7
@@ -86,13 +82,82 @@ def test_device_maps_equal_the_torch_models(case):
     elif case == "duplicates":
         idx[0, 1, 2, 3] = idx[0, 1, 2, 1]
         counts[0, 1, 2] = 5
+    return idx, counts, vbs, nkv
+
+
+@pytest.mark.parametrize("case", ["clean", "bad", "no_counts", "duplicates"])
+def test_device_maps_equal_the_torch_models(case):
+    """The GPU maps (maps.py: Triton kernels, here under the interpreter) are the torch models'
+    tensors bit for bit: offsets, qcubes, the plan's pos and meta, with counts, bad values, no
+    counts, and a row that names a cube twice."""
+    from tilegen.backends.gluon.backward import slots_of_order
+    from tilegen.backends.triton.maps import device_maps
+
+    idx, counts, vbs, nkv = _lut_case(case)
     offsets, qcubes, order = inverse_map(idx, counts, nkv, return_order=True)
-    pos, meta = dq_plan(idx, counts, vbs, nkv, order)
-    g_offsets, g_qcubes, (g_pos, g_meta) = device_maps(idx, counts, vbs, nkv)
+    pos, meta = dq_plan(idx, counts, vbs, nkv, slots_of_order(order))
+    (g_offsets, g_qcubes), (g_pos, g_meta) = device_maps(idx, counts, vbs, nkv)
     assert torch.equal(g_offsets, offsets) and torch.equal(g_meta, meta)
     assert torch.equal(g_qcubes, qcubes)
     assert torch.equal(g_pos, pos)
-    assert device_maps(idx, counts, vbs, nkv, with_plan=False)[2] is None
+    assert device_maps(idx, counts, vbs, nkv, with_plan=False)[1] is None
+
+
+@pytest.mark.parametrize("gluon", [False, True])
+@pytest.mark.parametrize("case", ["clean", "bad", "no_counts", "duplicates"])
+def test_device_packed_maps_equal_the_torch_models(case, gluon):
+    """The packed inverse map and its plan on the device (maps.py) against `pack_tiles`
+    (`packed_inverse_map`) and `dq_plan` of its entry tiles, bit for bit, for the Triton
+    kernel's classes (every size from 1 row, rounded up) and the Gluon kernel's (exact sizes of
+    8 to 32 rows)."""
+    from tilegen.backends.triton.backward import packed_inverse_map
+    from tilegen.backends.triton.maps import device_maps
+
+    idx, counts, vbs, nkv = _lut_case(case)
+    min_rows = 8 if gluon else 1
+    packed, slot, row = packed_inverse_map(idx, counts, vbs, nkv, 64, entry_tiles=True,
+                                           min_rows=min_rows, exact=gluon)
+    pos, meta = dq_plan(idx, counts, vbs, nkv, slot, 64, row if gluon else None)
+    got, plan = device_maps(idx, counts, vbs, nkv, pack=True, min_rows=min_rows, exact=gluon)
+    for name in ("offsets", "items", "tile_start", "tile_meta", "count", "min_rows", "exact"):
+        assert torch.equal(torch.as_tensor(getattr(got, name)),
+                           torch.as_tensor(getattr(packed, name))), name
+    if gluon:  # the plan's codes name 8-row granules: the Gluon classes only
+        assert torch.equal(plan[0], pos) and torch.equal(plan[1], meta)
+
+
+def test_packed_plan_points_every_entry_at_its_tile_column():
+    """With dkdv_pack (the Gluon classes), each real entry's code names a tile of its KV cube's
+    list that holds its query cube at that first row, and each tile's rows hold its items in
+    order."""
+    from tilegen.backends.triton.backward import packed_inverse_map
+
+    idx, counts, vbs, nkv = _lut_case("clean")
+    B, H, NQ, TOPK = idx.shape
+    packed, slot, row = packed_inverse_map(idx, counts, vbs, nkv, 64, entry_tiles=True,
+                                           min_rows=8, exact=True)
+    pos, _meta = dq_plan(idx, counts, vbs, nkv, slot, 64, row)
+    seen = 0
+    for b in range(B):
+        for h in range(H):
+            bh = b * H + h
+            for q in range(NQ):
+                for s in range(int(counts[b, h, q])):
+                    code = int(pos[b, h, q, s])
+                    tile, first_row = code // 8, code % 8 * 8
+                    owner = bh * nkv + int(idx[b, h, q, s])
+                    o0 = int(packed.offsets[owner])
+                    assert o0 <= tile < o0 + int(packed.count[owner])
+                    meta = int(packed.tile_meta[tile])
+                    lg, n = meta & 0xFF, meta >> 8
+                    rows = int(vbs[q])
+                    shared = rows in (8, 16, 32)  # exact classes share tiles, others own one
+                    assert lg == (rows.bit_length() - 1 if shared else 6)
+                    assert first_row % (1 << lg) == 0
+                    k = first_row >> lg
+                    assert k < n and int(packed.items[int(packed.tile_start[tile]) + k]) == q
+                    seen += 1
+    assert seen == int(counts.sum())
 
 
 def test_backward_maps_build_the_plan_for_ds_store():
@@ -106,7 +171,10 @@ def test_gluon_backward_config_rules():
     lut = Spec()
     assert BackwardConfig(gluon=True, ds_store=True).violations(lut) == []
     assert "needs gluon" in " ".join(BackwardConfig(ds_store=True).violations(lut))
-    assert "dkdv_pack" in " ".join(BackwardConfig(gluon=True, dkdv_pack=True).violations(lut))
+    # the Gluon dK/dV kernel packs query tiles too; a spec without vbs has nothing to pack
+    assert BackwardConfig(gluon=True, ds_store=True, dkdv_pack=True).violations(lut) == []
+    assert "dkdv_pack" in " ".join(BackwardConfig(gluon=True, dkdv_pack=True).violations(
+        Spec(variable_block_sizes=False)))
     assert "dq_atomic" in " ".join(BackwardConfig(gluon=True, dq_atomic=True).violations(lut))
     why = " ".join(BackwardConfig(gluon=True).violations(Spec(layout="bhsd")))
     assert "BSHD" in why
@@ -143,6 +211,8 @@ def test_gluon_backward_builds_for_sm90a_with_wgmma():
         "from tilegen.cubin import cubin_matrix_ops, cubin_resources\n"
         "from tilegen.targets import get_target\n"
         "out = compile_offline(Spec(), get_target('sm_90'), {'ds_store': True})\n"
+        "out['dkdv_pack'] = compile_offline(Spec(), get_target('sm_90'), {'ds_store': True,"
+        " 'dkdv_pack': True})['dkdv']\n"
         "out['dq_dsum'] = compile_offline(Spec(), get_target('sm_90'), {'ds_store': True},"
         " has_dsum=True)['dq']\n"
         "cu = Path(triton.__file__).parent / 'backends/nvidia/bin/cuobjdump'\n"
@@ -157,9 +227,13 @@ def test_gluon_backward_builds_for_sm90a_with_wgmma():
     lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env=env, check=True).stdout.split("\n")
     got = {ln.split()[0]: [int(x) for x in ln.split()[1:]] for ln in lines if ln.strip()}
-    assert set(got) == {"dkdv", "dq", "dq_dsum"}
+    assert set(got) == {"dkdv", "dq", "dq_dsum", "dkdv_pack"}
     hgmma, local, stl, shared = got["dkdv"]
-    assert (hgmma, local) == (24, 0) and stl <= 5, got
+    assert (hgmma, local) == (24, 0) and stl <= 6, got
+    # packed query tiles: the same matmuls, the producer's box per cube (its 24 registers
+    # park a few scalars), the consumer's masks from one threshold per tile
+    hgmma, local, stl, shared_pack = got["dkdv_pack"]
+    assert (hgmma, local) == (24, 0) and stl <= 8, got
     hgmma, local, stl, shared_dq = got["dq"]
     assert (hgmma, local, stl) == (8, 0, 0), got
     assert got["dq_dsum"][:3] == [8, 0, 0], got  # the dQ kernel of a gradient through lse
@@ -167,19 +241,22 @@ def test_gluon_backward_builds_for_sm90a_with_wgmma():
 
     sm90 = get_target("sm_90")  # two CTAs per SM: half the SM's shared memory, less the reserve
     per_cta = sm90.shared_per_sm // 2 - sm90.reserved_shared_per_block
-    assert max(shared, shared_dq) <= per_cta, got
+    assert max(shared, shared_dq, shared_pack) <= per_cta, got
 
 
 def test_hopper_trains_on_the_gluon_kernels_by_default():
-    """On a wgmma target the default backward is the Gluon one with the stored dS^T and the
-    forward of a gradient call is the Gluon winner's; elsewhere the Triton kernels."""
+    """On a wgmma target the default backward is the Gluon one with the stored dS^T (and
+    packed query tiles for a spec with partial cubes) and the forward of a gradient call is
+    the Gluon winner's; elsewhere the Triton kernels."""
     from tilegen.backends.gluon.op import GluonBlockSparseAttention
     from tilegen.backends.triton.op import BlockSparseAttention
     from tilegen.targets import get_target
 
     hopper, blackwell = get_target("sm_90"), get_target("sm_100a")
-    assert BackwardConfig.default_for(hopper, Spec()) == BackwardConfig(gluon=True,
-                                                                       ds_store=True)
+    assert BackwardConfig.default_for(hopper, Spec()) == BackwardConfig(
+        gluon=True, ds_store=True, dkdv_pack=True)  # partial cubes: packed query tiles
+    assert BackwardConfig.default_for(hopper, Spec(variable_block_sizes=False)) == (
+        BackwardConfig(gluon=True, ds_store=True))
     for target, spec in ((blackwell, Spec()), (hopper, Spec(layout="bhsd")),
                          (hopper, Spec(encoding="sliding_tile")), (None, Spec())):
         assert not BackwardConfig.default_for(target, spec).gluon, (target, spec)

@@ -1,16 +1,17 @@
 """Question: where does the training step's time go outside the two backward kernels, and do
 the session-7 changes (issue #18) pay: the maps on the device (maps.py), the fp32 O by TMA
 from the idle K ring (STORE_O32 2), the dQ kernel's output through its ring (4 stages now fit
-two CTAs per SM), one dS^T staging slot, and lse/delta brought by the dK/dV producer with
-Q/dO (stats_tma)?
+two CTAs per SM), one dS^T staging slot, and packed query tiles in the Gluon dK/dV kernel
+(dkdv_pack: partial query cubes of one size class side by side, 83% of the tiles at the
+default workload)?
 
 Part 1, small shapes: `h200_gluon_backward.check_small` (padding garbage, empty rows, the
-unchosen cube, bad values) for the default Gluon backward with and without stats_tma.
+unchosen cube, bad values; vbs 64/32/16/8) for the Gluon backward with and without dkdv_pack.
 
 Part 2, the default workload (`captures.synthesize_for(Spec(), outlier=True)`):
 - the forward: Gluon winner without lse, with lse, `forward_for_grad` with STORE_O32 2 (TMA)
   and 1 (`gl.store`; the kind forced), the two fp32 O compared bit for bit;
-- the maps: the torch models (`inverse_map` + `dq_plan`) against `device_maps`, equal and timed;
+- the maps: the torch models against `device_maps`, plain and packed, equal and timed;
 - backward candidates (`op.launch_backward`, maps per call; kernels with the maps prebuilt;
   per kernel from torch.profiler), gradients on the outlier, first and last heads;
 - the training step (`block_sparse_attention` + `torch.autograd.grad`) of the default and of
@@ -43,21 +44,14 @@ from tilegen.backends.gluon import backward as gluon_bwd  # noqa: E402
 from tilegen.backends.triton.backward import BackwardConfig  # noqa: E402
 
 GD = BackwardConfig(gluon=True, ds_store=True)
+GP = dataclasses.replace(GD, dkdv_pack=True)
 #: (label, config, Gluon backward option overrides)
 CANDIDATES: list[tuple[str, BackwardConfig, dict]] = [
-    ("ds_store default (1 dS slot, dq 3 stages)", GD, {}),
-    ("+ stats_tma", GD, {"stats_tma": True}),
-    ("2 dS slots (session 6)", GD, {"ds_slots": 2}),
-    ("dq 4 stages", dataclasses.replace(GD, gluon_dq_stages=4), {}),
-    ("stats_tma + dq 4 stages", dataclasses.replace(GD, gluon_dq_stages=4),
-     {"stats_tma": True}),
-    ("stats_tma + dq 4 + scratch 8 GiB", dataclasses.replace(GD, gluon_dq_stages=4,
-                                                              ds_scratch_mib=8192),
-     {"stats_tma": True}),
-    ("stats_tma + dq 4 + scratch 16 GiB", dataclasses.replace(GD, gluon_dq_stages=4,
-                                                               ds_scratch_mib=16384),
-     {"stats_tma": True}),
-    ("ds_store default again (noise)", GD, {}),
+    ("ds_store (1 dS slot, dq 3 stages)", GD, {}),
+    ("+ dkdv_pack (one box per cube slot)", GP, {}),
+    ("dkdv_pack, scratch 8 GiB", dataclasses.replace(GP, ds_scratch_mib=8192), {}),
+    ("ds_store again (noise)", GD, {}),
+    ("dkdv_pack again (noise)", GP, {}),
 ]
 RESULTS: dict = {"small": {}, "forward": {}, "maps": {}, "candidates": {}, "step": {}}
 JSON_PATH: list[Path] = []
@@ -104,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     import tilegen
     from tilegen import bench, captures
     from tilegen.backends.gluon import render as gluon_render
-    from tilegen.backends.gluon.backward import dq_plan
-    from tilegen.backends.triton.backward import backward_maps, inverse_map
+    from tilegen.backends.gluon.backward import dq_plan, slots_of_order
+    from tilegen.backends.triton.backward import backward_maps, inverse_map, packed_inverse_map
     from tilegen.backends.triton.maps import device_maps
     from tilegen.ops import _op_for, block_sparse_attention
 
@@ -113,19 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS["torch"] = torch.__version__
     t0 = time.time()
     if not a.skip_small:
-        for label, opts in (("default", {}), ("stats_tma", {"stats_tma": True})):
-            use_options(opts)
+        for label, bcfg in (("ds_store", GD), ("dkdv_pack", GP)):
             for seed in (0, 1, 2):
                 for head_dim in (64, 128):
                     key = f"{label} seed {seed} d{head_dim}"
                     try:
-                        RESULTS["small"][key] = check_small(GD, seed, head_dim)
+                        RESULTS["small"][key] = check_small(bcfg, seed, head_dim)
                     except Exception as exc:  # noqa: BLE001 - a failure is data
                         traceback.print_exc()
                         RESULTS["small"][key] = {"passed": False,
                                                  "error": f"{type(exc).__name__}: {exc}"[:1500]}
                     print(key, json.dumps(RESULTS["small"][key]), flush=True)
-        use_options({})
         _dump()
     RESULTS["small_s"] = round(time.time() - t0, 1)
 
@@ -172,18 +164,32 @@ def main(argv: list[str] | None = None) -> int:
     try:
         def torch_maps():
             offsets, qcubes, order = inverse_map(idx, None, nkv, return_order=True)
-            return offsets, qcubes, dq_plan(idx, None, vbs, nkv, order)
+            return offsets, qcubes, dq_plan(idx, None, vbs, nkv, slots_of_order(order))
+
+        def torch_packed():
+            packed, slot, row = packed_inverse_map(idx, None, vbs, nkv, 64, entry_tiles=True,
+                                                   min_rows=8)
+            return packed, dq_plan(idx, None, vbs, nkv, slot, 64, row)
 
         t_off, t_q, (t_pos, t_meta) = torch_maps()
-        g_off, g_q, (g_pos, g_meta) = device_maps(idx, None, vbs, nkv)
+        (g_off, g_q), (g_pos, g_meta) = device_maps(idx, None, vbs, nkv)
         maps["equal"] = all(torch.equal(x, y) for x, y in ((t_off, g_off), (t_q, g_q),
                                                             (t_pos, g_pos), (t_meta, g_meta)))
+        t_pk, (tp_pos, tp_meta) = torch_packed()
+        g_pk, (gp_pos, gp_meta) = device_maps(idx, None, vbs, nkv, pack=True, min_rows=8)
+        maps["packed_equal"] = all(
+            torch.equal(getattr(t_pk, f), getattr(g_pk, f))
+            for f in ("offsets", "items", "tile_start", "tile_meta", "count")) and (
+            torch.equal(tp_pos, gp_pos) and torch.equal(tp_meta, gp_meta))
+        maps["pairs"] = int(g_off[-1])
+        maps["packed_tiles"] = int(g_pk.count.sum())
         maps["torch_ms"] = time_it(torch_maps)
-        maps["torch_inverse_only_ms"] = time_it(lambda: inverse_map(idx, None, nkv))
+        maps["torch_packed_ms"] = time_it(torch_packed)
         maps["device_ms"] = time_it(lambda: device_maps(idx, None, vbs, nkv))
-        maps["device_no_plan_ms"] = time_it(lambda: device_maps(idx, None, vbs, nkv,
-                                                                with_plan=False))
-        maps["device_kernels"] = step_kernels(lambda: device_maps(idx, None, vbs, nkv))
+        maps["device_packed_ms"] = time_it(lambda: device_maps(idx, None, vbs, nkv, pack=True,
+                                                               min_rows=8))
+        maps["device_packed_kernels"] = step_kernels(
+            lambda: device_maps(idx, None, vbs, nkv, pack=True, min_rows=8))
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
         maps["error"] = f"{type(exc).__name__}: {exc}"[:1500]
@@ -278,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     small_ok = sum(r.get("passed", False) for r in RESULTS["small"].values())
     lines = [f"small cases: {small_ok}/{len(RESULTS['small'])} passed",
              f"forward: {json.dumps(fwd)}",
-             f"maps: {json.dumps({k2: v2 for k2, v2 in maps.items() if k2 != 'device_kernels'})}",
+             f"maps: {json.dumps({k2: v2 for k2, v2 in maps.items() if 'kernels' not in k2})}",
              f"{'candidate':<40} {'bwd ms':>8} {'kern ms':>8} {'grads':>5} {'min cos':>9} "
              f"{'max rel':>8}  per kernel"]
     for key, r in RESULTS["candidates"].items():

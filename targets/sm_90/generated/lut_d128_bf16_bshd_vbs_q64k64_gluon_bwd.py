@@ -5,18 +5,22 @@ Two kernels, after the delta preprocess (`delta = rowsum(dO * O)`, the Triton fa
 
 - `tilegen_gluon_bwd_dkdv`: one CTA per (KV cube, b*h). K and V of the cube stay in shared memory; a
   1-warp TMA producer streams the Q and dO tiles of the query cubes that chose the cube (the
-  inverse map: KV_OFFSETS / KV_QCUBES, CSR, built on the device) through a STAGES-deep ring,
+  inverse map: KV_OFFSETS / ITEMS, CSR, built on the device) through a STAGES-deep ring,
   and one consumer warpgroup computes, per query tile,
       S^T = K Q^T, P^T = exp2(S^T * qk_scale - lse), dP^T = V dO^T,
       dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q
   with P^T and dS^T the A operands from registers and dK, dV accumulated in registers.
-  With DS_STORE it also writes dS^T (bf16, the operand dK used) of every (KV cube, query cube)
-  pair to DS (pair p = its slot in the inverse map), so dQ needs one matmul per pair (below).
-- `tilegen_gluon_bwd_dq`: one CTA per (query cube, b*h), walking its LUT row: a producer streams the dS^T
-  tile of each pair (slot POS[row, i] of the inverse map) and the KV cube's K tile; the consumer
-  computes dQ += dS K with dS = (dS^T)^T read from shared memory, and rowsum(dS) by a width-8
-  matmul with ones, for the centring of the Triton backward (dq = (dS K - (rowsum dS - dsum) c)
-  * sm_scale, c the mean of the real keys of the row's first cube, from its K tile).
+  A query tile is one query cube, or with PACKED (`packed_inverse_map`) up to eight partial
+  cubes of one size class side by side (two of 32 rows, four of 16, eight of 8), so no MMA
+  work goes to the padding of partial query cubes.
+  With DS_STORE it also writes dS^T (bf16, the operand dK used) of every query tile to DS
+  (tile p = its slot in the inverse map), so dQ needs one matmul per pair (below).
+- `tilegen_gluon_bwd_dq`: one CTA per (query cube, b*h), walking its LUT row: a producer streams the
+  dS^T box of each pair (the tile and first column POS[row, i] names) and the KV cube's K tile;
+  the consumer computes dQ += dS K with dS = (dS^T)^T read from shared memory, and rowsum(dS)
+  by a width-8 matmul with ones, for the centring of the Triton backward (dq = (dS K -
+  (rowsum dS - dsum) c) * sm_scale, c the mean of the real keys of the row's first cube, from
+  its K tile).
 Both kernels take a group of b*h (bh_base ..) per launch, so DS holds one group's pairs.
 
 Padded slots: padded query rows (past vbs of their cube) get P^T = 0 and dS^T = 0 (by `where`,
@@ -41,8 +45,8 @@ BLOCK = gl.constexpr(64)
 HEAD_DIM = gl.constexpr(128)
 DTYPE = gl.constexpr(gl.bfloat16)
 TILE_BYTES = gl.constexpr(16384)
+ROW_BYTES = gl.constexpr(256)
 DS_BYTES = gl.constexpr(8192)
-STAT_BYTES = gl.constexpr(256)
 S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 64, 16]))
 O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -59,10 +63,6 @@ TILE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 SUM_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, 8, 16]))
 ONES_SMEM = gl.constexpr(gl.NVMMASharedLayout.get_default_for([64, 8], DTYPE))
-# a query cube's lse or delta row (fp32, one TMA box of 1 x BLOCK) in the dK/dV ring
-# (STATS_TMA), and the same bytes read back as a vector
-STAT_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
-STAT_VEC = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
 
 @gluon.jit
@@ -91,44 +91,99 @@ def _bar_ring(n: gl.constexpr, count: gl.constexpr):
 
 # ------------------------------------------------------------------------------- dK / dV
 @gluon.jit
-def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_smem, v_smem,
-                   q_smem, do_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, empty,
-                   qcubes_ptr, first, n_q, row0, kv_row, col, stat_cube0,
-                   STAGES: gl.constexpr, STATS_TMA: gl.constexpr):
-    """One warp: K and V of the cube once, then Q and dO of each query cube into the ring (with
-    STATS_TMA its lse with Q and its delta with dO)."""
-    if n_q > 0:
-        mbarrier.expect(kv_bar, 2 * TILE_BYTES)
-        tma.async_copy_global_to_shared(k_desc, [kv_row, col], kv_bar, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [kv_row, col], kv_bar, v_smem)
-    for j in range(0, n_q):
-        s = j % STAGES
-        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
-        qc = gl.load(qcubes_ptr + first + j)
-        q_row = row0 + qc * BLOCK
-        if STATS_TMA:
-            mbarrier.expect(q_ready.index(s), TILE_BYTES + STAT_BYTES)
-            tma.async_copy_global_to_shared(lse_desc, [stat_cube0 + qc, 0], q_ready.index(s),
-                                            lse_smem.index(s))
+def _load_query_tile(descs, buf, bar, items_ptr, tile_start_ptr, tile_meta_ptr, slot, row0, col,
+                     PACKED: gl.constexpr):
+    """Issue the TMA boxes of query tile `slot` of the inverse map into `buf`, completing on
+    `bar`: one whole query cube, or (PACKED) the tile's n cubes of 2**lg rows each, cube i at
+    rows i * 2**lg (`pack_tiles`). `descs`: the boxes of 64, 32, 16 and 8 rows."""
+    d_full, d_half, d_quarter, d_eighth = descs
+    if PACKED:
+        meta = gl.load(tile_meta_ptr + slot)
+        lg = meta & 0xFF
+        start = gl.load(tile_start_ptr + slot)
+        if lg == 6:
+            mbarrier.expect(bar, TILE_BYTES)
+            tma.async_copy_global_to_shared(
+                d_full, [row0 + gl.load(items_ptr + start) * BLOCK, col], bar, buf)
         else:
-            mbarrier.expect(q_ready.index(s), TILE_BYTES)
-        tma.async_copy_global_to_shared(q_desc, [q_row, col], q_ready.index(s), q_smem.index(s))
-        if STATS_TMA:
-            mbarrier.expect(do_ready.index(s), TILE_BYTES + STAT_BYTES)
-            tma.async_copy_global_to_shared(delta_desc, [stat_cube0 + qc, 0], do_ready.index(s),
-                                            delta_smem.index(s))
-        else:
-            mbarrier.expect(do_ready.index(s), TILE_BYTES)
-        tma.async_copy_global_to_shared(do_desc, [q_row, col], do_ready.index(s),
-                                        do_smem.index(s))
+            n = meta >> 8
+            fill = n << lg
+            # one arrive with the exact byte count: fill is a multiple of 8 rows
+            for f in gl.static_range(1, 9):
+                mbarrier.expect(bar, f * 8 * ROW_BYTES, pred=fill == f * 8)
+            for i in range(0, n):
+                r = row0 + gl.load(items_ptr + start + i) * BLOCK
+                off = i << lg
+                for o in gl.static_range(0, BLOCK, BLOCK // 2):
+                    tma.async_copy_global_to_shared(d_half, [r, col], bar,
+                                                    buf.slice(o, BLOCK // 2),
+                                                    pred=(lg == 5) & (off == o))
+                for o in gl.static_range(0, BLOCK, BLOCK // 4):
+                    tma.async_copy_global_to_shared(d_quarter, [r, col], bar,
+                                                    buf.slice(o, BLOCK // 4),
+                                                    pred=(lg == 4) & (off == o))
+                for o in gl.static_range(0, BLOCK, BLOCK // 8):
+                    tma.async_copy_global_to_shared(d_eighth, [r, col], bar,
+                                                    buf.slice(o, BLOCK // 8),
+                                                    pred=(lg == 3) & (off == o))
+    else:
+        mbarrier.expect(bar, TILE_BYTES)
+        tma.async_copy_global_to_shared(d_full, [row0 + gl.load(items_ptr + slot) * BLOCK, col],
+                                        bar, buf)
 
 
 @gluon.jit
-def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, lse_smem, delta_smem, kv_bar,
-                   q_ready, do_ready, empty, dk_desc, dv_desc, ds_desc, qcubes_ptr, vbs_ptr,
-                   lse_ptr, delta_ptr, err_ptr, first, pair0, n_q, kv_cube, kv_row, col,
+def _dkdv_producer(q_descs, do_descs, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar,
+                   q_ready, do_ready, empty, items_ptr, tile_start_ptr, tile_meta_ptr, first,
+                   n_tiles, row0, kv_row, col, STAGES: gl.constexpr, PACKED: gl.constexpr):
+    """One warp: K and V of the cube once, then the Q and dO tiles of its query cubes."""
+    if n_tiles > 0:
+        mbarrier.expect(kv_bar, 2 * TILE_BYTES)
+        tma.async_copy_global_to_shared(k_desc, [kv_row, col], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [kv_row, col], kv_bar, v_smem)
+    for j in range(0, n_tiles):
+        s = j % STAGES
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+        _load_query_tile(q_descs, q_smem.index(s), q_ready.index(s), items_ptr, tile_start_ptr,
+                         tile_meta_ptr, first + j, row0, col, PACKED)
+        _load_query_tile(do_descs, do_smem.index(s), do_ready.index(s), items_ptr,
+                         tile_start_ptr, tile_meta_ptr, first + j, row0, col, PACKED)
+
+
+@gluon.jit
+def _query_tile(items_ptr, tile_start_ptr, tile_meta_ptr, vbs_ptr, slot, cols,
+                PACKED: gl.constexpr):
+    """Query tile `slot`: the offset of each column's row in its (b, h) slice of lse and delta,
+    and the tile's real columns, a prefix (a packed tile holds cubes of exactly 2**lg rows:
+    `pack_tiles` with exact classes)."""
+    if PACKED:
+        meta = gl.load(tile_meta_ptr + slot)
+        lg = meta & 0xFF
+        start = gl.load(tile_start_ptr + slot)
+        if lg == 6:
+            qc = gl.load(items_ptr + start)
+            offs = qc * BLOCK + cols
+            n_real = gl.load(vbs_ptr + qc)
+        else:
+            # cube i of the tile holds columns i * 2**lg ..; a tile's last cubes may be missing
+            item = cols >> lg
+            n_items = meta >> 8
+            cube = gl.load(items_ptr + start + item, mask=item < n_items, other=0)
+            offs = cube * BLOCK + (cols & ((1 << lg) - 1))
+            n_real = n_items << lg
+    else:
+        qc = gl.load(items_ptr + slot)
+        offs = qc * BLOCK + cols
+        n_real = gl.load(vbs_ptr + qc)
+    return offs, n_real
+
+
+@gluon.jit
+def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready, empty,
+                   dk_desc, dv_desc, ds_desc, items_ptr, tile_start_ptr, tile_meta_ptr, vbs_ptr,
+                   lse_ptr, delta_ptr, err_ptr, first, pair0, n_tiles, kv_cube, kv_row, col,
                    stat_row0, qk_scale, sm_scale, STAGES: gl.constexpr, DS_STORE: gl.constexpr,
-                   STATS_TMA: gl.constexpr, DS_SLOTS: gl.constexpr, DEBUG: gl.constexpr):
+                   PACKED: gl.constexpr, DS_SLOTS: gl.constexpr, DEBUG: gl.constexpr):
     dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, O_LAYOUT)
     dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, O_LAYOUT)
     zero_s = gl.zeros([BLOCK, BLOCK], gl.float32, S_LAYOUT)
@@ -136,43 +191,26 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, lse_smem, delta_sme
     keys_s = gl.arange(0, BLOCK, layout=ROW_S)
     n_keys = gl.load(vbs_ptr + kv_cube)
     inv_scale = 1.0 / qk_scale
-    # with STATS_TMA the only per-pair load left is the query cube's vbs: one pair ahead
-    n_real_next = n_q * 0 + BLOCK
-    if n_q > 0:
+    if n_tiles > 0:
         mbarrier.wait(kv_bar, 0)
-        if STATS_TMA:
-            n_real_next = gl.load(vbs_ptr + gl.load(qcubes_ptr + first))
-    for j in range(0, n_q):
+    for j in range(0, n_tiles):
         s = j % STAGES
         phase = (j // STAGES) & 1
-        if STATS_TMA:
-            n_real = n_real_next
-            ahead = gl.minimum(j + 1, n_q - 1)
-            n_real_next = gl.load(vbs_ptr + gl.load(qcubes_ptr + first + ahead))
-        else:
-            qc = gl.load(qcubes_ptr + first + j)
-            n_real = gl.load(vbs_ptr + qc)
-            stat = stat_row0 + qc * BLOCK + cols
+        offs, n_real = _query_tile(items_ptr, tile_start_ptr, tile_meta_ptr, vbs_ptr, first + j,
+                                   cols, PACKED)
+        stat = stat_row0 + offs
         # the matmuls accumulate onto the row statistics, so no register holds them long:
         # S^T - lse / qk_scale, then dP^T - delta
-        if STATS_TMA:
-            mbarrier.wait(q_ready.index(s), phase)
-            lse = lse_smem.index(s)._reinterpret(gl.float32, [BLOCK], STAT_VEC).load(COL_S)
-        else:
-            lse = gl.load(lse_ptr + stat)
-            mbarrier.wait(q_ready.index(s), phase)
+        lse = gl.load(lse_ptr + stat)
+        mbarrier.wait(q_ready.index(s), phase)
         s_t = warpgroup_mma(k_smem, q_smem.index(s).permute((1, 0)),
                             zero_s - gl.expand_dims(lse * inv_scale, 0))
         p_t = _exp2(s_t * qk_scale)
         if n_real < BLOCK:
             p_t = gl.where(gl.expand_dims(cols < n_real, 0), p_t, 0.0)
         p_op = gl.convert_layout(p_t.to(DTYPE), A_LAYOUT)
-        if STATS_TMA:
-            mbarrier.wait(do_ready.index(s), phase)
-            delta = delta_smem.index(s)._reinterpret(gl.float32, [BLOCK], STAT_VEC).load(COL_S)
-        else:
-            delta = gl.load(delta_ptr + stat)
-            mbarrier.wait(do_ready.index(s), phase)
+        delta = gl.load(delta_ptr + stat)
+        mbarrier.wait(do_ready.index(s), phase)
         dp_tok = warpgroup_mma(v_smem, do_smem.index(s).permute((1, 0)),
                                zero_s - gl.expand_dims(delta, 0), is_async=True)
         dv_tok = warpgroup_mma(p_op, do_smem.index(s), dv, is_async=True)
@@ -187,7 +225,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, lse_smem, delta_sme
         if DS_STORE:
             # dK's A operand from registers as without DS_STORE; the staged copy of the same
             # bf16 tile is what the TMA store writes out for the dQ kernel (DS_SLOTS staging
-            # slots: with two, the store of pair j - 1 may still be reading the other one)
+            # slots: with two, the store of tile j - 1 may still be reading the other one)
             ds_lo = ds_t.to(DTYPE)
             ds_op = gl.convert_layout(ds_lo, A_LAYOUT)
             dk_tok = warpgroup_mma(ds_op, q_smem.index(s), dk, is_async=True)
@@ -221,19 +259,22 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, lse_smem, delta_sme
 
 
 @gluon.jit
-def tilegen_gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, ds_desc, lse_desc,
-                     delta_desc, kv_offsets_ptr, qcubes_ptr, vbs_ptr, lse_ptr, delta_ptr,
-                     err_ptr, seq_len, num_heads, num_kv_blocks, bh_base, qk_scale, sm_scale,
-                     STAGES: gl.constexpr, DS_STORE: gl.constexpr, STATS_TMA: gl.constexpr,
-                     DS_SLOTS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DEBUG: gl.constexpr):
-    """Grid (KV cubes, a group of b*h from bh_base). Without DS_STORE ds_desc is None; with it
-    pair p of the inverse map is stored at rows (p - p0) * BLOCK of DS, p0 the group's first.
-    With STATS_TMA the producer brings each query cube's lse and delta rows by TMA (lse_desc,
-    delta_desc: the (B*H*S / BLOCK, BLOCK) views, 1 x BLOCK boxes) with its Q and dO tiles, so
-    the consumer reads them from shared memory; without it (the descriptors None) the consumer
-    loads them from lse_ptr / delta_ptr.
-    DEBUG is "" (the kernel), or a timing experiment that leaves out one step of the dS^T store
-    (results are garbage): "no_ds_wait", "no_ds_smem", "no_ds_tma"."""
+def tilegen_gluon_bwd_dkdv(q_desc, q_half, q_quarter, q_eighth, k_desc, v_desc, do_desc, do_half,
+                     do_quarter, do_eighth, dk_desc, dv_desc, ds_desc, kv_offsets_ptr,
+                     items_ptr, tile_start_ptr, tile_meta_ptr, tile_count_ptr, vbs_ptr, lse_ptr,
+                     delta_ptr, err_ptr, seq_len, num_heads, num_kv_blocks, bh_base, qk_scale,
+                     sm_scale, STAGES: gl.constexpr, DS_STORE: gl.constexpr,
+                     PACKED: gl.constexpr, DS_SLOTS: gl.constexpr,
+                     PRODUCER_REGS: gl.constexpr, DEBUG: gl.constexpr):
+    """Grid (KV cubes, a group of b*h from bh_base). The inverse map: KV cube c of b*h owns the
+    slots kv_offsets[bh*NKV + c] .. of items (its query cubes); unpacked each slot is a query
+    tile of one cube, PACKED (`packed_inverse_map`) the cube has tile_count[.] tiles at those
+    slots, tile t's cubes from items[tile_start[t]], tile_meta[t] = lg | n << 8 (n cubes of
+    2**lg rows; the half/quarter/eighth descriptors are None unpacked, and so are the tile
+    pointers). Without DS_STORE ds_desc is None; with it tile slot p of the inverse map is stored
+    at rows (p - p0) * BLOCK of DS, p0 the group's first. DEBUG is "" (the kernel), or a timing
+    experiment that leaves out one step of the dS^T store (results are garbage): "no_ds_wait",
+    "no_ds_smem", "no_ds_tma"."""
     kv_cube = gl.program_id(0)
     bh = gl.program_id(1) + bh_base
     pair_base = gl.load(kv_offsets_ptr + bh_base * num_kv_blocks)
@@ -245,7 +286,10 @@ def tilegen_gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, ds
     stat_row0 = bh.to(gl.int64) * seq_len
     csr = bh * num_kv_blocks + kv_cube
     first = gl.load(kv_offsets_ptr + csr)
-    n_q = gl.load(kv_offsets_ptr + csr + 1) - first
+    if PACKED:
+        n_tiles = gl.maximum(gl.load(tile_count_ptr + csr), 0)
+    else:
+        n_tiles = gl.load(kv_offsets_ptr + csr + 1) - first
     k_smem = gl.allocate_shared_memory(DTYPE, [BLOCK, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(DTYPE, [BLOCK, HEAD_DIM], v_desc.layout)
     q_smem = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK, HEAD_DIM], q_desc.layout)
@@ -254,27 +298,28 @@ def tilegen_gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, ds
         ds_smem = gl.allocate_shared_memory(DTYPE, [DS_SLOTS, BLOCK, BLOCK], ds_desc.layout)
     else:
         ds_smem = k_smem  # not touched
-    if STATS_TMA:
-        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK], STAT_SMEM)
-        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK], STAT_SMEM)
-    else:
-        lse_smem = k_smem  # not touched
-        delta_smem = k_smem
     kv_bar = _bar_ring(1, 1).index(0)
     q_ready = _bar_ring(STAGES, 1)
     do_ready = _bar_ring(STAGES, 1)
     empty = _bar_ring(STAGES, 1)
+    if PACKED:
+        # rows past a packed tile's fill keep what was there, zeros or earlier real rows,
+        # never NaN: they meet masked (zero) P^T and dS^T columns
+        for i in gl.static_range(STAGES):
+            q_smem.index(i).store(gl.zeros([BLOCK, HEAD_DIM], DTYPE, TILE_LAYOUT))
+            do_smem.index(i).store(gl.zeros([BLOCK, HEAD_DIM], DTYPE, TILE_LAYOUT))
     fence_async_shared()
     gl.warp_specialize([
         (_dkdv_consumer, (
-            k_smem, v_smem, q_smem, do_smem, ds_smem, lse_smem, delta_smem, kv_bar, q_ready,
-            do_ready, empty, dk_desc, dv_desc, ds_desc, qcubes_ptr, vbs_ptr, lse_ptr, delta_ptr,
-            err_ptr, first, first - pair_base, n_q, kv_cube, kv_row, col, stat_row0, qk_scale,
-            sm_scale, STAGES, DS_STORE, STATS_TMA, DS_SLOTS, DEBUG)),
+            k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready, empty, dk_desc,
+            dv_desc, ds_desc, items_ptr, tile_start_ptr, tile_meta_ptr, vbs_ptr, lse_ptr,
+            delta_ptr, err_ptr, first, first - pair_base, n_tiles, kv_cube, kv_row, col,
+            stat_row0, qk_scale, sm_scale, STAGES, DS_STORE, PACKED, DS_SLOTS, DEBUG)),
         (_dkdv_producer, (
-            q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem,
-            do_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, empty, qcubes_ptr, first,
-            n_q, row0, kv_row, col, bh * (seq_len // BLOCK), STAGES, STATS_TMA)),
+            (q_desc, q_half, q_quarter, q_eighth), (do_desc, do_half, do_quarter, do_eighth),
+            k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
+            items_ptr, tile_start_ptr, tile_meta_ptr, first, n_tiles, row0, kv_row, col, STAGES,
+            PACKED)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -287,9 +332,13 @@ def _dq_producer(ds_desc, k_desc, ds_smem, k_smem, ready, empty, idx_ptr, pos_pt
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         kv = gl.load(idx_ptr + lut_row + i)
-        pair = gl.load(pos_ptr + lut_row + i) - pair_base
+        # the pair's tile and the query cube's first column in it (POS: tile * 8 + column / 8);
+        # the box's columns past the scratch's 64 read zeros, those of a packed tile's other
+        # cubes only reach this cube's padded rows
+        code = gl.load(pos_ptr + lut_row + i)
+        pair = (code >> 3) - pair_base
         mbarrier.expect(ready.index(s), DS_BYTES + TILE_BYTES)
-        tma.async_copy_global_to_shared(ds_desc, [pair * BLOCK, 0], ready.index(s),
+        tma.async_copy_global_to_shared(ds_desc, [pair * BLOCK, (code & 7) * 8], ready.index(s),
                                         ds_smem.index(s))
         tma.async_copy_global_to_shared(k_desc, [row0 + kv * BLOCK, col], ready.index(s),
                                         k_smem.index(s))

@@ -14,6 +14,8 @@ B*H*NQ*TOPK tiles of 64x64 bf16 (8 KiB each: 16 GB at the default Wan2.2 workloa
 `GluonBackward` runs the heads in groups whose scratch fits ``scratch_bytes``.
 
 Knobs (`DEFAULTS`): ``dkdv_stages`` / ``dq_stages`` (ring depths), ``ds_store``,
+``dkdv_pack`` (the dK/dV kernel streams packed query tiles: partial cubes of one size class
+side by side, `packed_inverse_map` with 8-row classes), ``ds_slots`` (dS^T staging tiles),
 ``consumer_regs`` / ``producer_regs`` (setmaxnreg of the consumer warpgroup and the producer),
 ``scratch_bytes`` (the dS^T scratch budget of one launch group), ``centre`` (the dQ kernel's
 centring; off only to measure it), ``debug`` (timing experiments that leave out a step of the
@@ -31,13 +33,16 @@ from tilegen.render import Source, render, spec_basename
 from tilegen.spec import Spec
 from tilegen.targets import Target
 
+#: the smallest query tile class of dkdv_pack: the kernel's TMA boxes land at 8-row granules
+#: of the 128-byte swizzle
+GLUON_PACK_MIN_ROWS = 8
 TEMPLATE = "gluon/lut_ws_backward.py.j2"
 KERNELS = {"dkdv": "tilegen_gluon_bwd_dkdv", "dq": "tilegen_gluon_bwd_dq"}
 DEFAULTS: dict[str, Any] = {
     "dkdv_stages": 2,
     "dq_stages": 3,
     "ds_store": True,
-    "stats_tma": False,
+    "dkdv_pack": False,
     "ds_slots": 1,
     "consumer_regs": 232,
     "producer_regs": 24,
@@ -85,28 +90,47 @@ def maxnreg_for(opts: Mapping[str, Any], target: Target) -> int:
                                 "producer_regs": opts["producer_regs"]}, target)
 
 
-def dq_plan(topk_idx, counts, vbs, num_kv_blocks: int, order, block: int = 64):
-    """What the Gluon dQ kernel walks besides the LUT: ``pos`` (int32, the LUT's shape: the
-    inverse-map slot of each entry, i.e. its pair's dS^T tile) from `inverse_map`'s sort
-    ``order``, and ``meta`` (int32, B*H*NQ: the row's entry count, or -1 for a row with an
-    index outside [0, NKV), a chosen cube's vbs outside 1..block or a count outside 0..TOPK).
-    Vectorized torch on the device, no host sync."""
+#: the dQ plan's ``pos`` packs a pair's tile slot and the query cube's first column in it
+#: (a multiple of 8: packed tiles place cubes of 8, 16 or 32 rows at multiples of their size)
+POS_COLUMN_STEP = 8
+
+
+def slots_of_order(order):
+    """Each LUT entry's slot in the unpacked inverse map from its sort ``order``
+    (`inverse_map(..., return_order=True)`): slot p holds entry ``order[p]``."""
+    import torch
+
+    slot = torch.empty_like(order)
+    slot[order] = torch.arange(order.numel(), dtype=order.dtype, device=order.device)
+    return slot
+
+
+def dq_plan(topk_idx, counts, vbs, num_kv_blocks: int, slot, block: int = 64, row=None):
+    """What the Gluon dQ kernel walks besides the LUT: ``pos`` (int32, the LUT's shape: for
+    each entry ``slot * 8 + row // 8``, its pair's dS^T tile, i.e. its slot in the inverse map
+    (`slots_of_order`), or with ``dkdv_pack`` its packed tile's slot (`packed_inverse_map`'s
+    entry tiles), and the query cube's first column in that tile, ``row``: 0 unpacked), and
+    ``meta`` (int32, B*H*NQ: the row's entry count, or -1 for a row with an index outside
+    [0, NKV), a chosen cube's vbs outside 1..block or a count outside 0..TOPK). Vectorized
+    torch on the device, no host sync."""
     import torch
 
     B, H, NQ, TOPK = topk_idx.shape
     n = B * H * NQ * TOPK
-    if n > 2**31 - 1:
-        raise ValueError(f"the dQ plan numbers B*H*NQ*TOPK = {n} LUT entries in int32, as the "
-                         "inverse map does: use a backward config without ds_store")
-    pos = torch.empty(n, dtype=torch.int32, device=topk_idx.device)
-    pos[order] = torch.arange(n, dtype=torch.int32, device=topk_idx.device)
+    if n * POS_COLUMN_STEP > 2**31 - 1:
+        raise ValueError(f"the dQ plan numbers B*H*NQ*TOPK = {n} LUT entries, {POS_COLUMN_STEP} "
+                         "codes each, in int32: use a backward config without ds_store")
+    pos = slot.reshape(-1) * POS_COLUMN_STEP
+    if row is not None:
+        pos = pos + row.reshape(-1) // POS_COLUMN_STEP
+    pos = pos.to(torch.int32)
     idx = topk_idx.reshape(B * H * NQ, TOPK).long()
-    slot = torch.arange(TOPK, device=idx.device)
+    slots = torch.arange(TOPK, device=idx.device)
     if counts is None:
         count = torch.full((B * H * NQ,), TOPK, dtype=torch.long, device=idx.device)
     else:
         count = counts.reshape(-1).long()
-    real = slot[None, :] < count[:, None]
+    real = slots[None, :] < count[:, None]
     ok = (idx >= 0) & (idx < num_kv_blocks)
     n_valid = vbs.long()[torch.where(ok, idx, 0)]
     bad = (real & (~ok | (n_valid < 1) | (n_valid > block))).any(1)
@@ -132,10 +156,18 @@ class GluonBackward:
         self.maxnreg = maxnreg_for(self.opts, target)
         self.num_warps = target.fact("warps_per_warpgroup")
 
-    def _desc(self, t):
+    def _desc(self, t, rows: int = 64):
         from tilegen.backends.gluon.launch import bshd_descriptor
 
-        return bshd_descriptor(t, 64)
+        return bshd_descriptor(t, rows)
+
+    def _query_descs(self, t) -> list:
+        """Q or dO in boxes of a whole query cube and, with ``dkdv_pack``, of 32, 16 and 8 rows
+        (the packed tiles' cubes; None unpacked)."""
+        from tilegen.backends.gluon.launch import DESCRIPTOR_ROWS
+
+        return [self._desc(t, r) if r == 64 or self.opts["dkdv_pack"] else None
+                for r in DESCRIPTOR_ROWS]
 
     def _ds_desc(self, ds):
         """The dS^T scratch, (pairs * 64, 64), in (64, 64) boxes."""
@@ -145,13 +177,6 @@ class GluonBackward:
 
         return TensorDescriptor(ds, [ds.shape[0], 64], [64, 1], [64, 64],
                                 shared_layout(64, 64, ds.dtype))
-
-    def _stat_desc(self, t):
-        """lse or delta ((B, H, S) fp32) as (B*H*S / 64, 64) rows, one query cube's per box."""
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-        rows = t.numel() // 64
-        return TensorDescriptor(t.view(rows, 64), [rows, 64], [64, 1], [1, 64], stat_layout())
 
     def heads_per_group(self, heads_total: int, nq: int, topk: int) -> int:
         """b*h per launch group: as many as the dS^T scratch budget holds (at most NQ * TOPK
@@ -164,23 +189,33 @@ class GluonBackward:
         rows_cap = (2**31 - 1) // (nq * topk * 64)
         return max(1, min(heads_total, self.opts["scratch_bytes"] // per, rows_cap))
 
-    def dkdv(self, q, k, v, do, lse, delta, offsets, qcubes, vbs, dk, dv, ds, err,
+    def dkdv(self, q, k, v, do, lse, delta, inverse, vbs, dk, dv, ds, err,
              sm_scale: float, bh_base: int = 0, bh_count: int | None = None) -> None:
-        """dK, dV of b*h ``bh_base .. + bh_count`` (default: all), and with ``ds`` their pairs'
-        dS^T (pair p of the inverse map at rows (p - p0) * 64, p0 the group's first pair)."""
+        """dK, dV of b*h ``bh_base .. + bh_count`` (default: all), and with ``ds`` their query
+        tiles' dS^T (slot p of the inverse map at rows (p - p0) * 64, p0 the group's first).
+        ``inverse``: `inverse_map`'s (offsets, qcubes), or with ``dkdv_pack`` its packed
+        tiles (`PackedTiles`, smallest class 8 rows)."""
         from tilegen.reference import LOG2E
 
         B, S, H, D = q.shape
         nkv = S // 64
         store = ds is not None
-        stats = self.opts["stats_tma"]
+        packed = self.opts["dkdv_pack"]
+        if packed != hasattr(inverse, "tile_meta") or (packed and (
+                inverse.min_rows < GLUON_PACK_MIN_ROWS or not inverse.exact)):
+            raise ValueError("the Gluon dK/dV kernel's inverse map: with dkdv_pack packed tiles "
+                             f"of exact classes of at least {GLUON_PACK_MIN_ROWS} rows "
+                             "(backward_maps of a Gluon config), without it (offsets, qcubes)")
+        if packed:
+            offsets, items = inverse.offsets, inverse.items
+            tiles = (inverse.tile_start, inverse.tile_meta, inverse.count)
+        else:
+            (offsets, items), tiles = inverse, (None, None, None)
         self.kernels["dkdv"][(nkv, bh_count if bh_count is not None else B * H)](
-            self._desc(q), self._desc(k), self._desc(v), self._desc(do), self._desc(dk),
-            self._desc(dv), self._ds_desc(ds) if store else None,
-            self._stat_desc(lse) if stats else None, self._stat_desc(delta) if stats else None,
-            offsets, qcubes, vbs, lse, delta, err, S, H, nkv, bh_base,
-            float(sm_scale) * LOG2E, float(sm_scale),
-            STAGES=self.opts["dkdv_stages"], DS_STORE=store, STATS_TMA=stats,
+            *self._query_descs(q), self._desc(k), self._desc(v), *self._query_descs(do),
+            self._desc(dk), self._desc(dv), self._ds_desc(ds) if store else None, offsets,
+            items, *tiles, vbs, lse, delta, err, S, H, nkv, bh_base, float(sm_scale) * LOG2E,
+            float(sm_scale), STAGES=self.opts["dkdv_stages"], DS_STORE=store, PACKED=packed,
             DS_SLOTS=self.opts["ds_slots"],
             PRODUCER_REGS=self.opts["producer_regs"], DEBUG=self.opts["debug"],
             num_warps=self.num_warps, maxnreg=self.maxnreg)
@@ -198,20 +233,19 @@ class GluonBackward:
             CENTRE=self.opts["centre"], PRODUCER_REGS=self.opts["producer_regs"],
             num_warps=self.num_warps, maxnreg=self.maxnreg)
 
-    def run(self, q, k, v, do, lse, delta, dsum, topk_idx, vbs, offsets, qcubes, plan, dk, dv,
+    def run(self, q, k, v, do, lse, delta, dsum, topk_idx, vbs, inverse, plan, dk, dv,
             err, sm_scale: float, dq=None, triton_dq=None) -> None:
-        """The whole backward after delta: dK/dV, and dQ into ``dq`` (with ``ds_store``, from
-        ``plan`` = `dq_plan`'s (pos, meta); else ``triton_dq()`` launches the Triton dQ
-        kernel). Groups of b*h as the scratch allows; the scratch is allocated once per call
-        and reused by the groups."""
+        """The whole backward after delta: dK/dV over ``inverse`` (see `dkdv`), and dQ into
+        ``dq`` (with ``ds_store``, from ``plan`` = `dq_plan`'s (pos, meta) for that map; else
+        ``triton_dq()`` launches the Triton dQ kernel). Groups of b*h as the scratch allows;
+        the scratch is allocated once per call and reused by the groups."""
         import torch
 
         B, S, H, D = q.shape
         nq = S // 64
         topk = topk_idx.shape[3]
         if not self.opts["ds_store"]:
-            self.dkdv(q, k, v, do, lse, delta, offsets, qcubes, vbs, dk, dv, None, err,
-                      sm_scale)
+            self.dkdv(q, k, v, do, lse, delta, inverse, vbs, dk, dv, None, err, sm_scale)
             triton_dq()
             return
         if nq * topk * 64 > 2**31 - 1:
@@ -223,19 +257,12 @@ class GluonBackward:
         ds = torch.empty((group * nq * topk * 64, 64), dtype=q.dtype, device=q.device)
         for base in range(0, B * H, group):
             n = min(group, B * H - base)
-            self.dkdv(q, k, v, do, lse, delta, offsets, qcubes, vbs, dk, dv, ds, err, sm_scale,
-                      base, n)
-            self.dq(k, ds, dq, topk_idx, pos, meta, vbs, dsum, offsets, err, sm_scale, base, n)
+            self.dkdv(q, k, v, do, lse, delta, inverse, vbs, dk, dv, ds, err, sm_scale, base, n)
+            self.dq(k, ds, dq, topk_idx, pos, meta, vbs, dsum, inverse[0] if isinstance(
+                inverse, tuple) else inverse.offsets, err, sm_scale, base, n)
 
 
 # ----------------------------------------------------------------------------- offline compile
-
-
-def stat_layout() -> Any:
-    """The template's STAT_SMEM: one query cube's lse or delta row, fp32, unswizzled."""
-    from triton.experimental.gluon import language as gl
-
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 def signatures(spec: Spec, opts: Mapping[str, Any], has_dsum: bool = False
@@ -253,16 +280,23 @@ def signatures(spec: Spec, opts: Mapping[str, Any], has_dsum: bool = False
         return f"tensordesc<{spec.dtype}[{rows}, {cols}],{layout!r}>"
 
     store = opts["ds_store"]
-    stats = opts["stats_tma"]
-    stat = f"tensordesc<fp32[1, 64],{stat_layout()!r}>" if stats else None
-    dkdv = {"q_desc": td(64, D), "k_desc": td(64, D), "v_desc": td(64, D), "do_desc": td(64, D),
-            "dk_desc": td(64, D), "dv_desc": td(64, D), "ds_desc": td(64, 64) if store else None,
-            "lse_desc": stat, "delta_desc": stat,
-            "kv_offsets_ptr": "*i32", "qcubes_ptr": "*i32", "vbs_ptr": "*i32",
-            "lse_ptr": "*fp32", "delta_ptr": "*fp32", "err_ptr": "*i32", "seq_len": "i32",
-            "num_heads": "i32", "num_kv_blocks": "i32", "bh_base": "i32", "qk_scale": "fp32",
-            "sm_scale": "fp32"}
-    dkdv_c = {"STAGES": opts["dkdv_stages"], "DS_STORE": store, "STATS_TMA": stats,
+    packed = opts["dkdv_pack"]
+    dkdv: dict[str, str | None] = {}
+    for t in ("q", "k", "v", "do"):
+        dkdv[f"{t}_desc"] = td(64, D)
+        if t in ("q", "do"):  # the packed tiles' cube boxes
+            for part, rows in (("half", 32), ("quarter", 16), ("eighth", 8)):
+                dkdv[f"{t}_{part}"] = td(rows, D) if packed else None
+    dkdv.update({
+        "dk_desc": td(64, D), "dv_desc": td(64, D), "ds_desc": td(64, 64) if store else None,
+        "kv_offsets_ptr": "*i32", "items_ptr": "*i32",
+        "tile_start_ptr": "*i32" if packed else None,
+        "tile_meta_ptr": "*i32" if packed else None,
+        "tile_count_ptr": "*i32" if packed else None, "vbs_ptr": "*i32",
+        "lse_ptr": "*fp32", "delta_ptr": "*fp32", "err_ptr": "*i32", "seq_len": "i32",
+        "num_heads": "i32", "num_kv_blocks": "i32", "bh_base": "i32", "qk_scale": "fp32",
+        "sm_scale": "fp32"})
+    dkdv_c = {"STAGES": opts["dkdv_stages"], "DS_STORE": store, "PACKED": packed,
               "DS_SLOTS": opts["ds_slots"],
               "PRODUCER_REGS": opts["producer_regs"], "DEBUG": opts["debug"]}
     dq = {"ds_desc": td(64, 64), "k_desc": td(64, D), "dq_desc": td(64, D), "idx_ptr": "*i32",

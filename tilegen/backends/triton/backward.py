@@ -65,8 +65,10 @@ class BackwardConfig:
     - ``gluon``: dK/dV from the warp-specialized Gluon kernel instead
       (`tilegen.backends.gluon.backward`: a TMA producer warp, wgmma; Hopper, BSHD, LUT, 64-token
       cubes) with ``gluon_dkdv_stages`` Q/dO stages; with ``ds_store`` it also stores each
-      pair's dS^T and dQ is one matmul per pair in the Gluon dQ kernel (``gluon_dq_stages``),
-      else the Triton dQ kernel runs. The dK/dV launch fields above are then unused.
+      query tile's dS^T and dQ is one matmul per pair in the Gluon dQ kernel
+      (``gluon_dq_stages``), else the Triton dQ kernel runs. ``dkdv_pack`` packs its query
+      tiles as above, with classes of at least 8 rows (its TMA boxes). The dK/dV launch fields
+      above are then unused.
       ``ds_scratch_mib`` bounds the dS^T scratch of one launch group (the heads run in groups
       that fit it: `tilegen.backends.gluon.backward.GluonBackward.heads_per_group`).
     """
@@ -102,15 +104,15 @@ class BackwardConfig:
         """The default launch of `target`: on AMD (wave64, 512 VGPRs + AGPRs) the dK/dV kernel
         takes 32-row query steps at 4 warps (64 x 64 at 8 warps spills ~1.4 KB on gfx942); on
         a wgmma GPU, for a spec the Gluon backward computes, the Gluon dK/dV kernel with the
-        stored dS^T (the H200's fastest, bench/RESULTS.md); elsewhere (and for the
-        interpreter) the class defaults."""
+        stored dS^T and, for a spec with partial cubes, packed query tiles (the H200's
+        fastest, bench/RESULTS.md); elsewhere (and for the interpreter) the class defaults."""
         if target is not None and target.vendor == "amd":
             return cls(dkdv_block_m=32, dkdv_warps=4)
         if target is not None and spec is not None and "gluon" in target.backends:
             from tilegen.backends.gluon.backward import spec_problem
 
             if spec_problem(spec, target) is None:
-                return cls(gluon=True, ds_store=True)
+                return cls(gluon=True, ds_store=True, dkdv_pack=spec.variable_block_sizes)
         return cls()
 
     def fit(self, spec: Spec) -> BackwardConfig:
@@ -151,8 +153,6 @@ class BackwardConfig:
                 why = "it walks LUT rows and their inverse map (encoding 'lut')"
             if why:
                 out.append(f"gluon: the Gluon backward cannot run this spec: {why}")
-            if self.dkdv_pack:
-                out.append("gluon streams whole query cubes of the inverse map: no dkdv_pack")
             if self.ds_store and (self.dq_pack or self.dq_atomic):
                 out.append("ds_store computes dQ in the Gluon dQ kernel: no dq_pack or "
                            "dq_atomic")
@@ -313,21 +313,36 @@ class PackedTiles:
     tile_start: torch.Tensor
     tile_meta: torch.Tensor
     count: torch.Tensor
+    #: the smallest size class: a cube of fewer real rows still takes this many
+    min_rows: int = 1
+    #: only cubes whose real rows are exactly a class size share tiles (others get one of their
+    #: own), so a tile's real rows are a prefix: the Gluon kernel masks by one threshold
+    exact: bool = False
 
 
 def pack_tiles(owner: torch.Tensor, item: torch.Tensor, rows: torch.Tensor, n_owners: int,
-               block: int, bad: torch.Tensor | None = None) -> PackedTiles:
+               block: int, bad: torch.Tensor | None = None, entry_tiles: bool = False,
+               min_rows: int = 1, exact: bool = False):
     """Pack each owner's cubes into dense ``block``-row tiles, vectorized torch, no host sync.
 
     ``owner`` (int64, N; ``n_owners`` for an entry to leave out), ``item`` (the cube id) and
     ``rows`` (its real rows, clamped to 1..block) per entry; ``bad`` (bool, n_owners) marks
     owners to poison. One stable sort on (owner, size class), three searchsorted and a cumsum:
     cubes of one class are taken ``block >> lg`` to a tile in list order; the last tile of a
-    class may be partly filled (its missing items are masked)."""
+    class may be partly filled (its missing items are masked). ``min_rows`` (a power of two)
+    is the smallest class (the Gluon kernel's TMA boxes start at 8-row granules); with ``exact``
+    only cubes of exactly a class's rows share tiles, every other cube gets a tile of its own
+    (the Gluon kernel's rule: a packed tile's real rows are then a prefix). With
+    ``entry_tiles`` also,
+    per entry, its tile's slot and its first row in the tile (int64, N; 0 for an entry left
+    out): ``(PackedTiles, slot, row)``."""
     dev = owner.device
     n = owner.numel()
     log_block = block.bit_length() - 1
-    lg = torch.ceil(torch.log2(rows.clamp(1, block).float())).long()  # rows <= 2**lg
+    lg = torch.ceil(torch.log2(rows.clamp(min_rows, block).float())).long()  # rows <= 2**lg
+    if exact:
+        r = rows.clamp(1, block)
+        lg = torch.where(((r & (r - 1)) == 0) & (r >= min_rows), lg, log_block)
     rank = log_block - lg  # 0 for full cubes: they come first
     key = owner * (log_block + 1) + rank
     skey, order = torch.sort(key, stable=True)
@@ -360,7 +375,16 @@ def pack_tiles(owner: torch.Tensor, item: torch.Tensor, rows: torch.Tensor, n_ow
     per_owner = torch.bincount(torch.where(kept, s_owner, n_owners), minlength=n_owners + 1)
     offsets = torch.zeros(n_owners + 1, dtype=torch.int32, device=dev)
     offsets[1:] = torch.cumsum(per_owner[:n_owners], 0).to(torch.int32)
-    return PackedTiles(offsets, item[order].to(torch.int32), tile_start, tile_meta, count)
+    packed = PackedTiles(offsets, item[order].to(torch.int32), tile_start, tile_meta, count,
+                         min_rows, exact)
+    if not entry_tiles:
+        return packed
+    first_row = torch.bitwise_left_shift(pos % per_tile, log_block - s_rank)
+    entry_slot = torch.zeros(n, dtype=torch.long, device=dev)
+    entry_row = torch.zeros(n, dtype=torch.long, device=dev)
+    entry_slot[order] = torch.where(kept, slot, 0)
+    entry_row[order] = torch.where(kept, first_row, 0)
+    return packed, entry_slot, entry_row
 
 
 def _entries(topk_idx: torch.Tensor, counts: torch.Tensor | None, num_kv_blocks: int
@@ -376,17 +400,21 @@ def _entries(topk_idx: torch.Tensor, counts: torch.Tensor | None, num_kv_blocks:
 
 
 def packed_inverse_map(topk_idx: torch.Tensor, counts: torch.Tensor | None, vbs: torch.Tensor,
-                       num_kv_blocks: int, block: int) -> PackedTiles:
+                       num_kv_blocks: int, block: int, entry_tiles: bool = False,
+                       min_rows: int = 1, exact: bool = False):
     """The inverse map (`inverse_map`'s lists: for each (batch*head, KV cube) the query cubes
     that chose it) packed into dense query tiles by the query cubes' vbs (`pack_tiles`), for
-    the dK/dV kernel with ``dkdv_pack``. Bad entries are left out (the dQ kernel flags them)."""
+    the dK/dV kernel with ``dkdv_pack``. Bad entries are left out (the dQ kernel flags them).
+    ``entry_tiles``: `pack_tiles`'s per-entry tile slot and first row as well, in the LUT's
+    flat entry order; ``min_rows``, ``exact``: its classes (`pack_tiles`)."""
     idx, ok, real = _entries(topk_idx, counts, num_kv_blocks)
     BH, NQ, TOPK = idx.shape
     bh = torch.arange(BH, device=idx.device).view(BH, 1, 1)
     qc = torch.arange(NQ, device=idx.device).view(1, NQ, 1).expand(BH, NQ, TOPK)
     owner = torch.where(ok & real, bh * num_kv_blocks + idx, BH * num_kv_blocks).reshape(-1)
     rows = vbs.long()[:NQ].clamp(1, block)[qc].reshape(-1)
-    return pack_tiles(owner, qc.reshape(-1), rows, BH * num_kv_blocks, block)
+    return pack_tiles(owner, qc.reshape(-1), rows, BH * num_kv_blocks, block,
+                      entry_tiles=entry_tiles, min_rows=min_rows, exact=exact)
 
 
 def packed_lut(topk_idx: torch.Tensor, counts: torch.Tensor | None, vbs: torch.Tensor,
@@ -426,22 +454,37 @@ def backward_maps(topk_idx: torch.Tensor, counts: torch.Tensor | None, vbs: torc
     """The maps `bwd` needs (prebuild them once to share them between calls)."""
     plan = None
     with_plan = bwd.gluon and bwd.ds_store
-    if bwd.dkdv_pack:
-        inverse: tuple[torch.Tensor, torch.Tensor] | PackedTiles = packed_inverse_map(
-            topk_idx, counts, vbs, num_kv_blocks, block)
-    elif topk_idx.is_cuda:
-        # the same tensors as the torch models below, in four launches (maps.py)
+    # the Gluon dK/dV kernel's TMA boxes start at 8-row granules: its smallest class is 8 rows,
+    # and it packs only cubes of exactly a class's rows
+    min_rows, exact = 1, bwd.gluon
+    if bwd.gluon:
+        from tilegen.backends.gluon.backward import GLUON_PACK_MIN_ROWS
+
+        min_rows = GLUON_PACK_MIN_ROWS
+    inverse: tuple[torch.Tensor, torch.Tensor] | PackedTiles
+    if topk_idx.is_cuda:
+        # the same tensors as the torch models below, in fewer launches (maps.py)
         from tilegen.backends.triton.maps import device_maps
 
-        offsets, qcubes, plan = device_maps(topk_idx, counts, vbs, num_kv_blocks, block,
-                                            with_plan=with_plan)
-        inverse = (offsets, qcubes)
-    elif with_plan:
+        inverse, plan = device_maps(topk_idx, counts, vbs, num_kv_blocks, block,
+                                    with_plan=with_plan, pack=bwd.dkdv_pack, min_rows=min_rows,
+                                    exact=exact)
+    elif bwd.dkdv_pack and with_plan:
         from tilegen.backends.gluon.backward import dq_plan
+
+        inverse, slot, row = packed_inverse_map(topk_idx, counts, vbs, num_kv_blocks, block,
+                                                entry_tiles=True, min_rows=min_rows,
+                                                exact=exact)
+        plan = dq_plan(topk_idx, counts, vbs, num_kv_blocks, slot, block, row)
+    elif bwd.dkdv_pack:
+        inverse = packed_inverse_map(topk_idx, counts, vbs, num_kv_blocks, block,
+                                     min_rows=min_rows, exact=exact)
+    elif with_plan:
+        from tilegen.backends.gluon.backward import dq_plan, slots_of_order
 
         offsets, qcubes, order = inverse_map(topk_idx, counts, num_kv_blocks, return_order=True)
         inverse = (offsets, qcubes)
-        plan = dq_plan(topk_idx, counts, vbs, num_kv_blocks, order, block)
+        plan = dq_plan(topk_idx, counts, vbs, num_kv_blocks, slots_of_order(order), block)
     else:
         inverse = inverse_map(topk_idx, counts, num_kv_blocks)
     lut = packed_lut(topk_idx, counts, vbs, num_kv_blocks, block) if bwd.dq_pack else None

@@ -1,17 +1,22 @@
-"""The backward's maps on a GPU: the inverse map and the Gluon dQ plan, in four launches.
+"""The backward's maps on a GPU: the inverse map (plain or packed) and the Gluon dQ plan.
 
-`tilegen.backends.triton.backward.inverse_map` and `tilegen.backends.gluon.backward.dq_plan`
-are the vectorized torch models (and the CPU path); this module computes the same tensors with
-fewer, fused launches (bench/NOTES.md, issue #18: the torch routine's ~20 elementwise passes
-over the B*H*NQ*TOPK entries cost more than its sort):
+The vectorized torch routines are the models (and the CPU path):
+`tilegen.backends.triton.backward.inverse_map` / `packed_inverse_map` (`pack_tiles`) and
+`tilegen.backends.gluon.backward.dq_plan`. This module computes the same tensors with fewer,
+fused launches (bench/NOTES.md, issue #18: the torch routine's ~20 elementwise passes over the
+B*H*NQ*TOPK entries cost more than its sort):
 
-1. `_lut_keys`: per LUT entry its sort key, ``bh * NKV + index`` (int32; ``B*H*NKV``, sorted
-   last, for an entry past the row's count or out of range), and per row the dQ plan's
-   ``meta`` (the entry count, or -1 for a row with a bad index, vbs or count);
-2. one stable sort of the int32 keys (torch; keeps each key's query cubes ascending);
-3. ``offsets`` by one searchsorted of the sorted keys (the first slot of every key);
-4. `_scatter_order`: per slot p of the map its query cube (``qcubes[p]``) and, for the plan,
-   the slot of each LUT entry (``pos[order[p]] = p``).
+1. `_lut_keys`: per LUT entry its sort key (int32): the list it joins, ``bh * NKV + index``
+   (``B*H*NKV``, sorted last, for an entry past the row's count or out of range), times 7 plus
+   the size class rank of its query cube when packing (full cubes first, as `pack_tiles`);
+   per row the dQ plan's ``meta`` (the entry count, or -1 for a row with a bad index, vbs or
+   count);
+2. one stable sort of the keys (torch; keeps each list's query cubes ascending);
+3. ``offsets`` by one searchsorted of the sorted keys (the first slot of every list);
+4. unpacked, `_scatter_order`: per slot p its query cube and, for the plan, each entry's slot;
+   packed, `_tile_starts` (which slots open a tile), one cumsum (the tiles before each slot),
+   and `_pack_scatter`: the items, each tile's first item and size class, and each entry's
+   tile and first row for the plan.
 
 No host sync. The outputs equal the torch models' bit for bit (tests/test_gluon_backward.py).
 """
@@ -22,14 +27,15 @@ import torch
 import triton
 import triton.language as tl
 
-#: LUT rows per `_lut_keys` program, and map slots per `_scatter_order` program
+#: LUT rows per `_lut_keys` program, and map slots per scatter program
 ROWS = 16
 SLOTS = 1024
 
 
 @triton.jit
-def _lut_keys(LUT, COUNTS, VBS, KEY, META, n_rows, NQ, NKV, TOPK, SENTINEL,
-              HAS_COUNTS: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr,
+def _lut_keys(LUT, COUNTS, VBS, KEY, META, n_rows, NQ, NKV, TOPK, N_LISTS,
+              HAS_COUNTS: tl.constexpr, PACK: tl.constexpr, MIN_LG: tl.constexpr,
+              EXACT: tl.constexpr, LOG_BLOCK: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr,
               BLOCK: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_live = rows < n_rows
@@ -43,7 +49,20 @@ def _lut_keys(LUT, COUNTS, VBS, KEY, META, n_rows, NQ, NKV, TOPK, SENTINEL,
     idx = tl.load(LUT + entry, mask=in_lut, other=0)
     real = in_lut & (slot[None, :] < count[:, None])
     ok = (idx >= 0) & (idx < NKV)
-    key = tl.where(real & ok, (rows // NQ)[:, None] * NKV + idx, SENTINEL)
+    key = tl.where(real & ok, (rows // NQ)[:, None] * NKV + idx, N_LISTS)
+    if PACK:
+        # pack_tiles' class: rows <= 2**lg, lg at least MIN_LG (EXACT: only a cube of exactly
+        # 2**lg rows, else a tile of its own); rank 0 (full cubes) first
+        q_real = tl.load(VBS + rows % NQ, mask=row_live, other=BLOCK)
+        q_real = tl.minimum(tl.maximum(q_real, 1), BLOCK)
+        q_rows = tl.maximum(q_real, 1 << MIN_LG)
+        lg = tl.zeros([ROWS], tl.int32)
+        for i in tl.static_range(LOG_BLOCK):
+            lg += (q_rows > (1 << i)).to(tl.int32)
+        if EXACT:
+            exact = ((q_real & (q_real - 1)) == 0) & (q_real >= (1 << MIN_LG))
+            lg = tl.where(exact, lg, LOG_BLOCK)
+        key = key * (LOG_BLOCK + 1) + (LOG_BLOCK - lg)[:, None]
     tl.store(KEY + entry, key, mask=in_lut)
     # the dQ plan's row check: the vbs of a chosen cube, read only at an index in range
     n_valid = tl.load(VBS + tl.where(ok, idx, 0), mask=in_lut, other=1)
@@ -54,27 +73,84 @@ def _lut_keys(LUT, COUNTS, VBS, KEY, META, n_rows, NQ, NKV, TOPK, SENTINEL,
 
 @triton.jit
 def _scatter_order(ORDER, QCUBES, POS, n, NQ, TOPK, HAS_POS: tl.constexpr,
-                   SLOTS: tl.constexpr):
+                   COLUMN_STEP: tl.constexpr, SLOTS: tl.constexpr):
     p = tl.program_id(0).to(tl.int64) * SLOTS + tl.arange(0, SLOTS)
     live = p < n
     entry = tl.load(ORDER + p, mask=live, other=0)
     tl.store(QCUBES + p, ((entry // TOPK) % NQ).to(tl.int32), mask=live)
     if HAS_POS:
-        tl.store(POS + entry, p.to(tl.int32), mask=live)
+        tl.store(POS + entry, (p * COLUMN_STEP).to(tl.int32), mask=live)
+
+
+@triton.jit
+def _tile_starts(SKEY, GROUP_FIRST, START, n, N_LISTS, LOG_BLOCK: tl.constexpr,
+                 SLOTS: tl.constexpr):
+    """START[j] = 1 where slot j opens a tile: a kept entry at a multiple of its class's
+    cubes-per-tile inside its (list, class) group."""
+    j = tl.program_id(0).to(tl.int64) * SLOTS + tl.arange(0, SLOTS)
+    live = j < n
+    skey = tl.load(SKEY + j, mask=live, other=0)
+    first = tl.load(GROUP_FIRST + j, mask=live, other=0)
+    rank = skey % (LOG_BLOCK + 1)
+    kept = (skey // (LOG_BLOCK + 1)) < N_LISTS
+    opens = kept & (((j - first) & ((1 << rank) - 1)) == 0)
+    tl.store(START + j, opens.to(tl.int32), mask=live)
+
+
+@triton.jit
+def _pack_scatter(ORDER, SKEY, GROUP_FIRST, GROUP_END, START, CSUM, OFFSETS, ITEMS, TILE_START,
+                  TILE_META, POS, n, NQ, TOPK, N_LISTS, HAS_POS: tl.constexpr,
+                  LOG_BLOCK: tl.constexpr, COLUMN_STEP: tl.constexpr, SLOTS: tl.constexpr):
+    """`pack_tiles`' outputs from the sorted keys: slot j's item, the tiles' first items and
+    classes (``lg | n << 8``) at their slots, and each entry's ``tile * 8 + first row / 8``."""
+    j = tl.program_id(0).to(tl.int64) * SLOTS + tl.arange(0, SLOTS)
+    live = j < n
+    entry = tl.load(ORDER + j, mask=live, other=0)
+    tl.store(ITEMS + j, ((entry // TOPK) % NQ).to(tl.int32), mask=live)
+    skey = tl.load(SKEY + j, mask=live, other=0)
+    owner = skey // (LOG_BLOCK + 1)
+    rank = skey % (LOG_BLOCK + 1)
+    kept = live & (owner < N_LISTS)
+    first = tl.load(GROUP_FIRST + j, mask=kept, other=0)
+    end = tl.load(GROUP_END + j, mask=kept, other=0)
+    owner_first = tl.load(OFFSETS + owner, mask=kept, other=0)
+    # the owner's tiles are numbered from its first slot: tiles of earlier owners excluded
+    before = (tl.load(CSUM + owner_first, mask=kept, other=0)
+              - tl.load(START + owner_first, mask=kept, other=0))
+    tile = owner_first + tl.load(CSUM + j, mask=kept, other=1) - 1 - before
+    opens = tl.load(START + j, mask=kept, other=0) != 0
+    per_tile = 1 << rank
+    lg = LOG_BLOCK - rank
+    n_items = tl.minimum(per_tile, end - j)
+    tl.store(TILE_START + tile, j.to(tl.int32), mask=kept & opens)
+    tl.store(TILE_META + tile, (lg | (n_items << 8)).to(tl.int32), mask=kept & opens)
+    if HAS_POS:
+        row = ((j - first) & (per_tile - 1)) << lg
+        code = tl.where(kept, tile * COLUMN_STEP + row // COLUMN_STEP, 0)
+        tl.store(POS + entry, code.to(tl.int32), mask=live)
 
 
 def device_maps(topk_idx: torch.Tensor, counts: torch.Tensor | None, vbs: torch.Tensor,
-                num_kv_blocks: int, block: int = 64, with_plan: bool = True):
-    """``(offsets, qcubes, plan)`` as `inverse_map` and `dq_plan` give them (``plan`` = (pos,
-    meta), or None without ``with_plan``), on the LUT's device (CUDA, or the CPU under the
-    Triton interpreter)."""
+                num_kv_blocks: int, block: int = 64, with_plan: bool = True,
+                pack: bool = False, min_rows: int = 1, exact: bool = False):
+    """``(inverse, plan)``: ``inverse`` as `inverse_map` gives it, ``(offsets, qcubes)``, or
+    with ``pack`` as `packed_inverse_map` (a `PackedTiles`, classes ``min_rows`` and
+    ``exact`` as `pack_tiles` takes them);
+    ``plan`` as `dq_plan` gives it for that map, ``(pos, meta)``, or None without
+    ``with_plan``. On the LUT's device (CUDA, or the CPU under the Triton interpreter)."""
+    from tilegen.backends.gluon.backward import POS_COLUMN_STEP
+    from tilegen.backends.triton.backward import PackedTiles
+
     B, H, NQ, TOPK = topk_idx.shape
     BH = B * H
     n = BH * NQ * TOPK
-    sentinel = BH * num_kv_blocks
-    if n > 2**31 - 1 or sentinel > 2**31 - 2:
-        raise ValueError(f"the backward's maps number B*H*NQ*TOPK = {n} LUT entries and "
-                         f"B*H*NKV = {sentinel} lists in int32")
+    n_lists = BH * num_kv_blocks
+    log_block = block.bit_length() - 1
+    classes = log_block + 1 if pack else 1
+    if n * POS_COLUMN_STEP > 2**31 - 1 or (n_lists + 1) * classes > 2**31 - 1:
+        raise ValueError(f"the backward's maps number B*H*NQ*TOPK = {n} LUT entries "
+                         f"({POS_COLUMN_STEP} plan codes each) and B*H*NKV = {n_lists} lists "
+                         "in int32")
     dev = topk_idx.device
     lut = topk_idx.contiguous()
     key = torch.empty(n, dtype=torch.int32, device=dev)
@@ -82,15 +158,36 @@ def device_maps(topk_idx: torch.Tensor, counts: torch.Tensor | None, vbs: torch.
     cnt = counts.reshape(-1).to(torch.int32).contiguous() if counts is not None else None
     _lut_keys[(triton.cdiv(BH * NQ, ROWS),)](
         lut, cnt if cnt is not None else meta, vbs, key, meta, BH * NQ, NQ, num_kv_blocks,
-        TOPK, sentinel, HAS_COUNTS=cnt is not None, ROWS=ROWS,
+        TOPK, n_lists, HAS_COUNTS=cnt is not None, PACK=pack,
+        MIN_LG=max(min_rows, 1).bit_length() - 1, EXACT=exact, LOG_BLOCK=log_block, ROWS=ROWS,
         BLOCK_T=max(16, triton.next_power_of_2(TOPK)), BLOCK=block, num_warps=4)
     sorted_key, order = torch.sort(key, stable=True)
-    bounds = torch.arange(sentinel + 1, dtype=torch.int32, device=dev)
+    bounds = torch.arange(n_lists + 1, dtype=torch.int32, device=dev) * classes
     offsets = torch.searchsorted(sorted_key, bounds, out_int32=True)
-    qcubes = torch.empty(n, dtype=torch.int32, device=dev)
     pos = torch.empty(n, dtype=torch.int32, device=dev) if with_plan else None
-    _scatter_order[(triton.cdiv(n, SLOTS),)](
-        order, qcubes, pos if pos is not None else qcubes, n, NQ, TOPK,
-        HAS_POS=with_plan, SLOTS=SLOTS, num_warps=4)
+    items = torch.empty(n, dtype=torch.int32, device=dev)
+    grid = (triton.cdiv(n, SLOTS),)
+    if not pack:
+        _scatter_order[grid](order, items, pos if pos is not None else items, n, NQ, TOPK,
+                             HAS_POS=with_plan, COLUMN_STEP=POS_COLUMN_STEP, SLOTS=SLOTS,
+                             num_warps=4)
+        inverse: tuple[torch.Tensor, torch.Tensor] | PackedTiles = (offsets, items)
+    else:
+        group_first = torch.searchsorted(sorted_key, sorted_key, out_int32=True)
+        group_end = torch.searchsorted(sorted_key, sorted_key, right=True, out_int32=True)
+        start = torch.empty(n, dtype=torch.int32, device=dev)
+        _tile_starts[grid](sorted_key, group_first, start, n, n_lists, LOG_BLOCK=log_block,
+                           SLOTS=SLOTS, num_warps=4)
+        csum = torch.cumsum(start, 0, dtype=torch.int32)
+        tile_start = torch.zeros(n, dtype=torch.int32, device=dev)
+        tile_meta = torch.zeros(n, dtype=torch.int32, device=dev)
+        _pack_scatter[grid](order, sorted_key, group_first, group_end, start, csum, offsets,
+                            items, tile_start, tile_meta, pos if pos is not None else items, n,
+                            NQ, TOPK, n_lists, HAS_POS=with_plan, LOG_BLOCK=log_block,
+                            COLUMN_STEP=POS_COLUMN_STEP, SLOTS=SLOTS, num_warps=4)
+        tiles_before = torch.cat([csum.new_zeros(1), csum])  # tiles before slot i
+        count = (tiles_before[offsets[1:].long()] - tiles_before[offsets[:-1].long()])
+        inverse = PackedTiles(offsets, items, tile_start, tile_meta, count.to(torch.int32),
+                              min_rows, exact)
     plan = (pos.view(topk_idx.shape), meta) if with_plan else None
-    return offsets, qcubes, plan
+    return inverse, plan

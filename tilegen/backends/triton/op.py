@@ -321,13 +321,14 @@ class BlockSparseAttention:
         why = spec_problem(self.spec, self.target)
         if why:
             raise ValueError(f"backward config {bwd.name}: {why}")
-        key = ("gluon", bwd.ds_store, bwd.gluon_dkdv_stages, bwd.gluon_dq_stages,
+        key = ("gluon", bwd.ds_store, bwd.dkdv_pack, bwd.gluon_dkdv_stages, bwd.gluon_dq_stages,
                bwd.ds_scratch_mib)
         run = self._gluon_bwd.get(key)
         if run is None:
             run = self._gluon_bwd[key] = GluonBackward(self.spec, self.target, {
-                "ds_store": bwd.ds_store, "dkdv_stages": bwd.gluon_dkdv_stages,
-                "dq_stages": bwd.gluon_dq_stages, "scratch_bytes": bwd.ds_scratch_mib << 20})
+                "ds_store": bwd.ds_store, "dkdv_pack": bwd.dkdv_pack,
+                "dkdv_stages": bwd.gluon_dkdv_stages, "dq_stages": bwd.gluon_dq_stages,
+                "scratch_bytes": bwd.ds_scratch_mib << 20})
         return run
 
     def launch_backward(self, do, q, k, v, o, lse, topk_idx, vbs, counts=None, *,
@@ -409,7 +410,7 @@ class BlockSparseAttention:
                 raise ValueError(f"inverse: the prebuilt maps do not fit backward config "
                                  f"{bcfg.name} (build them with backward_maps(..., config))")
             self.gluon_backward(q.device, bcfg).run(
-                q, k, v, do, lse, delta, dsum, topk_idx, vbs, offsets, qcubes, maps.dq_plan, dk,
+                q, k, v, do, lse, delta, dsum, topk_idx, vbs, maps.inverse, maps.dq_plan, dk,
                 dv, err, scale, dq=dq, triton_dq=launch_dq)
         else:
             if bcfg.dq_atomic:

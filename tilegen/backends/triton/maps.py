@@ -35,8 +35,8 @@ SLOTS = 1024
 @triton.jit
 def _lut_keys(LUT, COUNTS, VBS, KEY, META, n_rows, NQ, NKV, TOPK, N_LISTS,
               HAS_COUNTS: tl.constexpr, PACK: tl.constexpr, MIN_LG: tl.constexpr,
-              EXACT: tl.constexpr, LOG_BLOCK: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr,
-              BLOCK: tl.constexpr):
+              EXACT: tl.constexpr, LOG_BLOCK: tl.constexpr, ROWS: tl.constexpr,
+              BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_live = rows < n_rows
     slot = tl.arange(0, BLOCK_T)

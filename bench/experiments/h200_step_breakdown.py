@@ -46,12 +46,15 @@ from tilegen.backends.triton.backward import BackwardConfig  # noqa: E402
 GD = BackwardConfig(gluon=True, ds_store=True)
 GP = dataclasses.replace(GD, dkdv_pack=True)
 #: (label, config, Gluon backward option overrides)
+#: session 7's second question: the dK/dV launch longest lists first (an option then, removed
+#: after this run: 1.5-3 ms slower), the dQ kernel's K boxes of exactly-partial KV cubes
+#: (`dq_k_boxes`, the default since). The measured run: `..._s7_h200_step_breakdown_order_kboxes`.
 CANDIDATES: list[tuple[str, BackwardConfig, dict]] = [
-    ("ds_store (1 dS slot, dq 3 stages)", GD, {}),
-    ("+ dkdv_pack (one box per cube slot)", GP, {}),
-    ("dkdv_pack, scratch 8 GiB", dataclasses.replace(GP, ds_scratch_mib=8192), {}),
-    ("ds_store again (noise)", GD, {}),
-    ("dkdv_pack again (noise)", GP, {}),
+    ("dkdv_pack, full K boxes", GP, {"dq_k_boxes": False}),
+    ("+ dQ K boxes (the default)", GP, {}),
+    ("dQ K boxes, scratch 8 GiB", dataclasses.replace(GP, ds_scratch_mib=8192), {}),
+    ("full K boxes again (noise)", GP, {"dq_k_boxes": False}),
+    ("dQ K boxes again (noise)", GP, {}),
 ]
 RESULTS: dict = {"small": {}, "forward": {}, "maps": {}, "candidates": {}, "step": {}}
 JSON_PATH: list[Path] = []
@@ -93,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rep", type=int, default=200)
     ap.add_argument("--skip-small", action="store_true")
+    ap.add_argument("--skip-forward", action="store_true")
+    ap.add_argument("--skip-maps", action="store_true")
     a = ap.parse_args(argv)
     JSON_PATH.append(Path(os.environ.get("OUT", "out")) / "h200_step_breakdown.json")
     import tilegen
@@ -134,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     # the forward
     fwd = RESULTS["forward"]
     try:
+        if a.skip_forward:
+            raise RuntimeError("skipped (--skip-forward)")
         fast = op.grad_forward()
         fwd["grad_forward"] = f"{fast.backend} {fast.config.name} ({fast.config_source})"
         fwd["o32_kind"] = gluon_render.o32_store_kind(gluon_render.options_of(fast.config))
@@ -162,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     # the maps
     maps = RESULTS["maps"]
     try:
+        if a.skip_maps:
+            raise RuntimeError("skipped (--skip-maps)")
         def torch_maps():
             offsets, qcubes, order = inverse_map(idx, None, nkv, return_order=True)
             return offsets, qcubes, dq_plan(idx, None, vbs, nkv, slots_of_order(order))

@@ -224,8 +224,8 @@ def _bwd_inverse_map(spec: Spec, args: tuple, do: torch.Tensor, timer: Callable,
         return backward_maps(idx, None, vbs, vbs.shape[0], spec.block_kv, cfg)
 
     row.config = (f"{cfg.name}: "
-                  + ("Triton keys + stable sort + scatter" if idx.is_cuda and not cfg.dkdv_pack
-                     else "torch: stable sort + bincount"))
+                  + ("device maps (maps.py: Triton keys, one stable sort, scatter)"
+                     if idx.is_cuda else "torch: stable sort + bincount"))
     first_call(build, row, device)
     row.ms_op = timer(build)
     return None

@@ -91,6 +91,16 @@ def _bar_ring(n: gl.constexpr, count: gl.constexpr):
 
 # ------------------------------------------------------------------------------- dK / dV
 @gluon.jit
+def _load_cube_slots(desc, buf, bar, items_ptr, start, n, row0, col, ROWS: gl.constexpr):
+    """The boxes of a packed tile of cubes of ROWS rows: cube i (< n) at rows i * ROWS."""
+    for i in gl.static_range(BLOCK // ROWS):
+        live = i < n
+        r = row0 + gl.load(items_ptr + start + i, mask=live, other=0) * BLOCK
+        tma.async_copy_global_to_shared(desc, [r, col], bar, buf.slice(i * ROWS, ROWS),
+                                        pred=live)
+
+
+@gluon.jit
 def _load_query_tile(descs, buf, bar, items_ptr, tile_start_ptr, tile_meta_ptr, slot, row0, col,
                      PACKED: gl.constexpr):
     """Issue the TMA boxes of query tile `slot` of the inverse map into `buf`, completing on
@@ -111,21 +121,15 @@ def _load_query_tile(descs, buf, bar, items_ptr, tile_start_ptr, tile_meta_ptr, 
             # one arrive with the exact byte count: fill is a multiple of 8 rows
             for f in gl.static_range(1, 9):
                 mbarrier.expect(bar, f * 8 * ROW_BYTES, pred=fill == f * 8)
-            for i in range(0, n):
-                r = row0 + gl.load(items_ptr + start + i) * BLOCK
-                off = i << lg
-                for o in gl.static_range(0, BLOCK, BLOCK // 2):
-                    tma.async_copy_global_to_shared(d_half, [r, col], bar,
-                                                    buf.slice(o, BLOCK // 2),
-                                                    pred=(lg == 5) & (off == o))
-                for o in gl.static_range(0, BLOCK, BLOCK // 4):
-                    tma.async_copy_global_to_shared(d_quarter, [r, col], bar,
-                                                    buf.slice(o, BLOCK // 4),
-                                                    pred=(lg == 4) & (off == o))
-                for o in gl.static_range(0, BLOCK, BLOCK // 8):
-                    tma.async_copy_global_to_shared(d_eighth, [r, col], bar,
-                                                    buf.slice(o, BLOCK // 8),
-                                                    pred=(lg == 3) & (off == o))
+            # one box per cube slot of the tile's class: 2, 4 or 8 (slots past n stay idle)
+            if lg == 5:
+                _load_cube_slots(d_half, buf, bar, items_ptr, start, n, row0, col, BLOCK // 2)
+            elif lg == 4:
+                _load_cube_slots(d_quarter, buf, bar, items_ptr, start, n, row0, col,
+                                 BLOCK // 4)
+            else:
+                _load_cube_slots(d_eighth, buf, bar, items_ptr, start, n, row0, col,
+                                 BLOCK // 8)
     else:
         mbarrier.expect(bar, TILE_BYTES)
         tma.async_copy_global_to_shared(d_full, [row0 + gl.load(items_ptr + slot) * BLOCK, col],
@@ -266,7 +270,10 @@ def tilegen_gluon_bwd_dkdv(q_desc, q_half, q_quarter, q_eighth, k_desc, v_desc, 
                      sm_scale, STAGES: gl.constexpr, DS_STORE: gl.constexpr,
                      PACKED: gl.constexpr, DS_SLOTS: gl.constexpr,
                      PRODUCER_REGS: gl.constexpr, DEBUG: gl.constexpr):
-    """Grid (KV cubes, a group of b*h from bh_base). The inverse map: KV cube c of b*h owns the
+    """Grid (KV cubes, a group of b*h from bh_base), in list order: CTAs that run together
+    share a head and neighbouring KV cubes, whose query lists overlap, so Q and dO tiles are
+    L2 hits (launching the longest lists first measured 1.5-3 ms slower: bench/NOTES.md). The
+    inverse map: KV cube c of b*h owns the
     slots kv_offsets[bh*NKV + c] .. of items (its query cubes); unpacked each slot is a query
     tile of one cube, PACKED (`packed_inverse_map`) the cube has tile_count[.] tiles at those
     slots, tile t's cubes from items[tile_start[t]], tile_meta[t] = lg | n << 8 (n cubes of
@@ -325,9 +332,13 @@ def tilegen_gluon_bwd_dkdv(q_desc, q_half, q_quarter, q_eighth, k_desc, v_desc, 
 
 # ------------------------------------------------------------------------------- dQ from dS
 @gluon.jit
-def _dq_producer(ds_desc, k_desc, ds_smem, k_smem, ready, empty, idx_ptr, pos_ptr, n_kv,
-                 lut_row, pair_base, row0, col, STAGES: gl.constexpr):
-    """One warp: per LUT entry the pair's dS^T tile and the KV cube's K tile into the ring."""
+def _dq_producer(ds_desc, k_descs, ds_smem, k_smem, ready, empty, idx_ptr, pos_ptr, vbs_ptr,
+                 n_kv, lut_row, pair_base, row0, col, STAGES: gl.constexpr,
+                 K_BOXES: gl.constexpr):
+    """One warp: per LUT entry the pair's dS^T tile and the KV cube's K tile into the ring;
+    with K_BOXES a cube of exactly 32, 16 or 8 keys loads only those rows (its dS^T rows past
+    them are zeros, so the slot's older rows, real K or zeros, meet zeros)."""
+    k_full, k_half, k_quarter, k_eighth = k_descs
     for i in range(0, n_kv):
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
@@ -337,11 +348,32 @@ def _dq_producer(ds_desc, k_desc, ds_smem, k_smem, ready, empty, idx_ptr, pos_pt
         # cubes only reach this cube's padded rows
         code = gl.load(pos_ptr + lut_row + i)
         pair = (code >> 3) - pair_base
-        mbarrier.expect(ready.index(s), DS_BYTES + TILE_BYTES)
-        tma.async_copy_global_to_shared(ds_desc, [pair * BLOCK, (code & 7) * 8], ready.index(s),
-                                        ds_smem.index(s))
-        tma.async_copy_global_to_shared(k_desc, [row0 + kv * BLOCK, col], ready.index(s),
-                                        k_smem.index(s))
+        r = row0 + kv * BLOCK
+        if K_BOXES:
+            n_keys = gl.load(vbs_ptr + kv)
+            half = n_keys == BLOCK // 2
+            quarter = n_keys == BLOCK // 4
+            eighth = n_keys == BLOCK // 8
+            full = not (half | quarter | eighth)
+            mbarrier.expect(ready.index(s), DS_BYTES + TILE_BYTES, pred=full)
+            mbarrier.expect(ready.index(s), DS_BYTES + TILE_BYTES // 2, pred=half)
+            mbarrier.expect(ready.index(s), DS_BYTES + TILE_BYTES // 4, pred=quarter)
+            mbarrier.expect(ready.index(s), DS_BYTES + TILE_BYTES // 8, pred=eighth)
+            tma.async_copy_global_to_shared(ds_desc, [pair * BLOCK, (code & 7) * 8],
+                                            ready.index(s), ds_smem.index(s))
+            tma.async_copy_global_to_shared(k_full, [r, col], ready.index(s), k_smem.index(s),
+                                            pred=full)
+            tma.async_copy_global_to_shared(k_half, [r, col], ready.index(s),
+                                            k_smem.index(s).slice(0, BLOCK // 2), pred=half)
+            tma.async_copy_global_to_shared(k_quarter, [r, col], ready.index(s),
+                                            k_smem.index(s).slice(0, BLOCK // 4), pred=quarter)
+            tma.async_copy_global_to_shared(k_eighth, [r, col], ready.index(s),
+                                            k_smem.index(s).slice(0, BLOCK // 8), pred=eighth)
+        else:
+            mbarrier.expect(ready.index(s), DS_BYTES + TILE_BYTES)
+            tma.async_copy_global_to_shared(ds_desc, [pair * BLOCK, (code & 7) * 8],
+                                            ready.index(s), ds_smem.index(s))
+            tma.async_copy_global_to_shared(k_full, [r, col], ready.index(s), k_smem.index(s))
 
 
 @gluon.jit
@@ -391,14 +423,15 @@ def _dq_consumer(ds_smem, k_smem, ones_smem, out_smem, ready, empty, dq_desc, id
 
 
 @gluon.jit
-def tilegen_gluon_bwd_dq(ds_desc, k_desc, dq_desc, idx_ptr, pos_ptr, meta_ptr, vbs_ptr, dsum_ptr,
-                   kv_offsets_ptr, err_ptr, seq_len, num_heads, num_q_blocks, num_kv_blocks,
-                   topk, bh_base, sm_scale,
+def tilegen_gluon_bwd_dq(ds_desc, k_desc, k_half, k_quarter, k_eighth, dq_desc, idx_ptr, pos_ptr,
+                   meta_ptr, vbs_ptr, dsum_ptr, kv_offsets_ptr, err_ptr, seq_len, num_heads,
+                   num_q_blocks, num_kv_blocks, topk, bh_base, sm_scale,
                    STAGES: gl.constexpr, HAS_DSUM: gl.constexpr, CENTRE: gl.constexpr,
-                   PRODUCER_REGS: gl.constexpr):
+                   K_BOXES: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Grid (query cubes, the group of b*h the dK/dV launch stored dS^T for, from bh_base).
     META[row]: the row's entry count, or -1 for a row with a bad value (no entry is read).
-    Without HAS_DSUM dsum_ptr is None."""
+    Without HAS_DSUM dsum_ptr is None; without K_BOXES the half/quarter/eighth K descriptors
+    are."""
     q_cube = gl.program_id(0)
     bh = gl.program_id(1) + bh_base
     pair_base = gl.load(kv_offsets_ptr + bh_base * num_kv_blocks)
@@ -418,6 +451,10 @@ def tilegen_gluon_bwd_dq(ds_desc, k_desc, dq_desc, idx_ptr, pos_ptr, meta_ptr, v
     ones_smem = gl.allocate_shared_memory(DTYPE, [BLOCK, 8], ONES_SMEM)
     ready = _bar_ring(STAGES, 1)
     empty = _bar_ring(STAGES, 1)
+    if K_BOXES:
+        # rows past a short box keep what was there, zeros or earlier real K rows, never NaN
+        for i in gl.static_range(STAGES):
+            k_smem.index(i).store(gl.zeros([BLOCK, HEAD_DIM], DTYPE, TILE_LAYOUT))
     fence_async_shared()
     gl.warp_specialize([
         (_dq_consumer, (
@@ -426,6 +463,6 @@ def tilegen_gluon_bwd_dq(ds_desc, k_desc, dq_desc, idx_ptr, pos_ptr, meta_ptr, v
             col, bh.to(gl.int64) * seq_len + q_cube * BLOCK, sm_scale, STAGES, HAS_DSUM,
             CENTRE)),
         (_dq_producer, (
-            ds_desc, k_desc, ds_smem, k_smem, ready, empty, idx_ptr, pos_ptr, n_kv, lut_row,
-            pair_base, row0, col, STAGES)),
+            ds_desc, (k_desc, k_half, k_quarter, k_eighth), ds_smem, k_smem, ready, empty,
+            idx_ptr, pos_ptr, vbs_ptr, n_kv, lut_row, pair_base, row0, col, STAGES, K_BOXES)),
     ], [1], [PRODUCER_REGS])

@@ -16,6 +16,7 @@ B*H*NQ*TOPK tiles of 64x64 bf16 (8 KiB each: 16 GB at the default Wan2.2 workloa
 Knobs (`DEFAULTS`): ``dkdv_stages`` / ``dq_stages`` (ring depths), ``ds_store``,
 ``dkdv_pack`` (the dK/dV kernel streams packed query tiles: partial cubes of one size class
 side by side, `packed_inverse_map` with 8-row classes), ``ds_slots`` (dS^T staging tiles),
+``dq_k_boxes`` (the dQ kernel loads only the K rows of a KV cube of exactly 32, 16 or 8 keys),
 ``consumer_regs`` / ``producer_regs`` (setmaxnreg of the consumer warpgroup and the producer),
 ``scratch_bytes`` (the dS^T scratch budget of one launch group), ``centre`` (the dQ kernel's
 centring; off only to measure it), ``debug`` (timing experiments that leave out a step of the
@@ -44,6 +45,7 @@ DEFAULTS: dict[str, Any] = {
     "ds_store": True,
     "dkdv_pack": False,
     "ds_slots": 1,
+    "dq_k_boxes": True,
     "consumer_regs": 232,
     "producer_regs": 24,
     "scratch_bytes": 4 << 30,
@@ -161,12 +163,12 @@ class GluonBackward:
 
         return bshd_descriptor(t, rows)
 
-    def _query_descs(self, t) -> list:
-        """Q or dO in boxes of a whole query cube and, with ``dkdv_pack``, of 32, 16 and 8 rows
-        (the packed tiles' cubes; None unpacked)."""
+    def _query_descs(self, t, opt: str = "dkdv_pack") -> list:
+        """Q or dO (K with ``opt`` "dq_k_boxes") in boxes of a whole cube and, with ``opt``, of
+        32, 16 and 8 rows (the partial cubes; None without)."""
         from tilegen.backends.gluon.launch import DESCRIPTOR_ROWS
 
-        return [self._desc(t, r) if r == 64 or self.opts["dkdv_pack"] else None
+        return [self._desc(t, r) if r == 64 or self.opts[opt] else None
                 for r in DESCRIPTOR_ROWS]
 
     def _ds_desc(self, ds):
@@ -227,10 +229,11 @@ class GluonBackward:
         B, S, H, D = k.shape
         nq, nkv = S // 64, S // 64
         self.kernels["dq"][(nq, bh_count if bh_count is not None else B * H)](
-            self._ds_desc(ds), self._desc(k), self._desc(dq), topk_idx, pos, meta, vbs, dsum,
-            offsets, err, S, H, nq, nkv, topk_idx.shape[3], bh_base, float(sm_scale),
-            STAGES=self.opts["dq_stages"], HAS_DSUM=dsum is not None,
-            CENTRE=self.opts["centre"], PRODUCER_REGS=self.opts["producer_regs"],
+            self._ds_desc(ds), *self._query_descs(k, "dq_k_boxes"), self._desc(dq), topk_idx,
+            pos, meta, vbs, dsum, offsets, err, S, H, nq, nkv, topk_idx.shape[3], bh_base,
+            float(sm_scale), STAGES=self.opts["dq_stages"], HAS_DSUM=dsum is not None,
+            CENTRE=self.opts["centre"], K_BOXES=self.opts["dq_k_boxes"],
+            PRODUCER_REGS=self.opts["producer_regs"],
             num_warps=self.num_warps, maxnreg=self.maxnreg)
 
     def run(self, q, k, v, do, lse, delta, dsum, topk_idx, vbs, inverse, plan, dk, dv,
@@ -292,21 +295,25 @@ def signatures(spec: Spec, opts: Mapping[str, Any], has_dsum: bool = False
         "kv_offsets_ptr": "*i32", "items_ptr": "*i32",
         "tile_start_ptr": "*i32" if packed else None,
         "tile_meta_ptr": "*i32" if packed else None,
-        "tile_count_ptr": "*i32" if packed else None, "vbs_ptr": "*i32",
+        "tile_count_ptr": "*i32" if packed else None,
+        "vbs_ptr": "*i32",
         "lse_ptr": "*fp32", "delta_ptr": "*fp32", "err_ptr": "*i32", "seq_len": "i32",
         "num_heads": "i32", "num_kv_blocks": "i32", "bh_base": "i32", "qk_scale": "fp32",
         "sm_scale": "fp32"})
     dkdv_c = {"STAGES": opts["dkdv_stages"], "DS_STORE": store, "PACKED": packed,
               "DS_SLOTS": opts["ds_slots"],
               "PRODUCER_REGS": opts["producer_regs"], "DEBUG": opts["debug"]}
-    dq = {"ds_desc": td(64, 64), "k_desc": td(64, D), "dq_desc": td(64, D), "idx_ptr": "*i32",
+    boxes = opts["dq_k_boxes"]
+    dq = {"ds_desc": td(64, 64), "k_desc": td(64, D), "k_half": td(32, D) if boxes else None,
+          "k_quarter": td(16, D) if boxes else None, "k_eighth": td(8, D) if boxes else None,
+          "dq_desc": td(64, D), "idx_ptr": "*i32",
           "pos_ptr": "*i32", "meta_ptr": "*i32", "vbs_ptr": "*i32",
           "dsum_ptr": "*fp32" if has_dsum else None,
           "kv_offsets_ptr": "*i32", "err_ptr": "*i32", "seq_len": "i32", "num_heads": "i32",
           "num_q_blocks": "i32", "num_kv_blocks": "i32", "topk": "i32", "bh_base": "i32",
           "sm_scale": "fp32"}
     dq_c = {"STAGES": opts["dq_stages"], "HAS_DSUM": has_dsum, "CENTRE": opts["centre"],
-            "PRODUCER_REGS": opts["producer_regs"]}
+            "K_BOXES": boxes, "PRODUCER_REGS": opts["producer_regs"]}
 
     def pack(args, consts):
         c = {name: None for name, kind in args.items() if kind is None}

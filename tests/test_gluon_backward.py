@@ -118,12 +118,37 @@ def test_device_packed_maps_equal_the_torch_models(case, gluon):
     packed, slot, row = packed_inverse_map(idx, counts, vbs, nkv, 64, entry_tiles=True,
                                            min_rows=min_rows, exact=gluon)
     pos, meta = dq_plan(idx, counts, vbs, nkv, slot, 64, row if gluon else None)
-    got, plan = device_maps(idx, counts, vbs, nkv, pack=True, min_rows=min_rows, exact=gluon)
+    got, plan = device_maps(idx, counts, vbs, nkv, pack=True, min_rows=min_rows, exact=gluon,
+                            with_plan=gluon)
     for name in ("offsets", "items", "tile_start", "tile_meta", "count", "min_rows", "exact"):
         assert torch.equal(torch.as_tensor(getattr(got, name)),
                            torch.as_tensor(getattr(packed, name))), name
+    assert (plan is None) == (not gluon)
     if gluon:  # the plan's codes name 8-row granules: the Gluon classes only
         assert torch.equal(plan[0], pos) and torch.equal(plan[1], meta)
+
+
+def test_maps_refuse_what_their_int32_codes_cannot_hold():
+    """The packed classes are powers of two in 1..block; the plan's codes (tile * 8 + first row
+    / 8) need classes of 8+ rows and 8 codes per entry in int32, the maps alone one index."""
+    from tilegen.backends.triton.backward import packed_inverse_map
+    from tilegen.backends.triton.maps import device_maps
+
+    idx, counts, vbs, nkv = _lut_case("clean")
+    for bad in (0, 12, 128):
+        with pytest.raises(ValueError, match="power of two"):
+            packed_inverse_map(idx, counts, vbs, nkv, 64, min_rows=bad)
+        with pytest.raises(ValueError, match="power of two"):
+            device_maps(idx, counts, vbs, nkv, pack=True, min_rows=bad, with_plan=False)
+    with pytest.raises(ValueError, match="steps of 8"):
+        device_maps(idx, counts, vbs, nkv, pack=True, min_rows=4)
+    # shapes past the int32 codes, as views (nothing allocated before the check)
+    huge = torch.zeros(1, 1, 1, 1, dtype=torch.int32).expand(1, 1, 2**14, 2**14 + 1)
+    with pytest.raises(ValueError, match="int32"):
+        device_maps(huge, None, vbs, nkv)  # 2**28 + 2**14 entries, 8 codes each
+    huge = torch.zeros(1, 1, 1, 1, dtype=torch.int32).expand(1, 2, 2**15, 2**15)
+    with pytest.raises(ValueError, match="int32"):
+        device_maps(huge, None, vbs, nkv, with_plan=False)  # 2**31 entries
 
 
 def test_packed_plan_points_every_entry_at_its_tile_column():

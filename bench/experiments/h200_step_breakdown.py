@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def torch_packed():
             packed, slot, row = packed_inverse_map(idx, None, vbs, nkv, 64, entry_tiles=True,
-                                                   min_rows=8)
+                                                   min_rows=8, exact=True)
             return packed, dq_plan(idx, None, vbs, nkv, slot, 64, row)
 
         t_off, t_q, (t_pos, t_meta) = torch_maps()
@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         maps["equal"] = all(torch.equal(x, y) for x, y in ((t_off, g_off), (t_q, g_q),
                                                             (t_pos, g_pos), (t_meta, g_meta)))
         t_pk, (tp_pos, tp_meta) = torch_packed()
-        g_pk, (gp_pos, gp_meta) = device_maps(idx, None, vbs, nkv, pack=True, min_rows=8)
+        g_pk, (gp_pos, gp_meta) = device_maps(idx, None, vbs, nkv, pack=True, min_rows=8,
+                                              exact=True)
         maps["packed_equal"] = all(
             torch.equal(getattr(t_pk, f), getattr(g_pk, f))
             for f in ("offsets", "items", "tile_start", "tile_meta", "count")) and (
@@ -195,10 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         maps["torch_ms"] = time_it(torch_maps)
         maps["torch_packed_ms"] = time_it(torch_packed)
         maps["device_ms"] = time_it(lambda: device_maps(idx, None, vbs, nkv))
-        maps["device_packed_ms"] = time_it(lambda: device_maps(idx, None, vbs, nkv, pack=True,
-                                                               min_rows=8))
+        maps["device_packed_ms"] = time_it(lambda: device_maps(
+            idx, None, vbs, nkv, pack=True, min_rows=8, exact=True))
         maps["device_packed_kernels"] = step_kernels(
-            lambda: device_maps(idx, None, vbs, nkv, pack=True, min_rows=8))
+            lambda: device_maps(idx, None, vbs, nkv, pack=True, min_rows=8, exact=True))
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
         maps["error"] = f"{type(exc).__name__}: {exc}"[:1500]

@@ -35,13 +35,19 @@ def _artifact(compiled, path: Path, source: Source, target: Target, config: str)
 
 def compile_gluon_backward(spec: Spec, target: Target, source: Source, out_dir: Path
                            ) -> list[Artifact]:
-    """Compile the Gluon backward module (dK/dV and dQ, their default knobs) for `target`."""
-    from tilegen.backends.gluon.backward import compile_offline
+    """Compile the Gluon backward module (dK/dV and dQ) for `target`, with the options of the
+    target's default backward for `spec` (`BackwardConfig.default_for`: what the op runs)."""
+    from tilegen.backends.gluon.backward import compile_offline, options_for
+    from tilegen.backends.triton.backward import BackwardConfig
 
     _require_compiled_mode()
     saved = os.environ.pop("TRITON_INTERPRET", None)
     try:
-        compiled = compile_offline(spec, target)
+        bwd = BackwardConfig.default_for(target, spec)
+        if not bwd.gluon:  # the target's default is the Triton backward: build the Gluon one
+            bwd = BackwardConfig(gluon=True, ds_store=True,
+                                 dkdv_pack=bool(spec.variable_block_sizes))
+        compiled = compile_offline(spec, target, options_for(bwd, spec))
     except Exception as exc:  # triton raises several exception types for bad kernels
         raise CompileError(f"Gluon backward compile failed for {target.name}: "
                            f"{type(exc).__name__}: {exc}") from exc

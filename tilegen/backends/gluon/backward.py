@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tilegen.backends.gluon import render as _render
+from tilegen.backends.triton.maps import POS_COLUMN_STEP, PackedTiles
 from tilegen.config import KernelConfig
 from tilegen.render import Source, render, spec_basename
 from tilegen.spec import Spec
@@ -92,9 +93,15 @@ def maxnreg_for(opts: Mapping[str, Any], target: Target) -> int:
                                 "producer_regs": opts["producer_regs"]}, target)
 
 
-#: the dQ plan's ``pos`` packs a pair's tile slot and the query cube's first column in it
-#: (a multiple of 8: packed tiles place cubes of 8, 16 or 32 rows at multiples of their size)
-POS_COLUMN_STEP = 8
+
+
+def options_for(bwd, spec: Spec) -> dict[str, Any]:
+    """The kernels' options (`DEFAULTS` keys) for the BackwardConfig `bwd` of `spec`: its
+    fields, and the dQ kernel's short K boxes where the spec has partial cubes."""
+    return {"ds_store": bwd.ds_store, "dkdv_pack": bwd.dkdv_pack,
+            "dkdv_stages": bwd.gluon_dkdv_stages, "dq_stages": bwd.gluon_dq_stages,
+            "scratch_bytes": bwd.ds_scratch_mib << 20,
+            "dq_k_boxes": bool(spec.variable_block_sizes)}
 
 
 def slots_of_order(order):
@@ -124,6 +131,8 @@ def dq_plan(topk_idx, counts, vbs, num_kv_blocks: int, slot, block: int = 64, ro
                          "codes each, in int32: use a backward config without ds_store")
     pos = slot.reshape(-1) * POS_COLUMN_STEP
     if row is not None:
+        # no host sync to check it: packed classes of at least 8 rows give multiples of 8
+        # (`backward_maps` packs the Gluon kernel's classes; device_maps refuses smaller ones)
         pos = pos + row.reshape(-1) // POS_COLUMN_STEP
     pos = pos.to(torch.int32)
     idx = topk_idx.reshape(B * H * NQ, TOPK).long()
@@ -163,7 +172,7 @@ class GluonBackward:
 
         return bshd_descriptor(t, rows)
 
-    def _query_descs(self, t, opt: str = "dkdv_pack") -> list:
+    def _row_descs(self, t, opt: str = "dkdv_pack") -> list:
         """Q or dO (K with ``opt`` "dq_k_boxes") in boxes of a whole cube and, with ``opt``, of
         32, 16 and 8 rows (the partial cubes; None without)."""
         from tilegen.backends.gluon.launch import DESCRIPTOR_ROWS
@@ -203,7 +212,7 @@ class GluonBackward:
         nkv = S // 64
         store = ds is not None
         packed = self.opts["dkdv_pack"]
-        if packed != hasattr(inverse, "tile_meta") or (packed and (
+        if packed != isinstance(inverse, PackedTiles) or (packed and (
                 inverse.min_rows < GLUON_PACK_MIN_ROWS or not inverse.exact)):
             raise ValueError("the Gluon dK/dV kernel's inverse map: with dkdv_pack packed tiles "
                              f"of exact classes of at least {GLUON_PACK_MIN_ROWS} rows "
@@ -214,7 +223,7 @@ class GluonBackward:
         else:
             (offsets, items), tiles = inverse, (None, None, None)
         self.kernels["dkdv"][(nkv, bh_count if bh_count is not None else B * H)](
-            *self._query_descs(q), self._desc(k), self._desc(v), *self._query_descs(do),
+            *self._row_descs(q), self._desc(k), self._desc(v), *self._row_descs(do),
             self._desc(dk), self._desc(dv), self._ds_desc(ds) if store else None, offsets,
             items, *tiles, vbs, lse, delta, err, S, H, nkv, bh_base, float(sm_scale) * LOG2E,
             float(sm_scale), STAGES=self.opts["dkdv_stages"], DS_STORE=store, PACKED=packed,
@@ -229,7 +238,7 @@ class GluonBackward:
         B, S, H, D = k.shape
         nq, nkv = S // 64, S // 64
         self.kernels["dq"][(nq, bh_count if bh_count is not None else B * H)](
-            self._ds_desc(ds), *self._query_descs(k, "dq_k_boxes"), self._desc(dq), topk_idx,
+            self._ds_desc(ds), *self._row_descs(k, "dq_k_boxes"), self._desc(dq), topk_idx,
             pos, meta, vbs, dsum, offsets, err, S, H, nq, nkv, topk_idx.shape[3], bh_base,
             float(sm_scale), STAGES=self.opts["dq_stages"], HAS_DSUM=dsum is not None,
             CENTRE=self.opts["centre"], K_BOXES=self.opts["dq_k_boxes"],
@@ -261,8 +270,8 @@ class GluonBackward:
         for base in range(0, B * H, group):
             n = min(group, B * H - base)
             self.dkdv(q, k, v, do, lse, delta, inverse, vbs, dk, dv, ds, err, sm_scale, base, n)
-            self.dq(k, ds, dq, topk_idx, pos, meta, vbs, dsum, inverse[0] if isinstance(
-                inverse, tuple) else inverse.offsets, err, sm_scale, base, n)
+            offsets = inverse.offsets if self.opts["dkdv_pack"] else inverse[0]
+            self.dq(k, ds, dq, topk_idx, pos, meta, vbs, dsum, offsets, err, sm_scale, base, n)
 
 
 # ----------------------------------------------------------------------------- offline compile

@@ -7,8 +7,9 @@ split, no atomics):
 2. dQ: one program per BLOCK_M rows of a query cube, walking the cube's LUT row like the
    forward (counts, guarded indices, vbs masking), P recomputed from the saved base-2 lse;
 3. dK/dV: one program per BLOCK_N keys of a KV cube, the key tile resident, walking the query
-   cubes that chose the cube (`inverse_map`, CSR built on the device by a vectorized torch
-   routine). Every dK/dV row is written by exactly one program: no atomics.
+   cubes that chose the cube (`inverse_map`, CSR built on the device: by the Triton kernels of
+   `tilegen.backends.triton.maps` on a GPU, by a vectorized torch routine elsewhere). Every
+   dK/dV row is written by exactly one program: no atomics.
 
 Launch parameters and template options (`BackwardConfig`) are constexprs and launch arguments,
 as in the forward (the packed tiles' pointers are None without DQ_PACK / DKDV_PACK), and so is
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tilegen.backends.triton.maps import PackedTiles, check_classes
 from tilegen.config import KernelConfig
 from tilegen.render import Source, render, spec_basename
 from tilegen.spec import Spec
@@ -67,8 +69,9 @@ class BackwardConfig:
       cubes) with ``gluon_dkdv_stages`` Q/dO stages; with ``ds_store`` it also stores each
       query tile's dS^T and dQ is one matmul per pair in the Gluon dQ kernel
       (``gluon_dq_stages``), else the Triton dQ kernel runs. ``dkdv_pack`` packs its query
-      tiles as above, with classes of at least 8 rows (its TMA boxes). The dK/dV launch fields
-      above are then unused.
+      tiles too, but only cubes of exactly 8, 16 or 32 rows share a tile (every other cube gets
+      one of its own: `pack_tiles` with ``exact``). The dK/dV launch fields above are then
+      unused.
       ``ds_scratch_mib`` bounds the dS^T scratch of one launch group (the heads run in groups
       that fit it: `tilegen.backends.gluon.backward.GluonBackward.heads_per_group`).
     """
@@ -295,34 +298,10 @@ def inverse_map(topk_idx: torch.Tensor, counts: torch.Tensor | None, num_kv_bloc
     return offsets, qcubes
 
 
-@dataclass(frozen=True)
-class PackedTiles:
-    """Lists of cubes per owner (CSR), each list cut into dense tiles of ``block`` rows.
-
-    ``offsets`` (int32, owners + 1) and ``items`` (int32): owner o's cubes are
-    ``items[offsets[o]:offsets[o+1]]``, grouped by size class (full cubes first). Tile t of
-    owner o (``t < count[o]``) is at slot ``offsets[o] + t`` of ``tile_start`` (its first
-    item's index in ``items``) and ``tile_meta`` (``lg | n << 8``: each of its ``n`` cubes
-    takes ``2**lg`` rows, vbs rounded up to a power of two, so tile row r belongs to item
-    ``r >> lg``, slot ``r & (2**lg - 1)``). ``count`` is -1 for an owner whose list holds a bad
-    index or vbs (the kernel poisons it with NaN and sets the error word).
-    """
-
-    offsets: torch.Tensor
-    items: torch.Tensor
-    tile_start: torch.Tensor
-    tile_meta: torch.Tensor
-    count: torch.Tensor
-    #: the smallest size class: a cube of fewer real rows still takes this many
-    min_rows: int = 1
-    #: only cubes whose real rows are exactly a class size share tiles (others get one of their
-    #: own), so a tile's real rows are a prefix: the Gluon kernel masks by one threshold
-    exact: bool = False
-
-
 def pack_tiles(owner: torch.Tensor, item: torch.Tensor, rows: torch.Tensor, n_owners: int,
                block: int, bad: torch.Tensor | None = None, entry_tiles: bool = False,
-               min_rows: int = 1, exact: bool = False):
+               min_rows: int = 1, exact: bool = False
+               ) -> PackedTiles | tuple[PackedTiles, torch.Tensor, torch.Tensor]:
     """Pack each owner's cubes into dense ``block``-row tiles, vectorized torch, no host sync.
 
     ``owner`` (int64, N; ``n_owners`` for an entry to leave out), ``item`` (the cube id) and
@@ -336,6 +315,7 @@ def pack_tiles(owner: torch.Tensor, item: torch.Tensor, rows: torch.Tensor, n_ow
     ``entry_tiles`` also,
     per entry, its tile's slot and its first row in the tile (int64, N; 0 for an entry left
     out): ``(PackedTiles, slot, row)``."""
+    check_classes(min_rows, block)
     dev = owner.device
     n = owner.numel()
     log_block = block.bit_length() - 1
@@ -401,7 +381,8 @@ def _entries(topk_idx: torch.Tensor, counts: torch.Tensor | None, num_kv_blocks:
 
 def packed_inverse_map(topk_idx: torch.Tensor, counts: torch.Tensor | None, vbs: torch.Tensor,
                        num_kv_blocks: int, block: int, entry_tiles: bool = False,
-                       min_rows: int = 1, exact: bool = False):
+                       min_rows: int = 1, exact: bool = False
+                       ) -> PackedTiles | tuple[PackedTiles, torch.Tensor, torch.Tensor]:
     """The inverse map (`inverse_map`'s lists: for each (batch*head, KV cube) the query cubes
     that chose it) packed into dense query tiles by the query cubes' vbs (`pack_tiles`), for
     the dK/dV kernel with ``dkdv_pack``. Bad entries are left out (the dQ kernel flags them).
@@ -441,8 +422,9 @@ class BackwardMaps:
     """What the backward kernels walk besides the LUT, built on the device from it:
     ``inverse`` (`inverse_map`'s (offsets, qcubes), or its `PackedTiles` with ``dkdv_pack``),
     ``lut`` (`packed_lut`, with ``dq_pack``; else None) and, with ``ds_store``, ``dq_plan``
-    (`tilegen.backends.gluon.backward.dq_plan`: each LUT entry's slot in the inverse map and
-    the rows' entry counts, -1 for a bad row)."""
+    (`tilegen.backends.gluon.backward.dq_plan`: each LUT entry's code ``tile * 8 + first
+    column / 8``, its pair's dS^T tile in the inverse map, and the rows' entry counts, -1 for a
+    bad row)."""
 
     inverse: tuple[torch.Tensor, torch.Tensor] | PackedTiles
     lut: PackedTiles | None = None

@@ -7,10 +7,10 @@ fused launches (bench/NOTES.md, issue #18: the torch routine's ~20 elementwise p
 B*H*NQ*TOPK entries cost more than its sort):
 
 1. `_lut_keys`: per LUT entry its sort key (int32): the list it joins, ``bh * NKV + index``
-   (``B*H*NKV``, sorted last, for an entry past the row's count or out of range), times 7 plus
-   the size class rank of its query cube when packing (full cubes first, as `pack_tiles`);
-   per row the dQ plan's ``meta`` (the entry count, or -1 for a row with a bad index, vbs or
-   count);
+   (``B*H*NKV``, sorted last, for an entry past the row's count or out of range), when
+   packing times log2(block) + 1 plus the size class rank of its query cube (full cubes first,
+   as `pack_tiles`); per row the dQ plan's ``meta`` (the entry count, or -1 for a row with a
+   bad index, vbs or count);
 2. one stable sort of the keys (torch; keeps each list's query cubes ascending);
 3. ``offsets`` by one searchsorted of the sorted keys (the first slot of every list);
 4. unpacked, `_scatter_order`: per slot p its query cube and, for the plan, each entry's slot;
@@ -23,6 +23,8 @@ No host sync. The outputs equal the torch models' bit for bit (tests/test_gluon_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +32,42 @@ import triton.language as tl
 #: LUT rows per `_lut_keys` program, and map slots per scatter program
 ROWS = 16
 SLOTS = 1024
+#: the dQ plan's ``pos`` packs a pair's tile slot and the query cube's first column in it
+#: (a multiple of 8: packed tiles place cubes of 8, 16 or 32 rows at multiples of their size)
+POS_COLUMN_STEP = 8
+
+
+@dataclass(frozen=True)
+class PackedTiles:
+    """Lists of cubes per owner (CSR), each list cut into dense tiles of ``block`` rows.
+
+    ``offsets`` (int32, owners + 1) and ``items`` (int32): owner o's cubes are
+    ``items[offsets[o]:offsets[o+1]]``, grouped by size class (full cubes first). Tile t of
+    owner o (``t < count[o]``) is at slot ``offsets[o] + t`` of ``tile_start`` (its first
+    item's index in ``items``) and ``tile_meta`` (``lg | n << 8``: each of its ``n`` cubes
+    takes ``2**lg`` rows: its vbs rounded up to a power of two, at least ``min_rows``; with
+    ``exact`` only a cube of exactly that many rows, any other a whole tile; so tile row r
+    belongs to item ``r >> lg``, slot ``r & (2**lg - 1)``). ``count`` is -1 for an owner whose
+    list holds a bad index or vbs (the kernel poisons it with NaN and sets the error word).
+    """
+
+    offsets: torch.Tensor
+    items: torch.Tensor
+    tile_start: torch.Tensor
+    tile_meta: torch.Tensor
+    count: torch.Tensor
+    #: the smallest size class: a cube of fewer real rows still takes this many
+    min_rows: int = 1
+    #: only cubes whose real rows are exactly a class size share tiles (others get one of their
+    #: own), so a tile's real rows are a prefix: the Gluon kernel masks by one threshold
+    exact: bool = False
+
+
+def check_classes(min_rows: int, block: int) -> None:
+    """`pack_tiles`' smallest class must be a power of two in 1..block."""
+    if min_rows < 1 or min_rows > block or min_rows & (min_rows - 1):
+        raise ValueError(f"min_rows={min_rows}: the smallest packed class must be a power of "
+                         f"two in 1..{block}")
 
 
 @triton.jit
@@ -138,24 +176,29 @@ def device_maps(topk_idx: torch.Tensor, counts: torch.Tensor | None, vbs: torch.
     ``exact`` as `pack_tiles` takes them);
     ``plan`` as `dq_plan` gives it for that map, ``(pos, meta)``, or None without
     ``with_plan``. On the LUT's device (CUDA, or the CPU under the Triton interpreter)."""
-    from tilegen.backends.gluon.backward import POS_COLUMN_STEP
-    from tilegen.backends.triton.backward import PackedTiles
-
     B, H, NQ, TOPK = topk_idx.shape
     BH = B * H
     n = BH * NQ * TOPK
     n_lists = BH * num_kv_blocks
     log_block = block.bit_length() - 1
     classes = log_block + 1 if pack else 1
-    if n * POS_COLUMN_STEP > 2**31 - 1 or (n_lists + 1) * classes > 2**31 - 1:
+    check_classes(min_rows, block)
+    if with_plan and pack and min_rows < POS_COLUMN_STEP:
+        raise ValueError(f"the dQ plan names first rows in steps of {POS_COLUMN_STEP}: packed "
+                         f"classes of min_rows={min_rows} do not fit it")
+    codes = POS_COLUMN_STEP if with_plan else 1
+    if n * codes > 2**31 - 1 or (n_lists + 1) * classes > 2**31 - 1:
         raise ValueError(f"the backward's maps number B*H*NQ*TOPK = {n} LUT entries "
-                         f"({POS_COLUMN_STEP} plan codes each) and B*H*NKV = {n_lists} lists "
-                         "in int32")
+                         + (f"({codes} plan codes each) " if with_plan else "")
+                         + f"and B*H*NKV = {n_lists} lists in int32")
     dev = topk_idx.device
     lut = topk_idx.contiguous()
+    vbs = vbs.contiguous()
     key = torch.empty(n, dtype=torch.int32, device=dev)
     meta = torch.empty(BH * NQ, dtype=torch.int32, device=dev)
-    cnt = counts.reshape(-1).to(torch.int32).contiguous() if counts is not None else None
+    # counts past int32 keep their meaning (a bad count) when clamped first
+    cnt = (counts.reshape(-1).clamp(-1, TOPK + 1).to(torch.int32).contiguous()
+           if counts is not None else None)
     _lut_keys[(triton.cdiv(BH * NQ, ROWS),)](
         lut, cnt if cnt is not None else meta, vbs, key, meta, BH * NQ, NQ, num_kv_blocks,
         TOPK, n_lists, HAS_COUNTS=cnt is not None, PACK=pack,

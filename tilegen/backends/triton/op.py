@@ -313,7 +313,7 @@ class BlockSparseAttention:
     def gluon_backward(self, device: torch.device, bwd: BackwardConfig):
         """The Gluon backward kernels (`tilegen.backends.gluon.backward.GluonBackward`) at the
         stages of `bwd`, for this op's target (a wgmma target with a CUDA device)."""
-        from tilegen.backends.gluon.backward import GluonBackward, spec_problem
+        from tilegen.backends.gluon.backward import GluonBackward, options_for, spec_problem
 
         if device.type != "cuda" or self.target is None:
             raise ValueError(f"backward config {bwd.name}: the Gluon backward runs on CUDA "
@@ -321,14 +321,11 @@ class BlockSparseAttention:
         why = spec_problem(self.spec, self.target)
         if why:
             raise ValueError(f"backward config {bwd.name}: {why}")
-        key = ("gluon", bwd.ds_store, bwd.dkdv_pack, bwd.gluon_dkdv_stages, bwd.gluon_dq_stages,
-               bwd.ds_scratch_mib)
+        opts = options_for(bwd, self.spec)
+        key = tuple(sorted(opts.items()))
         run = self._gluon_bwd.get(key)
         if run is None:
-            run = self._gluon_bwd[key] = GluonBackward(self.spec, self.target, {
-                "ds_store": bwd.ds_store, "dkdv_pack": bwd.dkdv_pack,
-                "dkdv_stages": bwd.gluon_dkdv_stages, "dq_stages": bwd.gluon_dq_stages,
-                "scratch_bytes": bwd.ds_scratch_mib << 20})
+            run = self._gluon_bwd[key] = GluonBackward(self.spec, self.target, opts)
         return run
 
     def launch_backward(self, do, q, k, v, o, lse, topk_idx, vbs, counts=None, *,

@@ -149,6 +149,17 @@ def test_aot_compile_refuses_an_interpreter_mode_process(tmp_path):
     assert res.returncode != 0 and "without TRITON_INTERPRET=1" in res.stderr
 
 
+def test_aot_command_gives_the_interpreter_setting_back(monkeypatch):
+    """`tilegen build` compiles with TRITON_INTERPRET unset, and an in-process caller gets its
+    setting back: kernels it defines later are interpreted again (session 7: a maps module
+    imported after an in-process build was compiled-mode and failed on the CPU)."""
+    from tilegen import cli
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert cli.main(["build", "--target", "sm_90", "--out", "/proc/nope/x"]) == 2
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def test_captures_synthesize(tmp_path):
     spec = Spec(grid=(5, 6, 8), num_heads=2, head_dim=64, topk=3)
     (tmp_path / "s.json").write_text(spec.to_json())

@@ -445,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     add_db_parser(sub)
 
     args = parser.parse_args(argv)
+    # an AOT command compiles for real; the caller's setting comes back afterwards (an
+    # in-process caller, a test, keeps defining interpreted kernels after it)
+    interpret = os.environ.get("TRITON_INTERPRET")
     if args.command in _AOT_COMMANDS:
         os.environ.pop("TRITON_INTERPRET", None)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -463,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CompileError, ValueError, FileNotFoundError) as exc:
         print(f"tilegen: error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret
 
 
 if __name__ == "__main__":

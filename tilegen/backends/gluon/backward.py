@@ -29,7 +29,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from tilegen.backends.gluon import render as _render
-from tilegen.backends.triton.maps import POS_COLUMN_STEP, PackedTiles
+from tilegen.backends.triton.maps import (
+    POS_COLUMN_STEP,
+    PackedTiles,
+    lut_bad_rows,
+    lut_entries,
+)
 from tilegen.config import KernelConfig
 from tilegen.render import Source, render, spec_basename
 from tilegen.spec import Spec
@@ -135,17 +140,10 @@ def dq_plan(topk_idx, counts, vbs, num_kv_blocks: int, slot, block: int = 64, ro
         # (`backward_maps` packs the Gluon kernel's classes; device_maps refuses smaller ones)
         pos = pos + row.reshape(-1) // POS_COLUMN_STEP
     pos = pos.to(torch.int32)
-    idx = topk_idx.reshape(B * H * NQ, TOPK).long()
-    slots = torch.arange(TOPK, device=idx.device)
-    if counts is None:
-        count = torch.full((B * H * NQ,), TOPK, dtype=torch.long, device=idx.device)
-    else:
-        count = counts.reshape(-1).long()
-    real = slots[None, :] < count[:, None]
-    ok = (idx >= 0) & (idx < num_kv_blocks)
-    n_valid = vbs.long()[torch.where(ok, idx, 0)]
-    bad = (real & (~ok | (n_valid < 1) | (n_valid > block))).any(1)
-    bad |= (count < 0) | (count > TOPK)
+    idx, ok, real = lut_entries(topk_idx, counts, num_kv_blocks)
+    bad = lut_bad_rows(ok, real, vbs.long()[torch.where(ok, idx, 0)], counts, block)
+    count = (counts.reshape(-1).long() if counts is not None
+             else torch.full_like(bad, TOPK, dtype=torch.long))
     meta = torch.where(bad, -1, count).to(torch.int32)
     return pos.view(topk_idx.shape), meta
 

@@ -80,24 +80,16 @@ def o32_layout() -> Any:
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
-def o32_descriptor(t) -> Any:
-    """The TMA descriptor of the fp32 O (BSHD) a forward for gradients writes with STORE_O32 2:
-    the (B*S, H*D) view in (64, D) boxes."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    B, S, H, D = t.shape
-    return TensorDescriptor(t.view(B * S, H * D), [B * S, H * D], [H * D, 1], [64, D],
-                            o32_layout())
-
-
-def bshd_descriptor(t, rows: int) -> Any:
-    """A TMA descriptor over the (B*S, H*D) view of a BSHD tensor with a (rows, D) box. Built
-    per call: a cached descriptor would keep the caller's tensor alive (the layout is cached)."""
+def bshd_descriptor(t, rows: int, layout: Any = None) -> Any:
+    """A TMA descriptor over the (B*S, H*D) view of a BSHD tensor with a (rows, D) box, in
+    ``layout`` (default: the NVMMA layout of the 16-bit tile; the fp32 O takes `o32_layout`).
+    Built per call: a cached descriptor would keep the caller's tensor alive (the layout is
+    cached)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     B, S, H, D = t.shape
     return TensorDescriptor(t.view(B * S, H * D), [B * S, H * D], [H * D, 1], [rows, D],
-                            shared_layout(rows, D, t.dtype))
+                            layout if layout is not None else shared_layout(rows, D, t.dtype))
 
 
 #: the widest LUT the pair pre-pass takes (its row x row compare lives in one program's registers)
@@ -136,7 +128,7 @@ class GluonLaunch:
         """The kernel's o32_out: None, the fp32 tensor, or its TMA descriptor (`o32_store_kind`)."""
         if o32 is None or _render.o32_store_kind(self.cfg) == 1:
             return o32
-        return o32_descriptor(o32)
+        return bshd_descriptor(o32, 64, o32_layout())
 
     def __call__(self, q, k, v, topk_idx, vbs, counts, o, lse, err, sm_scale: float,
                  zero_pad_rows: bool = False, max_prob_out=None, windows=None,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tilegen.backends.triton.maps import PackedTiles, check_classes
+from tilegen.backends.triton.maps import PackedTiles, check_classes, lut_bad_rows, lut_entries
 from tilegen.config import KernelConfig
 from tilegen.render import Source, render, spec_basename
 from tilegen.spec import Spec
@@ -279,11 +279,8 @@ def inverse_map(topk_idx: torch.Tensor, counts: torch.Tensor | None, num_kv_bloc
     B, H, NQ, TOPK = topk_idx.shape
     BH = B * H
     dev = topk_idx.device
-    idx = topk_idx.reshape(BH, NQ, TOPK).long()
-    valid = (idx >= 0) & (idx < num_kv_blocks)
-    if counts is not None:
-        slot = torch.arange(TOPK, device=dev)
-        valid &= slot[None, None, :] < counts.reshape(BH, NQ, 1).long()
+    idx, ok, real = lut_entries(topk_idx, counts, num_kv_blocks)
+    valid = ok & real
     bh = torch.arange(BH, device=dev).view(BH, 1, 1)
     sentinel = BH * num_kv_blocks
     key = torch.where(valid, bh * num_kv_blocks + idx, sentinel).reshape(-1)
@@ -367,18 +364,6 @@ def pack_tiles(owner: torch.Tensor, item: torch.Tensor, rows: torch.Tensor, n_ow
     return packed, entry_slot, entry_row
 
 
-def _entries(topk_idx: torch.Tensor, counts: torch.Tensor | None, num_kv_blocks: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(idx (BH, NQ, TOPK) int64, in-range mask, real-slot mask) of a LUT."""
-    B, H, NQ, TOPK = topk_idx.shape
-    idx = topk_idx.reshape(B * H, NQ, TOPK).long()
-    real = torch.ones_like(idx, dtype=torch.bool)
-    if counts is not None:
-        slot = torch.arange(TOPK, device=idx.device)
-        real = slot[None, None, :] < counts.reshape(B * H, NQ, 1).long()
-    return idx, (idx >= 0) & (idx < num_kv_blocks), real
-
-
 def packed_inverse_map(topk_idx: torch.Tensor, counts: torch.Tensor | None, vbs: torch.Tensor,
                        num_kv_blocks: int, block: int, entry_tiles: bool = False,
                        min_rows: int = 1, exact: bool = False
@@ -388,7 +373,7 @@ def packed_inverse_map(topk_idx: torch.Tensor, counts: torch.Tensor | None, vbs:
     the dK/dV kernel with ``dkdv_pack``. Bad entries are left out (the dQ kernel flags them).
     ``entry_tiles``: `pack_tiles`'s per-entry tile slot and first row as well, in the LUT's
     flat entry order; ``min_rows``, ``exact``: its classes (`pack_tiles`)."""
-    idx, ok, real = _entries(topk_idx, counts, num_kv_blocks)
+    idx, ok, real = lut_entries(topk_idx, counts, num_kv_blocks)
     BH, NQ, TOPK = idx.shape
     bh = torch.arange(BH, device=idx.device).view(BH, 1, 1)
     qc = torch.arange(NQ, device=idx.device).view(1, NQ, 1).expand(BH, NQ, TOPK)
@@ -403,14 +388,11 @@ def packed_lut(topk_idx: torch.Tensor, counts: torch.Tensor | None, vbs: torch.T
     """Each LUT row's KV cubes packed into dense key tiles by vbs (`pack_tiles`), for the dQ
     kernel with ``dq_pack``. A row with an index outside [0, NKV), a vbs outside 1..block or a
     count outside 0..TOPK gets count -1 (NaN gradients and the error word, as unpacked)."""
-    idx, ok, real = _entries(topk_idx, counts, num_kv_blocks)
+    idx, ok, real = lut_entries(topk_idx, counts, num_kv_blocks)
     BH, NQ, TOPK = idx.shape
     safe = torch.where(ok, idx, 0)
     n_valid = vbs.long()[safe]
-    bad = (real & (~ok | (n_valid < 1) | (n_valid > block))).any(-1).reshape(-1)
-    if counts is not None:
-        c = counts.reshape(-1).long()
-        bad |= (c < 0) | (c > TOPK)
+    bad = lut_bad_rows(ok, real, n_valid, counts, block)
     owner = torch.arange(BH * NQ, device=idx.device).view(BH, NQ, 1).expand(BH, NQ, TOPK)
     owner = torch.where(ok & real, owner, BH * NQ).reshape(-1)
     return pack_tiles(owner, safe.reshape(-1), n_valid.reshape(-1).clamp(1, block), BH * NQ,

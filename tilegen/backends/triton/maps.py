@@ -70,6 +70,31 @@ def check_classes(min_rows: int, block: int) -> None:
                          f"two in 1..{block}")
 
 
+def lut_entries(topk_idx: torch.Tensor, counts: torch.Tensor | None, num_kv_blocks: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(idx (BH, NQ, TOPK) int64, in-range mask, real-slot mask) of a LUT: the torch models'
+    reading of it (slot < counts[row] is real, a count past TOPK makes every slot real)."""
+    B, H, NQ, TOPK = topk_idx.shape
+    idx = topk_idx.reshape(B * H, NQ, TOPK).long()
+    real = torch.ones_like(idx, dtype=torch.bool)
+    if counts is not None:
+        slot = torch.arange(TOPK, device=idx.device)
+        real = slot[None, None, :] < counts.reshape(B * H, NQ, 1).long()
+    return idx, (idx >= 0) & (idx < num_kv_blocks), real
+
+
+def lut_bad_rows(ok: torch.Tensor, real: torch.Tensor, n_valid: torch.Tensor,
+                 counts: torch.Tensor | None, block: int) -> torch.Tensor:
+    """(BH*NQ,) bool: the LUT rows with a bad value, as the kernels' guard flags them: a real
+    entry out of range or naming a cube whose vbs (``n_valid``) is outside 1..block, or a
+    count outside 0..TOPK."""
+    bad = (real & (~ok | (n_valid < 1) | (n_valid > block))).any(-1).reshape(-1)
+    if counts is not None:
+        c = counts.reshape(-1).long()
+        bad |= (c < 0) | (c > ok.shape[-1])
+    return bad
+
+
 @triton.jit
 def _lut_keys(LUT, COUNTS, VBS, KEY, META, n_rows, NQ, NKV, TOPK, N_LISTS,
               HAS_COUNTS: tl.constexpr, PACK: tl.constexpr, MIN_LG: tl.constexpr,

@@ -18,7 +18,9 @@ Knobs (`DEFAULTS`): ``dkdv_stages`` / ``dq_stages`` (ring depths), ``ds_store``,
 side by side, `packed_inverse_map` with 8-row classes), ``ds_slots`` (dS^T staging tiles),
 ``dq_k_boxes`` (the dQ kernel loads only the K rows of a KV cube of exactly 32, 16 or 8 keys),
 ``consumer_regs`` / ``producer_regs`` (setmaxnreg of the consumer warpgroup and the producer),
-``scratch_bytes`` (the dS^T scratch budget of one launch group), ``centre`` (the dQ kernel's
+``scratch_bytes`` (the dS^T scratch budget of one launch group; shared by the lanes),
+``group_streams`` (lanes: head groups on that many streams, each with its share of the
+scratch), ``centre`` (the dQ kernel's
 centring; off only to measure it), ``debug`` (timing experiments that leave out a step of the
 dS^T store: garbage results; `templates/gluon/lut_ws_backward.py.j2`).
 """
@@ -38,6 +40,7 @@ from tilegen.backends.triton.maps import (
 from tilegen.config import KernelConfig
 from tilegen.render import Source, render, spec_basename
 from tilegen.spec import Spec
+from tilegen.streams import side_stream
 from tilegen.targets import Target
 
 #: the smallest query tile class of dkdv_pack: the kernel's TMA boxes land at 8-row granules
@@ -52,9 +55,11 @@ DEFAULTS: dict[str, Any] = {
     "dkdv_pack": False,
     "ds_slots": 1,
     "dq_k_boxes": True,
+    "dkdv_kv_small": False,
     "consumer_regs": 232,
     "producer_regs": 24,
     "scratch_bytes": 4 << 30,
+    "group_streams": 1,
     "centre": True,
     "debug": "",
 }
@@ -187,13 +192,14 @@ class GluonBackward:
         return TensorDescriptor(ds, [ds.shape[0], 64], [64, 1], [64, 64],
                                 shared_layout(64, 64, ds.dtype))
 
-    def heads_per_group(self, heads_total: int, nq: int, topk: int) -> int:
+    def heads_per_group(self, heads_total: int, nq: int, topk: int, lanes: int = 1) -> int:
         """b*h per launch group: as many as the dS^T scratch budget holds (at most NQ * TOPK
-        pairs of 8 KiB each per b*h), no more than int32 row indices reach, and at least one
-        (a single b*h larger than the budget still runs, alone)."""
+        pairs of 8 KiB each per b*h; with several lanes each lane's scratch is its share of the
+        budget), no more than int32 row indices reach, and at least one (a single b*h larger
+        than the budget still runs, alone)."""
         if not self.opts["ds_store"]:
             return heads_total
-        per = nq * topk * 64 * 64 * 2
+        per = nq * topk * 64 * 64 * 2 * lanes
         # the kernels address scratch rows (and TMA coordinates) in int32
         rows_cap = (2**31 - 1) // (nq * topk * 64)
         return max(1, min(heads_total, self.opts["scratch_bytes"] // per, rows_cap))
@@ -225,7 +231,7 @@ class GluonBackward:
             self._desc(dk), self._desc(dv), self._ds_desc(ds) if store else None, offsets,
             items, *tiles, vbs, lse, delta, err, S, H, nkv, bh_base, float(sm_scale) * LOG2E,
             float(sm_scale), STAGES=self.opts["dkdv_stages"], DS_STORE=store, PACKED=packed,
-            DS_SLOTS=self.opts["ds_slots"],
+            DS_SLOTS=self.opts["ds_slots"], KV_SMALL=self.opts["dkdv_kv_small"],
             PRODUCER_REGS=self.opts["producer_regs"], DEBUG=self.opts["debug"],
             num_warps=self.num_warps, maxnreg=self.maxnreg)
 
@@ -263,13 +269,33 @@ class GluonBackward:
                              "tiles of 64 rows) passes int32 row indices; use a backward "
                              "config without ds_store")
         pos, meta = plan
-        group = self.heads_per_group(B * H, nq, topk)
-        ds = torch.empty((group * nq * topk * 64, 64), dtype=q.dtype, device=q.device)
-        for base in range(0, B * H, group):
+        lanes = self.opts["group_streams"]
+        group = self.heads_per_group(B * H, nq, topk, lanes)
+        bases = list(range(0, B * H, group))
+        lanes = min(lanes, len(bases))
+        offsets = inverse.offsets if self.opts["dkdv_pack"] else inverse[0]
+        # with several lanes, group i runs on lane i % lanes (the launch stream, then side
+        # streams), each lane with its own scratch: one group's dQ and the next group's dK/dV
+        # fill each other's launch tails
+        cur = torch.cuda.current_stream(q.device)
+        streams = [cur] + [side_stream(q.device, i) for i in range(lanes - 1)]
+        for s in streams[1:]:
+            s.wait_stream(cur)
+        scratch = []
+        for s in streams:
+            with torch.cuda.stream(s):
+                scratch.append(torch.empty((group * nq * topk * 64, 64), dtype=q.dtype,
+                                           device=q.device))
+        for i, base in enumerate(bases):
             n = min(group, B * H - base)
-            self.dkdv(q, k, v, do, lse, delta, inverse, vbs, dk, dv, ds, err, sm_scale, base, n)
-            offsets = inverse.offsets if self.opts["dkdv_pack"] else inverse[0]
-            self.dq(k, ds, dq, topk_idx, pos, meta, vbs, dsum, offsets, err, sm_scale, base, n)
+            lane = i % lanes
+            with torch.cuda.stream(streams[lane]):
+                self.dkdv(q, k, v, do, lse, delta, inverse, vbs, dk, dv, scratch[lane], err,
+                          sm_scale, base, n)
+                self.dq(k, scratch[lane], dq, topk_idx, pos, meta, vbs, dsum, offsets, err,
+                        sm_scale, base, n)
+        for s in streams[1:]:
+            cur.wait_stream(s)
 
 
 # ----------------------------------------------------------------------------- offline compile
@@ -308,7 +334,7 @@ def signatures(spec: Spec, opts: Mapping[str, Any], has_dsum: bool = False
         "num_heads": "i32", "num_kv_blocks": "i32", "bh_base": "i32", "qk_scale": "fp32",
         "sm_scale": "fp32"})
     dkdv_c = {"STAGES": opts["dkdv_stages"], "DS_STORE": store, "PACKED": packed,
-              "DS_SLOTS": opts["ds_slots"],
+              "DS_SLOTS": opts["ds_slots"], "KV_SMALL": opts["dkdv_kv_small"],
               "PRODUCER_REGS": opts["producer_regs"], "DEBUG": opts["debug"]}
     boxes = opts["dq_k_boxes"]
     dq = {"ds_desc": td(64, 64), "k_desc": td(64, D), "k_half": td(32, D) if boxes else None,

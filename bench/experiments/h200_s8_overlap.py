@@ -38,18 +38,22 @@ from tilegen.backends.triton import op as triton_op  # noqa: E402
 #: call's list (`..._s8_h200_overlap`): default, maps beside delta, 2 group streams, both, both
 #: with 8 GiB, 8 GiB alone, default again. The second adds the key-sized matmuls of the small
 #: KV cubes (`dkdv_kv_small`).
+AHEAD = {"dkdv_stats_ahead": True}
+SMALL = {"dkdv_kv_small": True}
+LANES = {"group_streams": 2}
+#: the third call's list: the row statistics a tile ahead (`dkdv_stats_ahead`)
 CANDIDATES: list[tuple[str, bool, dict, int | None]] = [
     ("default", False, {}, None),
-    ("kv_small", False, {"dkdv_kv_small": True}, None),
-    ("2 group streams", False, {"group_streams": 2}, None),
-    ("kv_small + 2 group streams", False, {"dkdv_kv_small": True, "group_streams": 2}, None),
+    ("stats ahead", False, AHEAD, None),
+    ("stats ahead + kv_small", False, {**AHEAD, **SMALL}, None),
+    ("stats ahead + 2 streams", False, {**AHEAD, **LANES}, None),
+    ("ahead + kv_small + 2 streams", False, {**AHEAD, **SMALL, **LANES}, None),
     ("default again", False, {}, None),
-    ("kv_small again", False, {"dkdv_kv_small": True}, None),
-    ("kv_small + 2 streams again", False, {"dkdv_kv_small": True, "group_streams": 2}, None),
+    ("stats ahead again", False, AHEAD, None),
+    ("ahead + kv_small + 2 streams again", False, {**AHEAD, **SMALL, **LANES}, None),
 ]
 #: Gluon backward options whose small-shape checks run first (`--small`)
-SMALL_CHECKS: list[dict] = [{"dkdv_kv_small": True}, {"dkdv_kv_small": True,
-                                                       "group_streams": 2}]
+SMALL_CHECKS: list[dict] = [AHEAD, {**AHEAD, **SMALL, **LANES}]
 RESULTS: dict = {"candidates": {}}
 
 
@@ -151,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rep", type=int, default=200)
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--ncu-opts", default="{}", help="Gluon backward options of the --ncu run")
     ap.add_argument("--host", action="store_true", help="the host's time per step (cProfile)")
     ap.add_argument("--small", action="store_true",
                     help="first the small-shape gradient checks of SMALL_CHECKS")
@@ -194,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         q, k, v, do = (t[:, :, :4].contiguous() for t in (q, k, v, do))
         idx = idx[:, :4].contiguous()
         op = tilegen.load(sub, backend="triton")
+        use_options(json.loads(a.ncu_opts), op)
         o, lse, o_acc = op.forward_for_grad(q, k, v, idx, vbs)
         grads = op.launch_backward(do, q, k, v, o_acc, lse, idx, vbs)
         torch.cuda.synchronize()

@@ -55,8 +55,6 @@ DEFAULTS: dict[str, Any] = {
     "dkdv_pack": False,
     "ds_slots": 1,
     "dq_k_boxes": True,
-    "dkdv_kv_small": False,
-    "dkdv_stats_ahead": False,
     "consumer_regs": 232,
     "producer_regs": 24,
     "scratch_bytes": 4 << 30,
@@ -232,8 +230,7 @@ class GluonBackward:
             self._desc(dk), self._desc(dv), self._ds_desc(ds) if store else None, offsets,
             items, *tiles, vbs, lse, delta, err, S, H, nkv, bh_base, float(sm_scale) * LOG2E,
             float(sm_scale), STAGES=self.opts["dkdv_stages"], DS_STORE=store, PACKED=packed,
-            DS_SLOTS=self.opts["ds_slots"], KV_SMALL=self.opts["dkdv_kv_small"],
-            STATS_AHEAD=self.opts["dkdv_stats_ahead"],
+            DS_SLOTS=self.opts["ds_slots"],
             PRODUCER_REGS=self.opts["producer_regs"], DEBUG=self.opts["debug"],
             num_warps=self.num_warps, maxnreg=self.maxnreg)
 
@@ -336,8 +333,7 @@ def signatures(spec: Spec, opts: Mapping[str, Any], has_dsum: bool = False
         "num_heads": "i32", "num_kv_blocks": "i32", "bh_base": "i32", "qk_scale": "fp32",
         "sm_scale": "fp32"})
     dkdv_c = {"STAGES": opts["dkdv_stages"], "DS_STORE": store, "PACKED": packed,
-              "DS_SLOTS": opts["ds_slots"], "KV_SMALL": opts["dkdv_kv_small"],
-              "STATS_AHEAD": opts["dkdv_stats_ahead"],
+              "DS_SLOTS": opts["ds_slots"],
               "PRODUCER_REGS": opts["producer_regs"], "DEBUG": opts["debug"]}
     boxes = opts["dq_k_boxes"]
     dq = {"ds_desc": td(64, 64), "k_desc": td(64, D), "k_half": td(32, D) if boxes else None,

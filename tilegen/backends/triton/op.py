@@ -62,11 +62,6 @@ log = logging.getLogger("tilegen")
 _noted: set[str] = set()
 
 
-#: build the backward's maps on a side stream while the delta pass runs (an experiment's
-#: switch while it is measured; bench/NOTES.md)
-OVERLAP_MAPS = False
-
-
 def note_once(message: str, level: int = logging.INFO) -> None:
     if message not in _noted:
         _noted.add(message)
@@ -365,17 +360,6 @@ class BlockSparseAttention:
             do = do.to(q.dtype)
         scale = sm_scale if sm_scale is not None else spec.sm_scale
         err = self.errors.buffer(q.device)
-        side = None
-        if inverse is None and q.device.type == "cuda" and OVERLAP_MAPS:
-            # the maps need only the LUT: built on a side stream beside the delta pass
-            from tilegen.streams import record_on, side_stream
-
-            cur = torch.cuda.current_stream(q.device)
-            side = side_stream(q.device)
-            side.wait_stream(cur)
-            with torch.cuda.stream(side):
-                inverse = backward_maps(topk_idx, counts, vbs, nkv, spec.block_kv, bcfg)
-            record_on(inverse, cur)
         delta = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
         consts, opts = bcfg.kernel_launch("preprocess")
         kernels["preprocess"][(S // consts["BLOCK_M"], B * H)](
@@ -384,8 +368,6 @@ class BlockSparseAttention:
         if dlse is not None:  # d lse_2 / d s = log2(e) * P: fold it into delta
             dsum = (dlse.to(torch.float32) * LOG2E).contiguous()  # = sum_j dS_ij: the centring
             delta = delta - dsum
-        if side is not None:
-            torch.cuda.current_stream(q.device).wait_stream(side)
         if inverse is None:
             maps = backward_maps(topk_idx, counts, vbs, nkv, spec.block_kv, bcfg)
         elif isinstance(inverse, BackwardMaps):

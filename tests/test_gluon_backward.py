@@ -398,6 +398,23 @@ def test_head_groups_fit_the_budget_and_int32_rows():
     assert gb.heads_per_group(40, 624, 78) == 40
 
 
+def test_lanes_share_the_scratch_budget():
+    """With group_streams lanes each lane holds its own scratch: together they stay inside
+    scratch_bytes (two lanes of the 4 GiB default: groups of 5 heads at the default workload)."""
+    from tilegen.backends.gluon.backward import DEFAULTS, GluonBackward
+
+    assert DEFAULTS["group_streams"] == 2
+    gb = GluonBackward.__new__(GluonBackward)
+    gb.opts = {"ds_store": True, "scratch_bytes": 4 << 30}
+    per_head = 624 * 78 * 64 * 64 * 2
+    for lanes in (1, 2, 3, 4):
+        group = gb.heads_per_group(40, 624, 78, lanes)
+        assert group * per_head * lanes <= 4 << 30 < (group + 1) * per_head * lanes
+    assert gb.heads_per_group(40, 624, 78, 2) == 5
+    gb.opts["scratch_bytes"] = 1  # every lane still runs a head
+    assert gb.heads_per_group(40, 624, 78, 2) == 1
+
+
 def test_unused_fields_are_refused():
     """One kernel, one name: a field the chosen kernels do not read must stay at its default
     (the tuner's space would otherwise time the same kernel under several names)."""

@@ -58,7 +58,7 @@ DEFAULTS: dict[str, Any] = {
     "consumer_regs": 232,
     "producer_regs": 24,
     "scratch_bytes": 4 << 30,
-    "group_streams": 1,
+    "group_streams": 2,
     "centre": True,
     "debug": "",
 }

@@ -39,19 +39,17 @@ from h200_step_breakdown import step_kernels, use_options  # noqa: E402
 #: KV cubes (`dkdv_kv_small`).
 #: the second call's list added the key-sized matmuls of the small KV cubes (`dkdv_kv_small`),
 #: the third the row statistics a tile ahead (`dkdv_stats_ahead`): both measured no gain and
-#: left the template (commits adfd455 and a88d7c2 have them). The fourth: how many lanes.
+#: left the template (commits adfd455 and a88d7c2 have them). The fourth: how many lanes (1-4,
+#: 2 with 8 GiB). The fifth: the dQ kernel reading only a small KV cube's dS^T rows.
+ROWS = {"dq_ds_rows": True}
 CANDIDATES: list[tuple[str, bool, dict, int | None]] = [
-    ("1 lane (session 7)", False, {"group_streams": 1}, None),
-    ("2 lanes", False, {"group_streams": 2}, None),
-    ("3 lanes", False, {"group_streams": 3}, None),
-    ("4 lanes", False, {"group_streams": 4}, None),
-    ("2 lanes, 8 GiB", False, {"group_streams": 2}, 8192),
-    ("1 lane again", False, {"group_streams": 1}, None),
-    ("2 lanes again", False, {"group_streams": 2}, None),
-    ("3 lanes again", False, {"group_streams": 3}, None),
+    ("default (2 lanes)", False, {}, None),
+    ("dq_ds_rows", False, ROWS, None),
+    ("default again", False, {}, None),
+    ("dq_ds_rows again", False, ROWS, None),
 ]
 #: Gluon backward options whose small-shape checks run first (`--small`)
-SMALL_CHECKS: list[dict] = [{"group_streams": 2}]
+SMALL_CHECKS: list[dict] = [ROWS]
 RESULTS: dict = {"candidates": {}}
 
 

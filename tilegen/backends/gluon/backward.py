@@ -55,7 +55,7 @@ DEFAULTS: dict[str, Any] = {
     "dkdv_pack": False,
     "ds_slots": 1,
     "dq_k_boxes": True,
-    "dq_ds_rows": False,
+    "dq_ds_rows": True,
     "consumer_regs": 232,
     "producer_regs": 24,
     "scratch_bytes": 4 << 30,
@@ -112,11 +112,13 @@ def maxnreg_for(opts: Mapping[str, Any], target: Target) -> int:
 
 def options_for(bwd, spec: Spec) -> dict[str, Any]:
     """The kernels' options (`DEFAULTS` keys) for the BackwardConfig `bwd` of `spec`: its
-    fields, and the dQ kernel's short K boxes where the spec has partial cubes."""
+    fields, and the dQ kernel's short K boxes and dS^T rows where the spec has partial
+    cubes."""
     return {"ds_store": bwd.ds_store, "dkdv_pack": bwd.dkdv_pack,
             "dkdv_stages": bwd.gluon_dkdv_stages, "dq_stages": bwd.gluon_dq_stages,
             "scratch_bytes": bwd.ds_scratch_mib << 20,
-            "dq_k_boxes": bool(spec.variable_block_sizes)}
+            "dq_k_boxes": bool(spec.variable_block_sizes),
+            "dq_ds_rows": DEFAULTS["dq_ds_rows"] and bool(spec.variable_block_sizes)}
 
 
 def slots_of_order(order):

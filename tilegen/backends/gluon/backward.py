@@ -55,7 +55,6 @@ DEFAULTS: dict[str, Any] = {
     "dkdv_pack": False,
     "ds_slots": 1,
     "dq_k_boxes": True,
-    "dq_ds_rows": True,
     "consumer_regs": 232,
     "producer_regs": 24,
     "scratch_bytes": 4 << 30,
@@ -71,11 +70,7 @@ def resolve(opts: Mapping[str, Any] | None) -> dict[str, Any]:
     unknown = sorted(set(opts) - set(DEFAULTS))
     if unknown:
         raise ValueError(f"unknown Gluon backward option(s) {unknown}; known: {sorted(DEFAULTS)}")
-    out = {**DEFAULTS, **opts}
-    if out["dq_ds_rows"] and not out["dq_k_boxes"]:
-        raise ValueError("dq_ds_rows reduces over the K rows dq_k_boxes loads: it needs "
-                         "dq_k_boxes")
-    return out
+    return {**DEFAULTS, **opts}
 
 
 def spec_problem(spec: Spec, target: Target) -> str | None:
@@ -98,8 +93,7 @@ def render_backward(spec: Spec, target: Target) -> Source:
     name = f"{spec_basename(spec)}_gluon_bwd.py"
     return render(TEMPLATE, "triton", spec, KernelConfig(), name, KERNELS["dkdv"], target,
                   names=KERNELS, block=spec.block_kv, head_dim=spec.head_dim, dtype=spec.dtype,
-                  gl_dtype=_render.GL_DTYPES[spec.dtype], arch=target.arch,
-                  column_step=POS_COLUMN_STEP)
+                  gl_dtype=_render.GL_DTYPES[spec.dtype], arch=target.arch)
 
 
 def maxnreg_for(opts: Mapping[str, Any], target: Target) -> int:
@@ -112,13 +106,11 @@ def maxnreg_for(opts: Mapping[str, Any], target: Target) -> int:
 
 def options_for(bwd, spec: Spec) -> dict[str, Any]:
     """The kernels' options (`DEFAULTS` keys) for the BackwardConfig `bwd` of `spec`: its
-    fields, and the dQ kernel's short K boxes and dS^T rows where the spec has partial
-    cubes."""
+    fields, and the dQ kernel's short K boxes where the spec has partial cubes."""
     return {"ds_store": bwd.ds_store, "dkdv_pack": bwd.dkdv_pack,
             "dkdv_stages": bwd.gluon_dkdv_stages, "dq_stages": bwd.gluon_dq_stages,
             "scratch_bytes": bwd.ds_scratch_mib << 20,
-            "dq_k_boxes": bool(spec.variable_block_sizes),
-            "dq_ds_rows": DEFAULTS["dq_ds_rows"] and bool(spec.variable_block_sizes)}
+            "dq_k_boxes": bool(spec.variable_block_sizes)}
 
 
 def slots_of_order(order):
@@ -190,20 +182,14 @@ class GluonBackward:
         return [self._desc(t, r) if r == 64 or self.opts[opt] else None
                 for r in DESCRIPTOR_ROWS]
 
-    def _ds_desc(self, ds, rows: int = 64):
-        """The dS^T scratch, (pairs * 64, 64), in (rows, 64) boxes."""
+    def _ds_desc(self, ds):
+        """The dS^T scratch, (pairs * 64, 64), in (64, 64) boxes."""
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         from tilegen.backends.gluon.launch import shared_layout
 
-        return TensorDescriptor(ds, [ds.shape[0], 64], [64, 1], [rows, 64],
-                                shared_layout(rows, 64, ds.dtype))
-
-    def _ds_descs(self, ds) -> list:
-        """The dQ kernel's dS^T boxes: whole tiles and, with ``dq_ds_rows``, their first 32
-        and 16 rows (None without)."""
-        rows = self.opts["dq_ds_rows"]
-        return [self._ds_desc(ds)] + [self._ds_desc(ds, r) if rows else None for r in (32, 16)]
+        return TensorDescriptor(ds, [ds.shape[0], 64], [64, 1], [64, 64],
+                                shared_layout(64, 64, ds.dtype))
 
     def heads_per_group(self, heads_total: int, nq: int, topk: int, lanes: int = 1) -> int:
         """b*h per launch group: as many as the dS^T scratch budget holds (at most NQ * TOPK
@@ -255,11 +241,11 @@ class GluonBackward:
         B, S, H, D = k.shape
         nq, nkv = S // 64, S // 64
         self.kernels["dq"][(nq, bh_count if bh_count is not None else B * H)](
-            *self._ds_descs(ds), *self._row_descs(k, "dq_k_boxes"), self._desc(dq), topk_idx,
+            self._ds_desc(ds), *self._row_descs(k, "dq_k_boxes"), self._desc(dq), topk_idx,
             pos, meta, vbs, dsum, offsets, err, S, H, nq, nkv, topk_idx.shape[3], bh_base,
             float(sm_scale), STAGES=self.opts["dq_stages"], HAS_DSUM=dsum is not None,
             CENTRE=self.opts["centre"], K_BOXES=self.opts["dq_k_boxes"],
-            DS_ROWS=self.opts["dq_ds_rows"], PRODUCER_REGS=self.opts["producer_regs"],
+            PRODUCER_REGS=self.opts["producer_regs"],
             num_warps=self.num_warps, maxnreg=self.maxnreg)
 
     def run(self, q, k, v, do, lse, delta, dsum, topk_idx, vbs, inverse, plan, dk, dv,
@@ -350,10 +336,7 @@ def signatures(spec: Spec, opts: Mapping[str, Any], has_dsum: bool = False
               "DS_SLOTS": opts["ds_slots"],
               "PRODUCER_REGS": opts["producer_regs"], "DEBUG": opts["debug"]}
     boxes = opts["dq_k_boxes"]
-    ds_rows = opts["dq_ds_rows"]
-    dq = {"ds_desc": td(64, 64), "ds_half": td(32, 64) if ds_rows else None,
-          "ds_quarter": td(16, 64) if ds_rows else None,
-          "k_desc": td(64, D), "k_half": td(32, D) if boxes else None,
+    dq = {"ds_desc": td(64, 64), "k_desc": td(64, D), "k_half": td(32, D) if boxes else None,
           "k_quarter": td(16, D) if boxes else None, "k_eighth": td(8, D) if boxes else None,
           "dq_desc": td(64, D), "idx_ptr": "*i32",
           "pos_ptr": "*i32", "meta_ptr": "*i32", "vbs_ptr": "*i32",
@@ -362,7 +345,7 @@ def signatures(spec: Spec, opts: Mapping[str, Any], has_dsum: bool = False
           "num_q_blocks": "i32", "num_kv_blocks": "i32", "topk": "i32", "bh_base": "i32",
           "sm_scale": "fp32"}
     dq_c = {"STAGES": opts["dq_stages"], "HAS_DSUM": has_dsum, "CENTRE": opts["centre"],
-            "K_BOXES": boxes, "DS_ROWS": ds_rows, "PRODUCER_REGS": opts["producer_regs"]}
+            "K_BOXES": boxes, "PRODUCER_REGS": opts["producer_regs"]}
 
     def pack(args, consts):
         c = {name: None for name, kind in args.items() if kind is None}

@@ -252,8 +252,10 @@ class GluonBackward:
             err, sm_scale: float, dq=None, triton_dq=None) -> None:
         """The whole backward after delta: dK/dV over ``inverse`` (see `dkdv`), and dQ into
         ``dq`` (with ``ds_store``, from ``plan`` = `dq_plan`'s (pos, meta) for that map; else
-        ``triton_dq()`` launches the Triton dQ kernel). Groups of b*h as the scratch allows;
-        the scratch is allocated once per call and reused by the groups."""
+        ``triton_dq()`` launches the Triton dQ kernel). Groups of b*h as the scratch allows,
+        group i on lane i % ``group_streams`` (the caller's stream, then side streams that
+        wait for it first and that it waits for before this returns); each lane's scratch is
+        allocated once per call and reused by its groups."""
         import torch
 
         B, S, H, D = q.shape

@@ -75,7 +75,7 @@ def compiled_shared_bytes(target: str, head_dim: int, out: Path) -> dict[str, in
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("target_name", ["sm_90", "gfx942"])
+@pytest.mark.parametrize("target_name", ["sm_90", "gfx942", "sm_89"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_shared_memory_estimate_bounds_the_compiler(tmp_path: Path, target_name, head_dim):
     """The pruning estimate is never below what Triton allocates (no false 'fits'), and never

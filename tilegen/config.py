@@ -251,12 +251,20 @@ def shared_memory_estimate(spec: Spec, cfg: KernelConfig, target: Target) -> int
     compiler's figure): on NVIDIA the Q tile stays in shared memory (a wgmma operand) and the
     pipeliner keeps up to max(stages, 3) K/V buffers, plus barriers; on AMD, Q lives in
     registers, the stream pipeliner keeps max(stages - 2, 1) K/V buffers, and a layout
-    conversion scratch of max(8 KiB, BM x BN x 2) comes on top."""
+    conversion scratch of max(8 KiB, BM x BN x 2) comes on top. On NVIDIA targets with
+    mma.sync only (sm_80, sm_89, sm_120: Q and V reach the MMA through registers) one stage
+    holds Q, K and P, stages 2-4 add one 64-row tile of the head dim and every stage past 4
+    a K and a V tile (the same figures on all three, measured at head dims 64 and 128), with
+    2 KiB on top for the barriers."""
     elem = 2  # bf16 / fp16
     kv_tile = 2 * cfg.block_n * spec.head_dim * elem  # one K and one V tile
     if target.vendor == "amd":
         return max(cfg.num_stages - 2, 1) * kv_tile + max(8192, cfg.block_m * cfg.block_n * elem)
     q_tile = cfg.block_m * spec.head_dim * elem
+    if not any(m.kind in ("wgmma", "tcgen05") for m in target.mma):
+        one_stage = q_tile + kv_tile // 2 + cfg.block_m * cfg.block_n * elem + 2048
+        return (one_stage + (64 * spec.head_dim * elem if cfg.num_stages >= 2 else 0)
+                + max(cfg.num_stages - 4, 0) * kv_tile)
     return q_tile + max(cfg.num_stages, 3) * kv_tile + 1024
 
 

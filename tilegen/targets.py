@@ -183,9 +183,41 @@ def detect_target() -> Target | None:
         arch = torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
         return get_target(arch) if arch in TARGET_NAMES else None
     major, minor = torch.cuda.get_device_capability()
-    cc = major * 10 + minor
-    for name in TARGET_NAMES:
-        target = get_target(name)
-        if target.vendor == "nvidia" and target.compute_capability == cc:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return target_for_capability(major * 10 + minor,
+                                 getattr(props, "shared_memory_per_block_optin", None))
+
+
+_FALLBACK_NOTED: set[int] = set()
+
+
+def target_for_capability(cc: int, max_shared: int | None = None) -> Target | None:
+    """The NVIDIA target of compute capability `cc` (major * 10 + minor): the target file of
+    that capability, else the closest lower target whose code runs there and whose shared
+    memory per block is no more than the GPU's (`max_shared`, its opt-in limit, when known),
+    named once in the log; None when no target qualifies (the op then runs the untuned
+    reference config). A target whose arch carries the arch-specific suffix (sm_90a, sm_100a:
+    wgmma, setmaxnreg, tcgen05) only serves its own capability, since such code runs nowhere
+    else: a compute capability 10.3 GPU falls back to sm_89."""
+    import logging
+
+    nvidia = [get_target(n) for n in TARGET_NAMES if get_target(n).vendor == "nvidia"]
+    for target in nvidia:
+        if target.compute_capability == cc:
             return target
-    return None
+    fits = [t for t in nvidia if t.compute_capability < cc and not t.arch.endswith("a")
+            and (max_shared is None or t.max_shared_bytes <= max_shared)]
+    target = max(fits, key=lambda t: t.compute_capability) if fits else None
+    if cc not in _FALLBACK_NOTED:
+        _FALLBACK_NOTED.add(cc)
+        if target is not None:
+            logging.getLogger("tilegen").info(
+                "no target file for compute capability %d.%d; using %s (%s), the closest lower "
+                "target whose code runs there", cc // 10, cc % 10, target.name,
+                target.description)
+        else:
+            logging.getLogger("tilegen").warning(
+                "no target file for compute capability %d.%d and no lower one whose code and "
+                "shared memory (%s B per block) fit it; the op runs the untuned reference config",
+                cc // 10, cc % 10, max_shared)
+    return target

@@ -1,0 +1,88 @@
+"""The mma.sync targets (sm_80, sm_89, sm_120): their defaults, their builds, and how a GPU
+finds its target by compute capability."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tilegen import KernelConfig, Spec
+from tilegen import targets as targets_mod
+from tilegen.backends.cuda.nvcc import STATIC_SMEM_BYTES, shared_memory_bytes
+from tilegen.config import default_config, violations
+from tilegen.targets import get_target, target_for_capability
+
+MMA_SYNC_TARGETS = ["sm_80", "sm_89", "sm_120"]
+
+
+@pytest.mark.parametrize("name", MMA_SYNC_TARGETS)
+def test_mma_sync_target_facts(name):
+    """HMMA only (no Gluon family), the capability in the name, the Triton arch from it."""
+    target = get_target(name)
+    assert [m.kind for m in target.mma] == ["mma_sync"]
+    assert target.backends == ("triton", "cuda")
+    assert target.compute_capability == int(name.removeprefix("sm_"))
+    assert target.triton_arch == target.compute_capability
+    assert target.max_shared_bytes == target.shared_per_sm - target.reserved_shared_per_block
+
+
+@pytest.mark.parametrize("name", MMA_SYNC_TARGETS)
+def test_default_takes_the_most_stages_that_fit(name):
+    """The default's stages: the most of the tunable range whose tiles fit a block's shared
+    memory in the CUDA C++ family's count (the larger of the two families' needs)."""
+    target = get_target(name)
+    spec = Spec()
+    cfg = default_config(target, spec)
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (64, 64, 4)
+
+    def fits(stages: int) -> bool:
+        c = KernelConfig(64, 64, 4, stages)
+        return shared_memory_bytes(spec, c) + STATIC_SMEM_BYTES <= target.max_shared_bytes
+
+    assert cfg.num_stages == max(s for s in target.tunable["num_stages"] if fits(s))
+    assert violations(spec, target, cfg) == []
+
+
+def test_capability_finds_its_target_or_the_closest_lower_one(caplog):
+    targets_mod._FALLBACK_NOTED.clear()
+    for cc, name in [(80, "sm_80"), (89, "sm_89"), (90, "sm_90"), (100, "sm_100a"),
+                     (120, "sm_120")]:
+        assert target_for_capability(cc).name == name
+    with caplog.at_level(logging.INFO, logger="tilegen"):
+        assert target_for_capability(87).name == "sm_80"  # Orin: sm_80's limits fit
+        assert target_for_capability(87).name == "sm_80"
+        # 10.3 and 12.1: sm_90a / sm_100a code runs only on its own capability
+        assert target_for_capability(103, 232448).name == "sm_89"
+        assert target_for_capability(121, 101376).name == "sm_120"
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("8.7; using sm_80" in ln for ln in lines) == 1, lines  # once
+    assert any("10.3; using sm_89" in ln for ln in lines), lines
+    # 8.6 (RTX 3090, A10): sm_80's 163 KiB per block would not fit its 99 KiB
+    with caplog.at_level(logging.WARNING, logger="tilegen"):
+        assert target_for_capability(86, 101376) is None
+        assert target_for_capability(75) is None
+    assert any("8.6 and no lower one" in r.getMessage() for r in caplog.records)
+    targets_mod._FALLBACK_NOTED.clear()
+
+
+@pytest.mark.parametrize("name", MMA_SYNC_TARGETS)
+def test_build_counts_hmma_and_spills_nothing(tmp_path: Path, name):
+    """`tilegen build --target` cross-compiles both families (Triton AOT and nvcc) with the
+    target's default config: every cubin has HMMA (the preprocess kernel none) and 0 spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tilegen.cli", "build", "--target", name,
+                           "--out", str(tmp_path)], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    arts = manifest["artifacts"]
+    assert {a["backend"] for a in arts} == {"triton", "cuda"}
+    for art in arts:
+        assert art["arch"] == name and art["spill_bytes"] == 0, art["path"]
+        assert art["shared_bytes"] <= get_target(name).max_shared_bytes, art["path"]
+        if "preprocess" not in art["path"]:
+            assert art["matrix_ops"].get("HMMA", 0) > 0, (art["path"], art["matrix_ops"])
+            assert set(art["matrix_ops"]) == {"HMMA"}, art["matrix_ops"]

@@ -128,7 +128,7 @@ def test_build_errors_are_clear(tmp_path):
     res = tilegen("build", "--target", "sm_90", "--config", '{"block_n": 48}', "--out",
                   str(tmp_path), check=False)
     assert res.returncode == 1 and "block_n=48" in res.stderr
-    res = tilegen("build", "--target", "sm_80", check=False)
+    res = tilegen("build", "--target", "sm_70", check=False)
     assert res.returncode == 2 and "invalid choice" in res.stderr
     (tmp_path / "bad.toml").write_text('head_dim = 96\n')
     res = tilegen("build", "--target", "sm_90", "--spec", str(tmp_path / "bad.toml"), check=False)

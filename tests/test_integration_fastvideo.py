@@ -1,0 +1,141 @@
+"""FastVideo's calling convention (`tilegen.integrations.fastvideo`) against fp32 references
+written here, forward and backward, on the CPU (the op's PyTorch path)."""
+
+import math
+
+import pytest
+import torch
+
+from tilegen.integrations import fastvideo as fv
+
+B, H, NB, D = 1, 2, 6, 64
+S = NB * 64
+VBS = torch.tensor([64, 64, 32, 64, 16, 64], dtype=torch.int32)
+
+
+def inputs(seed: int, zero_pad: bool = True):
+    """q, k, v (B, H, S, D) bf16 requiring grad, and dO; padded tokens zero (FastVideo's own
+    inputs are zero-padded) or garbage."""
+    g = torch.Generator().manual_seed(seed)
+    real = (torch.arange(64)[None, :] < VBS[:, None]).reshape(1, 1, S, 1)
+    out = []
+    for _ in range(4):
+        x = torch.randn(B, H, S, D, generator=g)
+        out.append(torch.where(real, x, 0.0 if zero_pad else 7.0 * torch.randn(x.shape,
+                                                                               generator=g)))
+    q, k, v, do = (x.to(torch.bfloat16) for x in out)
+    return [t.requires_grad_(True) for t in (q, k, v)] + [torch.where(real, do, 0)], real
+
+
+def reference(q, k, v, allowed):
+    """fp32 attention of every query row over the real keys of its allowed blocks
+    (`allowed`: (B, H, NB, NB) bool); (o, M) with M = log2 of the row's sum of
+    exp(scaled scores)."""
+    q, k, v = (t.float() for t in (q, k, v))
+    key_real = (torch.arange(64)[None, :] < VBS[:, None]).reshape(S)
+    mask = allowed.repeat_interleave(64, dim=2).repeat_interleave(64, dim=3) & key_real
+    s = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(D)
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v), torch.logsumexp(s, dim=-1) / math.log(2)
+
+
+def lists(seed: int):
+    """(q2k_idx, q2k_num, allowed): random distinct blocks per row, ragged counts, garbage
+    past each row's count."""
+    g = torch.Generator().manual_seed(seed)
+    K = 4
+    idx = torch.stack([torch.randperm(NB, generator=g)[:K] for _ in range(B * H * NB)])
+    num = torch.randint(1, K + 1, (B * H * NB,), generator=g)
+    allowed = torch.zeros(B * H * NB, NB, dtype=torch.bool)
+    for r in range(B * H * NB):
+        allowed[r, idx[r, :num[r]]] = True
+    idx = torch.where(torch.arange(K)[None, :] < num[:, None], idx, -5)  # garbage past num
+    shape = (B, H, NB)
+    return (idx.view(*shape, K).to(torch.int32), num.view(shape).to(torch.int32),
+            allowed.view(*shape, NB))
+
+
+def close(a, b, tol):
+    a, b = a.float(), b.float()
+    return (a - b).abs().max().item() <= tol * b.abs().max().item()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("entry", ["from_indices", "block_map"])
+def test_block_sparse_forward_and_backward_match_fp32(seed, entry):
+    (q, k, v, do), real = inputs(seed, zero_pad=False)
+    idx, num, allowed = lists(seed)
+    if entry == "from_indices":
+        o, m = fv.block_sparse_attn_from_indices(q, k, v, idx, num, VBS)
+    else:
+        o, m = fv.block_sparse_attn(q, k, v, allowed, VBS)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    assert m.shape == (B, H, S) and m.dtype == torch.float32
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    qr, kr, vr = (t.detach().float().requires_grad_(True) for t in (q, k, v))
+    o_ref, m_ref = reference(qr, kr, vr, allowed)
+    ref_grads = torch.autograd.grad(o_ref, (qr, kr, vr), do.float())
+    rows = real.expand_as(o)
+    assert close(o[rows], o_ref[rows], 2e-2)
+    assert torch.allclose(m[real[..., 0].expand_as(m)], m_ref[real[..., 0].expand_as(m_ref)],
+                          atol=2e-2)
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert close(g[rows], r[rows], 2e-2)
+
+
+def test_video_sparse_attn_matches_fastvideos_formula():
+    """The coarse stage (block means, softmax, broadcast back), the fine stage over the
+    top-k blocks of the coarse scores, the gate; forward and backward against fp32."""
+    (q, k, v, do), real = inputs(3)
+    gate = torch.rand(B, H, S, D, generator=torch.Generator().manual_seed(9))
+    topk = 3
+    o = fv.video_sparse_attn(q, k, v, VBS, VBS.clone(), topk, (4, 4, 4), gate.to(q.dtype))
+    grads = torch.autograd.grad(o, (q, k, v), do)
+
+    qr, kr, vr = (t.detach().float().requires_grad_(True) for t in (q, k, v))
+
+    def means(x):
+        return x.view(B, H, NB, 64, D).sum(3) / VBS.float().view(1, 1, NB, 1)
+
+    scores = means(qr) @ means(kr).transpose(-2, -1) / math.sqrt(D)
+    coarse = (torch.softmax(scores, -1) @ means(vr)).repeat_interleave(64, dim=2)
+    allowed = torch.zeros(B, H, NB, NB, dtype=torch.bool).scatter_(
+        -1, scores.topk(topk, -1).indices, True)
+    fine, _ = reference(qr, kr, vr, allowed)
+    o_ref = coarse * gate + fine
+    ref_grads = torch.autograd.grad(o_ref, (qr, kr, vr), do.float())
+    rows = real.expand_as(o)
+    assert close(o[rows], o_ref[rows], 2e-2)
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert close(g[rows], r[rows], 3e-2)
+
+
+def test_gate_defaults_to_plain_sum_and_block_size_forms_agree():
+    (q, k, v, _), _ = inputs(4)
+    with torch.no_grad():
+        a = fv.video_sparse_attn(q, k, v, VBS, VBS, 2)
+        b = fv.video_sparse_attn(q, k, v, VBS, VBS, 2, block_size=4,
+                                 compress_attn_weight=torch.ones_like(q))
+        c = fv.video_sparse_attn(q, k, v, VBS, VBS, 2, block_size=(2, 4, 8))
+    assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("call,needle", [
+    (lambda q, k, v: fv.block_sparse_attn_from_indices(
+        q, k[:, :, :128], v[:, :, :128], *lists(0)[:2], VBS), "S_q != S_kv"),
+    (lambda q, k, v: fv.video_sparse_attn(q, k, v, VBS, VBS, 2, block_size=(4, 8, 8)),
+     "64-token blocks only"),
+    (lambda q, k, v: fv.video_sparse_attn(q, k, v, VBS, torch.full((NB,), 64), 2),
+     "q_variable_block_sizes differs"),
+    (lambda q, k, v: fv.video_sparse_attn(q, k, v, VBS[:4], VBS[:4], 2),
+     "variable_block_sizes must have length 6"),
+    (lambda q, k, v: fv.block_sparse_attn(q, k, v, torch.ones(NB, NB, dtype=torch.bool), VBS),
+     "block_map must be"),
+    (lambda q, k, v: fv.block_sparse_attn_from_indices(q, k, v, lists(0)[0][:, :, :2],
+                                                       lists(0)[1], VBS), "q2k_idx must be"),
+])
+def test_what_tilegen_does_not_take_is_refused_in_one_line(call, needle):
+    (q, k, v, _), _ = inputs(5)
+    with pytest.raises(ValueError, match=needle) as err:
+        call(q, k, v)
+    assert "\n" not in str(err.value)

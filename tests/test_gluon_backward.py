@@ -400,7 +400,8 @@ def test_head_groups_fit_the_budget_and_int32_rows():
 
 def test_lanes_share_the_scratch_budget():
     """With group_streams lanes each lane holds its own scratch: together they stay inside
-    scratch_bytes (two lanes of the 4 GiB default: groups of 5 heads at the default workload)."""
+    scratch_bytes (two lanes of the 4 GiB default: groups of 5 heads at the default workload;
+    `run` takes fewer lanes when the budget does not hold a head per lane)."""
     from tilegen.backends.gluon.backward import DEFAULTS, GluonBackward
 
     assert DEFAULTS["group_streams"] == 2
@@ -411,8 +412,10 @@ def test_lanes_share_the_scratch_budget():
         group = gb.heads_per_group(40, 624, 78, lanes)
         assert group * per_head * lanes <= 4 << 30 < (group + 1) * per_head * lanes
     assert gb.heads_per_group(40, 624, 78, 2) == 5
-    gb.opts["scratch_bytes"] = 1  # every lane still runs a head
-    assert gb.heads_per_group(40, 624, 78, 2) == 1
+    from tilegen.backends.gluon.backward import resolve
+
+    with pytest.raises(ValueError, match="group_streams must be an int >= 1"):
+        resolve({"group_streams": 0})
 
 
 def test_unused_fields_are_refused():

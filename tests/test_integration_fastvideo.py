@@ -139,3 +139,16 @@ def test_what_tilegen_does_not_take_is_refused_in_one_line(call, needle):
     with pytest.raises(ValueError, match=needle) as err:
         call(q, k, v)
     assert "\n" not in str(err.value)
+
+
+def test_strided_views_are_taken_as_fastvideo_takes_them():
+    """FastVideo's callers pass BHSD views of BSHD tensors; the result equals the contiguous
+    call's."""
+    (q, k, v, _), _ = inputs(6)
+    idx, num, _ = lists(6)
+    views = [t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    assert not views[0].is_contiguous()
+    with torch.no_grad():
+        o_view, m_view = fv.block_sparse_attn_from_indices(*views, idx, num, VBS)
+        o, m = fv.block_sparse_attn_from_indices(q, k, v, idx, num, VBS)
+    assert torch.equal(o_view, o) and torch.equal(m_view, m)

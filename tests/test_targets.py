@@ -47,25 +47,30 @@ def test_default_takes_the_most_stages_that_fit(name):
     assert violations(spec, target, cfg) == []
 
 
-def test_capability_finds_its_target_or_the_closest_lower_one(caplog):
+def test_capability_finds_its_target_or_the_closest_lower_one_of_its_major(caplog):
+    from tilegen.backends.cuda import runtime
+
     targets_mod._FALLBACK_NOTED.clear()
     for cc, name in [(80, "sm_80"), (89, "sm_89"), (90, "sm_90"), (100, "sm_100a"),
                      (120, "sm_120")]:
         assert target_for_capability(cc).name == name
     with caplog.at_level(logging.INFO, logger="tilegen"):
-        assert target_for_capability(87).name == "sm_80"  # Orin: sm_80's limits fit
-        assert target_for_capability(87).name == "sm_80"
-        # 10.3 and 12.1: sm_90a / sm_100a code runs only on its own capability
-        assert target_for_capability(103, 232448).name == "sm_89"
+        assert target_for_capability(87, 166912).name == "sm_80"  # Orin: 163 KiB per block
+        assert target_for_capability(87, 166912).name == "sm_80"
         assert target_for_capability(121, 101376).name == "sm_120"
+        assert runtime.target_for_capability(8, 7, 166912).name == "sm_80"  # CUDA family too
     lines = [r.getMessage() for r in caplog.records]
-    assert sum("8.7; using sm_80" in ln for ln in lines) == 1, lines  # once
-    assert any("10.3; using sm_89" in ln for ln in lines), lines
-    # 8.6 (RTX 3090, A10): sm_80's 163 KiB per block would not fit its 99 KiB
+    assert sum("8.7; using sm_80" in ln for ln in lines) == 2, lines  # once per family
+    assert any("12.1; using sm_120" in ln for ln in lines), lines
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="tilegen"):
-        assert target_for_capability(86, 101376) is None
-        assert target_for_capability(75) is None
-    assert any("8.6 and no lower one" in r.getMessage() for r in caplog.records)
+        assert target_for_capability(86, 101376) is None  # sm_80's 163 KiB exceed its 99
+        assert target_for_capability(87) is None  # the GPU's limit unknown: no guess
+        assert target_for_capability(103, 232448) is None  # sm_100a code runs on 10.0 only
+        assert target_for_capability(110, 232448) is None  # no 11.x target
+        assert target_for_capability(75, 65536) is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 5 and all("untuned reference config" in ln for ln in lines), lines
     targets_mod._FALLBACK_NOTED.clear()
 
 

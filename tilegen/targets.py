@@ -188,36 +188,41 @@ def detect_target() -> Target | None:
                                  getattr(props, "shared_memory_per_block_optin", None))
 
 
-_FALLBACK_NOTED: set[int] = set()
+_FALLBACK_NOTED: set[tuple] = set()
 
 
-def target_for_capability(cc: int, max_shared: int | None = None) -> Target | None:
-    """The NVIDIA target of compute capability `cc` (major * 10 + minor): the target file of
-    that capability, else the closest lower target whose code runs there and whose shared
-    memory per block is no more than the GPU's (`max_shared`, its opt-in limit, when known),
-    named once in the log; None when no target qualifies (the op then runs the untuned
-    reference config). A target whose arch carries the arch-specific suffix (sm_90a, sm_100a:
-    wgmma, setmaxnreg, tcgen05) only serves its own capability, since such code runs nowhere
-    else: a compute capability 10.3 GPU falls back to sm_89."""
+def target_for_capability(cc: int, max_shared: int | None = None,
+                          backend: str | None = None) -> Target | None:
+    """The NVIDIA target of compute capability `cc` (major * 10 + minor; with `backend`, among
+    the targets that list that family): the target file of that capability, else the closest
+    lower target of the same major version (whose machine code runs there: sm_80 on 8.6 and
+    8.7, sm_120 on 12.1) whose shared memory per block fits the GPU's opt-in limit
+    `max_shared`, named once in the log. None when no target qualifies, with a warning: an
+    unknown `max_shared`, another major version (sm_89 code does not run on 10.3), or an
+    arch-specific target (sm_90a, sm_100a code runs only on its own capability). The op then
+    runs the untuned reference config on the Triton family, which compiles for the device."""
     import logging
 
-    nvidia = [get_target(n) for n in TARGET_NAMES if get_target(n).vendor == "nvidia"]
+    nvidia = [get_target(n) for n in TARGET_NAMES if get_target(n).vendor == "nvidia"
+              and (backend is None or backend in get_target(n).backends)]
     for target in nvidia:
         if target.compute_capability == cc:
             return target
-    fits = [t for t in nvidia if t.compute_capability < cc and not t.arch.endswith("a")
-            and (max_shared is None or t.max_shared_bytes <= max_shared)]
+    fits = [t for t in nvidia if t.compute_capability // 10 == cc // 10
+            and t.compute_capability < cc and not t.arch.endswith("a")
+            and max_shared is not None and t.max_shared_bytes <= max_shared]
     target = max(fits, key=lambda t: t.compute_capability) if fits else None
-    if cc not in _FALLBACK_NOTED:
-        _FALLBACK_NOTED.add(cc)
+    key = (cc, max_shared, backend)
+    if key not in _FALLBACK_NOTED:
+        _FALLBACK_NOTED.add(key)
+        log = logging.getLogger("tilegen")
         if target is not None:
-            logging.getLogger("tilegen").info(
-                "no target file for compute capability %d.%d; using %s (%s), the closest lower "
-                "target whose code runs there", cc // 10, cc % 10, target.name,
-                target.description)
+            log.info("no target file for compute capability %d.%d; using %s (%s), the closest "
+                     "lower target of its major version", cc // 10, cc % 10, target.name,
+                     target.description)
         else:
-            logging.getLogger("tilegen").warning(
-                "no target file for compute capability %d.%d and no lower one whose code and "
-                "shared memory (%s B per block) fit it; the op runs the untuned reference config",
-                cc // 10, cc % 10, max_shared)
+            log.warning("no target file for compute capability %d.%d%s and no lower one of its "
+                        "major version whose shared memory per block fits it (%s B); the op "
+                        "runs the untuned reference config", cc // 10, cc % 10,
+                        f" with the {backend} family" if backend else "", max_shared)
     return target

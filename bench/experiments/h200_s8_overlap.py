@@ -183,6 +183,19 @@ def main(argv: list[str] | None = None) -> int:
                                                      f"{type(exc).__name__}: {exc}"[:1500]}
                         print(key, json.dumps(RESULTS["small"][key]), flush=True)
         use_options({})
+        # two lanes for real: batch 2 (4 b*h) in a 1 MiB scratch gives two groups of two heads
+        # (192 KiB of dS^T per head), one per lane (written after the session's last GPU call:
+        # not yet run)
+        for pack in (True, False):
+            bcfg = BackwardConfig(gluon=True, ds_store=True, dkdv_pack=pack, ds_scratch_mib=1)
+            key = f"two lanes pack={pack} batch 2 d128"
+            try:
+                RESULTS["small"][key] = check_small(bcfg, 0, 128, batch=2)
+            except Exception as exc:  # noqa: BLE001 - a failure is data
+                traceback.print_exc()
+                RESULTS["small"][key] = {"passed": False,
+                                         "error": f"{type(exc).__name__}: {exc}"[:1500]}
+            print(key, json.dumps(RESULTS["small"][key]), flush=True)
         small_ok = sum(r.get("passed", False) for r in RESULTS["small"].values())
         RESULTS["small_passed"] = f"{small_ok}/{len(RESULTS['small'])}"
         print("small cases passed:", RESULTS["small_passed"], flush=True)

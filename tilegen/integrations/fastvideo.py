@@ -17,6 +17,10 @@ Where tilegen's contract differs (README, "The input contract"):
   it as the query rows' padding too. A padded row's output is computed like a real one's, but
   its incoming gradient is ignored and its dq is zero, so dk and dv hold the real rows'
   contributions only (FastVideo adds the padded rows' too).
+- **M carries a gradient** (a gradient of lse folds into the backward); FastVideo ignores one.
+- **The coarse stage's block means** average a block's real tokens only, so padded tokens get
+  no gradient from it; FastVideo sums the whole block (its inputs are zero-padded, so the
+  values agree) and gives padded tokens a gradient.
 - **Not supported yet** (tilegen's shapes issue, #21), each refused by a one-line
   ``ValueError`` that says so: ``S_q != S_kv`` (FastVideo's Triton path takes it), a
   ``q_variable_block_sizes`` that differs from ``variable_block_sizes``, and blocks other than
@@ -77,7 +81,10 @@ def block_sparse_attn_from_indices(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     # wants a valid id: 0
     slot = torch.arange(q2k_idx.shape[3], device=dev, dtype=torch.int32)
     idx = torch.where(slot < num.unsqueeze(-1), q2k_idx.to(device=dev, dtype=torch.int32), 0)
-    return block_sparse_attention(q, k, v, idx.contiguous(),
+    # FastVideo's ops take strided views (they call .contiguous() themselves); tilegen's op
+    # takes contiguous tensors
+    return block_sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(),
+                                  idx.contiguous(),
                                   variable_block_sizes.to(device=dev, dtype=torch.int32),
                                   num, return_lse=True, layout="bhsd")
 
@@ -105,9 +112,10 @@ def _block_means(x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     compression: fp32 sums over the block divided by its size; padded tokens masked here, so
     garbage there changes nothing)."""
     B, H, S, D = x.shape
-    blocks = x.view(B, H, S // BLOCK, BLOCK, D).float()
+    sizes = sizes.to(x.device)
+    blocks = x.reshape(B, H, S // BLOCK, BLOCK, D).float()
     real = (torch.arange(BLOCK, device=x.device)[None, :]
-            < sizes.to(x.device).view(-1, 1)).view(1, 1, -1, BLOCK, 1)
+            < sizes.view(-1, 1)).view(1, 1, -1, BLOCK, 1)
     sums = torch.where(real, blocks, 0.0).sum(dim=3)
     return (sums / sizes.to(torch.float32).view(1, 1, -1, 1)).to(x.dtype)
 
@@ -121,7 +129,10 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     attention over each query block's ``topk`` highest-scoring key blocks), the coarse output
     weighted by ``compress_attn_weight`` (the gate, ``(B, H, S, D)``) when given. Returns o.
     ``block_size`` is an int (tokens per block, or the edge of a cubic block) or a (t, h, w)
-    tuple; its volume must be 64. ``topk`` is clamped to the number of blocks."""
+    tuple; its volume must be 64 (an int of 64 is read as 64 tokens, FastVideo reads any int b
+    as a b x b x b block). ``topk`` is clamped to the number of blocks. Comparing the two block
+    size tensors reads them back to the host (one sync) unless they are the same tensor: pass
+    ``variable_block_sizes`` twice to avoid it (under CUDA graph capture, for one)."""
     if isinstance(block_size, int):
         volume = block_size if block_size == BLOCK else block_size ** 3
     else:
@@ -133,8 +144,9 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q_variable_block_sizes.numel() != n_blocks:
         raise ValueError(f"q_variable_block_sizes must have length {n_blocks} (one per "
                          f"block), got {q_variable_block_sizes.numel()}")
-    if not torch.equal(q_variable_block_sizes.to(variable_block_sizes.device).long(),
-                       variable_block_sizes.long()):
+    if q_variable_block_sizes is not variable_block_sizes and not torch.equal(
+            q_variable_block_sizes.to(variable_block_sizes.device).long(),
+            variable_block_sizes.long()):
         raise ValueError("q_variable_block_sizes differs from variable_block_sizes: tilegen "
                          "reads one vbs for query and key blocks until separate query block "
                          "sizes land (issue #21)")

@@ -108,15 +108,17 @@ def pack_args(args: list[tuple[str, str, int | float]]) -> tuple[Any, list[Any]]
     return array, values
 
 
-def target_for_capability(major: int, minor: int) -> Target:
-    """The tilegen target with a CUDA backend whose ISA runs on this compute capability."""
+def target_for_capability(major: int, minor: int, max_shared: int | None = None) -> Target:
+    """The tilegen target with a CUDA backend whose ISA runs on this compute capability: its
+    own, or the closest lower one of its major version whose shared memory per block fits
+    `max_shared` (`tilegen.targets.target_for_capability`)."""
     from tilegen.targets import TARGET_NAMES, get_target
+    from tilegen.targets import target_for_capability as found_for
 
-    cc = major * 10 + minor
+    target = found_for(major * 10 + minor, max_shared, backend="cuda")
+    if target is not None:
+        return target
     with_cuda = [get_target(n) for n in TARGET_NAMES if "cuda" in get_target(n).backends]
-    for target in with_cuda:
-        if target.compute_capability == cc:
-            return target
     raise CudaRuntimeMissing(
         f"no CUDA backend for compute capability {major}.{minor}; the CUDA kernels are built "
         f"for {[t.name for t in with_cuda]}")
@@ -246,7 +248,10 @@ class CudaBlockSparseAttention:
         with self._lock:
             found = self._kernels.get(key)
             if found is None:
-                target = target_for_capability(*torch.cuda.get_device_capability(index))
+                props = torch.cuda.get_device_properties(index)
+                target = target_for_capability(
+                    *torch.cuda.get_device_capability(index),
+                    getattr(props, "shared_memory_per_block_optin", None))
                 cfg = self.config_for(target).replace(store_lse=store_lse,
                                                       store_max_prob=store_max_prob)
                 from tilegen.backends.cuda import BACKEND

@@ -70,7 +70,11 @@ def resolve(opts: Mapping[str, Any] | None) -> dict[str, Any]:
     unknown = sorted(set(opts) - set(DEFAULTS))
     if unknown:
         raise ValueError(f"unknown Gluon backward option(s) {unknown}; known: {sorted(DEFAULTS)}")
-    return {**DEFAULTS, **opts}
+    out = {**DEFAULTS, **opts}
+    lanes = out["group_streams"]
+    if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
+        raise ValueError(f"group_streams must be an int >= 1, got {lanes!r}")
+    return out
 
 
 def spec_problem(spec: Spec, target: Target) -> str | None:
@@ -253,8 +257,10 @@ class GluonBackward:
         """The whole backward after delta: dK/dV over ``inverse`` (see `dkdv`), and dQ into
         ``dq`` (with ``ds_store``, from ``plan`` = `dq_plan`'s (pos, meta) for that map; else
         ``triton_dq()`` launches the Triton dQ kernel). Groups of b*h as the scratch allows,
-        group i on lane i % ``group_streams`` (the caller's stream, then side streams that
-        wait for it first and that it waits for before this returns); each lane's scratch is
+        group i on lane i % lanes (the caller's stream, then side streams that wait for it
+        first and that it waits for before this returns): ``group_streams`` lanes, fewer when
+        the budget does not hold a head per lane, so the lanes' scratch together stays within
+        ``scratch_bytes`` (or one head's, when even one does not fit); each lane's scratch is
         allocated once per call and reused by its groups."""
         import torch
 
@@ -270,7 +276,9 @@ class GluonBackward:
                              "tiles of 64 rows) passes int32 row indices; use a backward "
                              "config without ds_store")
         pos, meta = plan
-        lanes = self.opts["group_streams"]
+        # as many lanes as hold one head each within the budget (at least one)
+        per_head = nq * topk * 64 * 64 * q.element_size()
+        lanes = max(1, min(self.opts["group_streams"], self.opts["scratch_bytes"] // per_head))
         group = self.heads_per_group(B * H, nq, topk, lanes)
         bases = list(range(0, B * H, group))
         lanes = min(lanes, len(bases))
@@ -282,11 +290,10 @@ class GluonBackward:
         streams = [cur] + [side_stream(q.device, i) for i in range(lanes - 1)]
         for s in streams[1:]:
             s.wait_stream(cur)
-        scratch = []
-        for s in streams:
-            with torch.cuda.stream(s):
-                scratch.append(torch.empty((group * nq * topk * 64, 64), dtype=q.dtype,
-                                           device=q.device))
+        # every lane's scratch from the caller's stream's pool (reusable by it after the call;
+        # the joins below order that reuse after the side streams' work)
+        scratch = [torch.empty((group * nq * topk * 64, 64), dtype=q.dtype, device=q.device)
+                   for _ in streams]
         for i, base in enumerate(bases):
             n = min(group, B * H - base)
             lane = i % lanes

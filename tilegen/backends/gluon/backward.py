@@ -156,6 +156,11 @@ def dq_plan(topk_idx, counts, vbs, num_kv_blocks: int, slot, block: int = 64, ro
     return pos.view(topk_idx.shape), meta
 
 
+def head_scratch_bytes(nq: int, topk: int) -> int:
+    """One b*h's dS^T scratch at most: NQ * TOPK tiles of 64 x 64 16-bit values."""
+    return nq * topk * 64 * 64 * 2
+
+
 class GluonBackward:
     """The Gluon dK/dV kernel (and, with ``ds_store``, the dQ kernel) of one spec, launchable on
     CUDA tensors of a wgmma target. `dkdv` and `dq` launch one kernel each on validated,
@@ -202,7 +207,7 @@ class GluonBackward:
         than the budget still runs, alone)."""
         if not self.opts["ds_store"]:
             return heads_total
-        per = nq * topk * 64 * 64 * 2 * lanes
+        per = head_scratch_bytes(nq, topk) * lanes
         # the kernels address scratch rows (and TMA coordinates) in int32
         rows_cap = (2**31 - 1) // (nq * topk * 64)
         return max(1, min(heads_total, self.opts["scratch_bytes"] // per, rows_cap))
@@ -277,8 +282,8 @@ class GluonBackward:
                              "config without ds_store")
         pos, meta = plan
         # as many lanes as hold one head each within the budget (at least one)
-        per_head = nq * topk * 64 * 64 * q.element_size()
-        lanes = max(1, min(self.opts["group_streams"], self.opts["scratch_bytes"] // per_head))
+        lanes = max(1, min(self.opts["group_streams"],
+                           self.opts["scratch_bytes"] // head_scratch_bytes(nq, topk)))
         group = self.heads_per_group(B * H, nq, topk, lanes)
         bases = list(range(0, B * H, group))
         lanes = min(lanes, len(bases))

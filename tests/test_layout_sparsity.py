@@ -266,3 +266,17 @@ def test_selectors_never_repeat_an_id_on_ties(kind):
         idx, counts = sparsity.cdf_select(q, k, vbs, p, block=8)
         _assert_rows_distinct(idx, f"cdf_select p={p}")
         assert bool((counts >= 1).all())
+
+
+def test_to_cubes_compiles_to_the_eager_result():
+    """Under torch.compile the slots are built inside the graph (no cached host tensor copied
+    per call): same values as eager, partial edge cubes included."""
+    grid = (6, 7, 9)
+    x = torch.randn(2, 6 * 7 * 9, 3, 8)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda t: layout.from_cubes(layout.to_cubes(t, grid)[0] * 2, grid),
+                       fullgraph=True, backend="eager")
+    torch.testing.assert_close(fn(x), x * 2, atol=0, rtol=0)
+    vbs = torch.compile(lambda t: layout.to_cubes(t, grid)[1], fullgraph=True, backend="eager")(x)
+    assert torch.equal(vbs, layout.vbs_for_grid(grid))
+    torch._dynamo.reset()

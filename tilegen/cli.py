@@ -30,6 +30,7 @@ EPILOG = """examples:
   tilegen captures synthesize --out caps/ --seed 0    # Wan2.2-like capture files
   tilegen bench --captures caps/                      # score + time on the current GPU
   tilegen doctor                                      # does tilegen work here? (seconds)
+  tilegen calibrate MODEL --inputs calls.pt --out plan.json   # per-layer plan for diffusers' Wan
 """
 
 
@@ -439,10 +440,12 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_doctor)
 
     from tilegen.db.cli import add_db_parser
+    from tilegen.integrations.calibrate_cli import add_calibrate_parser
     from tilegen.tune.cli import add_tune_parser
 
     add_tune_parser(sub)
     add_db_parser(sub)
+    add_calibrate_parser(sub)
 
     args = parser.parse_args(argv)
     # an AOT command compiles for real; the caller's setting comes back afterwards (an

@@ -51,22 +51,26 @@ def cube_grid(grid: Sequence[int], cube: Sequence[int] = (4, 4, 4)) -> Triple:
     return tuple(-(-gi // ci) for gi, ci in zip(g, c, strict=True))  # type: ignore[return-value]
 
 
-@functools.lru_cache(maxsize=32)
-def _extents(grid: Triple, cube: Triple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _extents(grid: Triple, cube: Triple, device: torch.device | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-axis actual cube extents (the last cube along an axis may be short)."""
     out = []
     for g, c in zip(grid, cube, strict=True):
         n = -(-g // c)
-        starts = torch.arange(n, dtype=torch.int64) * c
+        starts = torch.arange(n, dtype=torch.int64, device=device) * c
         out.append(torch.clamp(g - starts, max=c))
     return out[0], out[1], out[2]
 
 
-@functools.lru_cache(maxsize=32)
-def _vbs_cpu(grid: Triple, cube: Triple) -> torch.Tensor:
-    et, eh, ew = _extents(grid, cube)
+def _build_vbs(grid: Triple, cube: Triple, device: torch.device | None = None) -> torch.Tensor:
+    et, eh, ew = _extents(grid, cube, device)
     vbs = et[:, None, None] * eh[None, :, None] * ew[None, None, :]
     return vbs.reshape(-1).to(torch.int32)
+
+
+@functools.lru_cache(maxsize=32)
+def _vbs_cpu(grid: Triple, cube: Triple) -> torch.Tensor:
+    return _build_vbs(grid, cube)
 
 
 def vbs_for_grid(
@@ -80,8 +84,16 @@ def vbs_for_grid(
     return _vbs_on(g, c, torch.device(device)).clone()
 
 
-@functools.lru_cache(maxsize=32)
 def _vbs_on(grid: Triple, cube: Triple, device: torch.device) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        # traced: built on the device inside the graph (a cached tensor would be a host copy
+        # per call, and CUDA graphs cannot capture that)
+        return _build_vbs(grid, cube, device)
+    return _vbs_cached(grid, cube, device)
+
+
+@functools.lru_cache(maxsize=32)
+def _vbs_cached(grid: Triple, cube: Triple, device: torch.device) -> torch.Tensor:
     return _vbs_cpu(grid, cube).to(device)
 
 
@@ -102,16 +114,15 @@ def cube_coords(
     return coords.to(device) if device is not None else coords
 
 
-@functools.lru_cache(maxsize=32)
-def _slots_cpu(grid: Triple, cube: Triple) -> torch.Tensor:
+def _build_slots(grid: Triple, cube: Triple, device: torch.device | None = None) -> torch.Tensor:
     """For each token (row-major t, h, w) its slot in the cube-major padded sequence."""
     T, H, W = grid
     ct, ch, cw = cube
-    _, eh, ew = _extents(grid, cube)
+    _, eh, ew = _extents(grid, cube, device)
     nt, nh, nw = cube_grid(grid, cube)
-    t = torch.arange(T).view(T, 1, 1)
-    h = torch.arange(H).view(1, H, 1)
-    w = torch.arange(W).view(1, 1, W)
+    t = torch.arange(T, device=device).view(T, 1, 1)
+    h = torch.arange(H, device=device).view(1, H, 1)
+    w = torch.arange(W, device=device).view(1, 1, W)
     bt, bh, bw = t // ct, h // ch, w // cw
     lt, lh, lw = t % ct, h % ch, w % cw
     cube_id = (bt * nh + bh) * nw + bw
@@ -125,7 +136,18 @@ def _slots_cpu(grid: Triple, cube: Triple) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=32)
+def _slots_cpu(grid: Triple, cube: Triple) -> torch.Tensor:
+    return _build_slots(grid, cube)
+
+
 def _slots_on(grid: Triple, cube: Triple, device: torch.device) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # as _vbs_on
+        return _build_slots(grid, cube, device)
+    return _slots_cached(grid, cube, device)
+
+
+@functools.lru_cache(maxsize=32)
+def _slots_cached(grid: Triple, cube: Triple, device: torch.device) -> torch.Tensor:
     return _slots_cpu(grid, cube).to(device)
 
 

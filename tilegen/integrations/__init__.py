@@ -1,2 +1,3 @@
-"""Calling conventions of the frameworks users run, on tilegen's op
-(`tilegen.integrations.fastvideo`)."""
+"""Calling conventions and pipelines of the frameworks users run, on tilegen's op
+(`tilegen.integrations.fastvideo`: FastVideo's calls; `tilegen.integrations.diffusers`:
+diffusers' Wan transformer with block-sparse self-attention and per-layer calibration)."""

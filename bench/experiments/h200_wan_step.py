@@ -1,0 +1,263 @@
+"""Question (issue #22, item 5): how much faster is one denoising step (one transformer forward)
+of a Wan2.2-A14B-shaped diffusers transformer at 832x480x81 (32,760 tokens) with tilegen's
+block-sparse self-attention (87.5% on every layer but the first and the last) than with SDPA
+(cuDNN)? Random bf16 weights: timings only, no quality figure means anything here.
+
+    PYTHONPATH=$PWD python3 bench/experiments/h200_wan_step.py --out $OUT/wan_step.json
+
+Every variant in one process, the dense reference first and last (drift check): eager, then
+regional torch.compile (`compile_repeated_blocks`, fullgraph) for both, a CUDA-graph capture and
+replay of the sparse step, attention alone per layer (dense SDPA against tilegen's processor
+path: reorder, selection, kernel, reorder back), and a correctness check (sparsity 0 against
+dense on a 2-block model at the full grid). The table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+CUDA = torch.cuda.is_available()
+#: the dense reference: SDPA's cuDNN kernel (the math kernel for --tiny on a CPU)
+DENSE = [SDPBackend.CUDNN_ATTENTION] if CUDA else [SDPBackend.MATH]
+
+
+def _sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def _sync_time(fn, reps: int, warmup: int = 1) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    _sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _bench_ms(fn) -> float:
+    if not CUDA:  # --tiny on a CPU: the script's logic, not a figure
+        return min(_sync_time(fn, 2))
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=200))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="wan_step.json")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a 2-head model at a small grid: checks this script on a CPU")
+    args = ap.parse_args()
+    if args.tiny:
+        cfg = dict(num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4,
+                   text_dim=32, freq_dim=32, ffn_dim=256, rope_max_seq_len=64)
+        frames, height, width, text_len = 8, 16, 16, 8
+    else:  # Wan2.2-A14B's config is the class default; the latent of 832x480x81
+        cfg = {}
+        frames, height, width, text_len = 21, 60, 104, 512
+    grid = (frames, height // 2, width // 2)
+
+    from diffusers import WanTransformer3DModel
+
+    from tilegen.integrations import diffusers as tgd
+
+    dev = torch.device("cuda" if CUDA else "cpu")
+    result: dict = {"device": torch.cuda.get_device_name() if CUDA else "cpu",
+                    "torch": torch.__version__, "layers": args.layers, "rows": {}}
+    import diffusers
+    import triton
+
+    result["diffusers"], result["triton"] = diffusers.__version__, triton.__version__
+    rows = result["rows"]
+    log = []
+
+    def say(msg):  # the JSON so far is written at every line: a run cut short keeps it
+        print(msg, flush=True)
+        log.append(msg)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({**result, "log": log}, indent=2))
+
+    # -- correctness: sparsity 0 on a 2-block model at the full grid, and 87.5% finite ------
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(1, cfg.get("in_channels", 16), frames, height, width, generator=g,
+                    device=dev).bfloat16()
+    t = torch.tensor([999.0], device=dev)
+    ctx = torch.randn(1, text_len, cfg.get("text_dim", 4096), generator=g, device=dev).bfloat16()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(dev):
+        small = WanTransformer3DModel(num_layers=2, **cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    with torch.no_grad(), sdpa_kernel(DENSE):
+        ref = small(x, t, ctx).sample.float()
+        tgd.enable_block_sparse(small, sparsity=0.0)
+        o0 = small(x, t, ctx).sample.float()
+        tgd.enable_block_sparse(small, sparsity=0.875)
+        o1 = small(x, t, ctx).sample.float()
+        tgd.disable_block_sparse(small)
+        again = small(x, t, ctx).sample.float()
+    rel = lambda a, b: float((a - b).abs().sum() / b.abs().sum())  # noqa: E731
+    result["check"] = {"all_cubes_rel_l1": rel(o0, ref), "sparse_rel_l1": rel(o1, ref),
+                       "sparse_finite": bool(torch.isfinite(o1).all()),
+                       "disable_restores": bool(torch.equal(again, ref))}
+    say(f"check: {result['check']}")
+    del small, ref, o0, o1, again
+    torch.cuda.empty_cache()
+
+    # -- the A14B-shaped transformer ---------------------------------------------------------
+    t0 = time.perf_counter()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(dev):
+        model = WanTransformer3DModel(num_layers=args.layers, **cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    n_params = sum(p.numel() for p in model.parameters())
+    result["params"] = n_params
+    say(f"built {n_params / 1e9:.2f} B params in {time.perf_counter() - t0:.1f}s, "
+        f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+    dense_layers = (0, args.layers - 1)
+
+    def step():
+        with torch.no_grad(), sdpa_kernel(DENSE):
+            return model(x, t, ctx, return_dict=False)[0]
+
+    def timed(name, reps=args.reps):
+        ms = _sync_time(step, reps)
+        rows[name] = {"ms": min(ms), "all_ms": ms}
+        say(f"{name}: {min(ms):.1f} ms (all {[round(m, 1) for m in ms]})")
+
+    timed("dense_eager")
+    tgd.enable_block_sparse(model, sparsity=0.875, dense_layers=dense_layers)
+    timed("tilegen_eager")
+    out_sparse = step().float()
+    tgd.disable_block_sparse(model)
+    timed("dense_eager_again")
+    out_dense = step().float()
+    result["step_rel_l1_sparse_vs_dense"] = rel(out_sparse, out_dense)
+    del out_sparse, out_dense
+
+    # -- attention alone, per layer, same tensors --------------------------------------------
+    S, H = grid[0] * grid[1] * grid[2], cfg.get("num_attention_heads", 40)
+    D = cfg.get("attention_head_dim", 128)
+    q, k, v = (torch.randn(1, S, H, D, generator=g, device=dev).bfloat16() for _ in range(3))
+    from tilegen import layout
+
+    n_cubes = math.prod(layout.cube_grid(grid))
+    with torch.no_grad():
+        with sdpa_kernel(DENSE):
+            rows["attn_dense_cudnn"] = {"ms": _bench_ms(lambda: tgd._dense_attention(q, k, v))}
+        kept = tgd.topk_for(0.875, n_cubes)
+        rows["attn_tilegen_processor"] = {"ms": _bench_ms(
+            lambda: tgd._sparse_attention(q, k, v, grid, (4, 4, 4), kept)), "topk": kept}
+        from tilegen import sparsity
+        from tilegen.ops import block_sparse_attention
+
+        qc, vbs = layout.to_cubes(q, grid)
+        kc, _ = layout.to_cubes(k, grid)
+        vc, _ = layout.to_cubes(v, grid)
+        idx = sparsity.mean_pool_topk(qc, kc, vbs, kept)
+        rows["attn_tilegen_kernel_op"] = {"ms": _bench_ms(
+            lambda: block_sparse_attention(qc, kc, vc, idx, vbs))}
+        rows["attn_reorder_x3"] = {"ms": _bench_ms(
+            lambda: [layout.to_cubes(z, grid) for z in (q, k, v)])}
+        rows["attn_select"] = {"ms": _bench_ms(
+            lambda: sparsity.mean_pool_topk(qc, kc, vbs, kept))}
+    for name in ("attn_dense_cudnn", "attn_tilegen_processor", "attn_tilegen_kernel_op",
+                 "attn_reorder_x3", "attn_select"):
+        say(f"{name}: {rows[name]['ms']:.2f} ms")
+    q = k = v = qc = kc = vc = None  # noqa: F841 - freed before the graph and compile rows
+    torch.cuda.empty_cache()
+
+    # -- CUDA graph of the sparse step -------------------------------------------------------
+    if not args.no_graph and CUDA:
+        tgd.enable_block_sparse(model, sparsity=0.875, dense_layers=dense_layers)
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    eager = step()
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = step()
+            graph.replay()
+            torch.cuda.synchronize()
+            result["graph_matches_eager"] = bool(torch.equal(captured, eager))
+            ms = _sync_time(graph.replay, args.reps)
+            rows["tilegen_cuda_graph"] = {"ms": min(ms), "all_ms": ms}
+            say(f"tilegen_cuda_graph: {min(ms):.1f} ms, matches eager: "
+                f"{result['graph_matches_eager']}")
+            del graph, captured, eager
+        except Exception as exc:  # recorded, not hidden: the table shows the failure
+            result["graph_error"] = f"{type(exc).__name__}: {exc}"
+            say(f"CUDA graph failed: {result['graph_error']}")
+        tgd.disable_block_sparse(model)
+        torch.cuda.empty_cache()
+
+    # -- regional compile --------------------------------------------------------------------
+    if not args.no_compile:
+        from torch._dynamo.utils import counters
+
+        try:
+            counters.clear()
+            t0 = time.perf_counter()
+            model.compile_repeated_blocks(fullgraph=True)
+            step()
+            result["compile_dense_s"] = time.perf_counter() - t0
+            timed("dense_compiled")
+            tgd.enable_block_sparse(model, sparsity=0.875, dense_layers=dense_layers)
+            t0 = time.perf_counter()
+            step()
+            result["compile_tilegen_s"] = time.perf_counter() - t0
+            timed("tilegen_compiled")
+            result["graph_breaks"] = dict(counters["graph_break"])
+            tgd.disable_block_sparse(model)
+            timed("dense_compiled_again")
+        except Exception as exc:
+            result["compile_error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+            say(f"compile failed: {result['compile_error']}")
+
+    # -- the table ---------------------------------------------------------------------------
+    dense = min(rows["dense_eager"]["ms"], rows["dense_eager_again"]["ms"])
+    result["speedup_eager"] = dense / rows["tilegen_eager"]["ms"]
+    result["attention_share_dense"] = (args.layers * rows["attn_dense_cudnn"]["ms"]) / dense
+    if "tilegen_compiled" in rows:
+        dc = min(rows["dense_compiled"]["ms"], rows["dense_compiled_again"]["ms"])
+        result["speedup_compiled"] = dc / rows["tilegen_compiled"]["ms"]
+    if "tilegen_cuda_graph" in rows:
+        result["speedup_graph_vs_dense_eager"] = dense / rows["tilegen_cuda_graph"]["ms"]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    result["log"] = log
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print("\n| row | ms |\n|---|---|")
+    for name, row in rows.items():
+        print(f"| {name} | {row['ms']:.2f} |")
+    for key in ("speedup_eager", "speedup_compiled", "speedup_graph_vs_dense_eager",
+                "attention_share_dense", "step_rel_l1_sparse_vs_dense", "graph_matches_eager",
+                "graph_breaks", "compile_dense_s", "compile_tilegen_s"):
+        if key in result:
+            print(f"{key}: {result[key]}")
+    print(f"check: {result['check']}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TORCH_CUDNN_SDPA_ENABLED", "1")
+    sys.exit(main())

@@ -1,49 +1,164 @@
-"""The FP8 pre-pass (`tilegen.quant`, groundwork of issue #13): its PyTorch model (what the CPU
-runs; Triton 3.6's interpreter rounds fp8 casts wrongly, so the Triton kernel is checked against
-the model on the GPU by bench/experiments/fp8_error_budget.py --check-prepass) zeroes padded
-rows, keeps the rounding within half an e4m3 ulp of each cube's amax scale, and the quantized
-rule scores as the contract words it."""
+"""The 8-bit recipe (`tilegen.quant`, issue #19): the pre-pass (its PyTorch model, and the Triton
+kernel under the interpreter against it), the emulation against the fp32 oracle, and the
+quantized rule (`tilegen.captures.quant_score`), which must fail a deliberately broken recipe."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
-from tilegen import quant
+from tilegen import captures, quant
+from tilegen.reference import attention_fp32
+
+VBS = torch.tensor([64, 32, 8, 64, 16, 64], dtype=torch.int32)
 
 
-def _kv(seed: int, S: int = 4 * 64, H: int = 2, D: int = 32):
+def _qkv(seed: int, S: int = 6 * 64, H: int = 2, D: int = 32, garbage: float = 7.0):
+    """bf16 q, k, v with a shared offset in k (what smoothing removes) and garbage in padding."""
     gen = torch.Generator().manual_seed(seed)
-    k = (torch.randn(1, S, H, D, generator=gen) * 3 + 5).to(torch.bfloat16)
-    v = torch.randn(1, S, H, D, generator=gen).to(torch.bfloat16)
-    vbs = torch.tensor([64, 32, 8, 64], dtype=torch.int32)[: S // 64]
-    return k, v, vbs
+    vbs = VBS[: S // 64]
+    real = (torch.arange(64)[None, :] < vbs[:, None]).reshape(1, S, 1, 1)
+    out = []
+    for shift in (0.5, 4.0, 1.0):
+        x = torch.randn(1, S, H, D, generator=gen) + shift
+        out.append(torch.where(real, x, garbage * torch.randn(1, S, H, D, generator=gen)))
+    return *(t.to(torch.bfloat16) for t in out), vbs, real
 
 
-def test_padded_rows_are_zero_and_the_mean_shift_is_per_head():
-    k, v, vbs = _kv(0)
-    qkv = quant.quantize_kv(k, v, vbs)  # CPU: the PyTorch model of the Triton pre-pass
-    assert qkv.k8[0, 64 + 32:128].float().abs().sum() == 0
-    assert qkv.v8t[0, :, :, 128 + 8:192].float().abs().sum() == 0
-    torch.testing.assert_close(qkv.k_mean, k.float().view(1, 4, 64, 2, 32)[:, :, 0].mean(1))
-    assert qkv.k8.shape == k.shape and qkv.v8t.shape == (1, 2, 32, 256)
+@pytest.mark.parametrize("mode", ["int8", "int8_fp8"])
+def test_prepass_model_scales_rounding_and_padding(mode):
+    q, k, v, vbs, real = _qkv(0)
+    qi = quant.quantize_torch(q, k, v, vbs, mode)
+    B, S, H, D = q.shape
+    pad = ~real.view(S)
+    assert qi.q8.dtype == qi.k8.dtype == torch.int8 and qi.q8.shape == q.shape
+    assert not qi.q8[0, pad].any() and not qi.k8[0, pad].any()
+    assert not qi.q_scale[0, :, pad].any() and not qi.k_scale[0, :, pad].any()
+    # per-token scales are the exact amax / 127 of the smoothed values, and each row reaches 127
+    samples = torch.tensor(quant.sample_cubes(S // 64)) * 64
+    k_mean = k.float()[:, samples].mean(1)
+    torch.testing.assert_close(qi.k_mean, k_mean)
+    ks = torch.where(real, k.float() - k_mean[:, None], 0.0)
+    torch.testing.assert_close(qi.k_scale, ks.abs().amax(-1).permute(0, 2, 1) / 127)
+    assert (qi.k8[0, ~pad].abs().amax(-1) == 127).all()
+    back = qi.k8.float() * qi.k_scale.permute(0, 2, 1)[..., None]
+    assert ((back - ks).abs() <= qi.k_scale.permute(0, 2, 1)[..., None] / 2 + 1e-6).all()
+    # q̄ of each query cube is over its real rows only
+    cube2 = slice(128, 128 + 8)
+    torch.testing.assert_close(qi.q_mean[0, :, 2], q.float()[0, cube2].mean(0))
+    if mode == "int8_fp8":
+        assert qi.v8t.shape == (B, H, D, S) and qi.v8t.dtype == torch.float8_e4m3fn
+        assert not qi.v8t.float()[0, :, :, pad].any()
+    else:
+        assert qi.v8t is None
 
 
-def test_rounding_error_is_e4m3_sized_and_scales_are_exact_amax():
-    k, v, vbs = _kv(2)
-    qkv = quant.quantize_kv(k, v, vbs)
-    kc = k.float() - qkv.k_mean[:, None]
-    back = qkv.k8.float() * qkv.k_scale.permute(0, 2, 1).repeat_interleave(64, 1)[..., None]
-    real = slice(0, 64)  # a full cube
-    rel = (back[0, real] - kc[0, real]).abs() / kc[0, real].abs().amax()
-    assert rel.max() <= 2 ** -4  # half an e4m3 ulp at the top of the range
-    assert quant.quantize_kv(k, v, vbs).k8.float().abs().amax() == quant.E4M3_MAX
+@pytest.mark.parametrize("mode", ["int8", "int8_fp8"])
+def test_triton_prepass_matches_its_model(interpreter, mode):
+    """The Triton kernel under the interpreter against the PyTorch model: the int8 values within
+    one rounding step (ties may fall the other way where the fp32 sums differ in order), the
+    scales and means to fp32 rounding. e4m3 V is compared on the GPU only (the interpreter
+    rounds fp8 casts wrongly)."""
+    q, k, v, vbs, _ = _qkv(1)
+    got = quant.quantize_triton(q, k, v, vbs, mode)
+    want = quant.quantize_torch(q, k, v, vbs, mode)
+    for name in ("q8", "k8"):
+        diff = (getattr(got, name).int() - getattr(want, name).int()).abs()
+        assert diff.max() <= 1, name
+        assert (diff > 0).float().mean() < 0.01, name
+    for name in ("q_scale", "k_scale", "q_mean", "k_mean"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-6)
+    if mode == "int8_fp8":
+        torch.testing.assert_close(got.v_scale, want.v_scale, rtol=1e-5, atol=1e-30)
+        torch.testing.assert_close(got.v_mean, want.v_mean, rtol=1e-5, atol=1e-6)
 
 
-def test_quant_rule_thresholds():
-    ref = torch.randn(1, 128, 2, 16)
-    assert quant.quant_rule(ref + 1e-3, ref).passed
-    assert not quant.quant_rule(ref + 3e-3, ref).passed  # mean|d| over 2e-3
-    bad = ref.clone()
-    bad[0, 0, 0, 0] += 0.2
-    assert not quant.quant_rule(bad, ref).passed  # max|d| over 0.1
-    assert not quant.quant_rule(ref * float("nan"), ref).passed
+def _capture(seed: int):
+    return captures.synthesize(seed=seed, grid=(6, 7, 9), heads=2, head_dim=64, topk=3)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8_fp8"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_emulation_meets_the_quantized_rule(mode, seed):
+    """Partial cubes (6x7x9: cut at every face) and the outlier head (head 0)."""
+    cap = _capture(seed)
+    call = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"])
+    o32, _ = attention_fp32(*call)
+    o = quant.emulate(*call, mode=mode)
+    s = captures.quant_score(o, o32.to(torch.bfloat16), o, o32, vbs=cap["vbs"])
+    assert s.passed, str(s)
+    assert s.emul_max_ratio == s.emul_mean_ratio == 1.0
+    # it is not the reference in disguise: an 8-bit error is there
+    assert s.rel_l1 > 1e-3
+
+
+def test_the_rule_fails_a_broken_recipe():
+    """K's scales one cube off: the emulation of that broken recipe fails checks 2-3, and as a
+    'kernel' against the right recipe's emulation it fails check 4 as well."""
+    cap = _capture(0)
+    call = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"])
+    o32, _ = attention_fp32(*call)
+    qi = quant.quantize_torch(cap["q"], cap["k"], cap["v"], cap["vbs"], "int8_fp8")
+    broken = dataclasses.replace(qi, k_scale=torch.roll(qi.k_scale, 64, dims=-1))
+    o_bad = quant.emulate(*call, mode="int8_fp8", quantized=broken)
+    o_emul = quant.emulate(*call, mode="int8_fp8", quantized=qi)
+    ref = o32.to(torch.bfloat16)
+    bad = captures.quant_score(o_bad, ref, o_emul, o32, vbs=cap["vbs"])
+    assert not bad.passed and bad.emul_mean_ratio > 2
+    assert captures.quant_score(o_emul, ref, o_emul, o32, vbs=cap["vbs"]).passed
+
+
+def test_quant_score_is_scale_free_and_checks_each_clause():
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(1, 128, 2, 16, generator=gen)
+    noise = torch.randn(ref.shape, generator=gen)
+    for scale in (1e-3, 1.0, 1e3):  # the same verdict and margins at any scale of V
+        s = captures.quant_score(scale * (ref + 0.01 * noise), scale * ref)
+        assert s.passed and abs(s.rel_l1 - 0.01 * noise.abs().sum() / ref.abs().sum()) < 1e-6
+    assert not captures.quant_score(ref + 0.05 * noise, ref).passed          # relative L1
+    one_head = ref.clone()
+    one_head[:, :, 1] += 0.2 * noise[:, :, 1]
+    s = captures.quant_score(one_head, ref)
+    assert s.min_head_cos < captures.QUANT_HEAD_COS_MIN and not s.passed   # per-head cosine
+    assert not captures.quant_score(ref * float("nan"), ref).passed        # finite
+    emul = ref + 0.001 * noise
+    assert not captures.quant_score(ref + 0.003 * noise, ref, emul, ref).passed  # 3x the recipe
+    assert captures.quant_score(ref + 0.0015 * noise, ref, emul, ref).passed
+
+
+def test_padded_rows_are_left_out_with_vbs():
+    ref = torch.randn(1, 128, 1, 8)
+    o = ref.clone()
+    o[0, 64 + 16:] = 1e6  # garbage past vbs of cube 1
+    vbs = torch.tensor([64, 16], dtype=torch.int32)
+    assert not captures.quant_score(o, ref).passed
+    assert captures.quant_score(o, ref, vbs=vbs).passed
+
+
+def test_modes_are_checked():
+    q, k, v, vbs, _ = _qkv(0)
+    with pytest.raises(ValueError, match="allowed values"):
+        quant.quantize(q, k, v, vbs, "fp8")
+
+
+def test_spec_quant_is_validated_refused_by_every_family_and_keeps_the_old_hashes():
+    import tilegen
+    from tilegen import backends
+    from tilegen.spec import Spec
+    from tilegen.targets import get_target
+
+    assert Spec().to_dict().get("quant") is None            # "none" is left out of the hash
+    assert Spec(quant="none").short_hash == Spec().short_hash
+    spec = Spec(quant="int8_fp8")
+    assert spec.short_hash != Spec().short_hash and spec.kernel_dict()["quant"] == "int8_fp8"
+    assert Spec.from_json(spec.to_json()) == spec
+    with pytest.raises(ValueError, match="Spec.quant='fp8' is not allowed"):
+        Spec(quant="fp8")
+    for name in backends.names():
+        target = get_target("gfx942" if name == "hip" else "sm_90")
+        problems = backends.get(name).spec_violations(spec, target)
+        assert problems and "quant='int8_fp8'" in problems[0], name
+    with pytest.raises(ValueError, match="no kernel family implements the 8-bit recipe"):
+        tilegen.load(Spec(quant="int8", grid=(4, 4, 8), num_heads=2, head_dim=64, topk=2))

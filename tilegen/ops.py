@@ -122,6 +122,13 @@ def load(spec: Spec | None = None, config: KernelConfig | None = None, *,
         # the tuned-only kernel sets (triton_bwd) are reached through their family
         raise ValueError(f"backend={backend!r} is not allowed; allowed values: "
                          f"{list(backends.names())}")
+    if spec.quant != "none":
+        # every device, the CPU too: a bf16 op must never stand in for an 8-bit spec
+        having = [n for n in backends.names() if spec.quant in backends.get(n).quant_modes]
+        if not having:
+            raise ValueError(f"Spec.quant={spec.quant!r}: no kernel family implements the 8-bit "
+                             "recipe yet (issue #19); tilegen.quant.emulate computes it in "
+                             "PyTorch")
     return load_kernel_set(spec, config, target=target, backend=backend)
 
 

@@ -36,6 +36,9 @@ HEAD_DIMS = (64, 128)
 DTYPES = ("bf16", "fp16")
 LAYOUTS = ("bshd", "bhsd")
 BLOCK_SIZES = (16, 32, 64, 128)
+#: 8-bit variants (issue #19, `tilegen.quant`): "none", INT8 Q.K with bf16 P.V, INT8 Q.K with
+#: e4m3 P.V. A quantized variant meets the quantized rule (contract.md), not the bf16 one.
+QUANT_MODES = ("none", "int8", "int8_fp8")
 
 # Bumped when the meaning of a field changes, so old hashes never alias new kernels.
 SPEC_SCHEMA = 1
@@ -43,7 +46,7 @@ SPEC_SCHEMA = 1
 #: Fields that change the generated kernel. Two specs with equal kernel fields compile to the
 #: same source, so a winner tuned for one workload is a sound choice for another.
 KERNEL_FIELDS = ("encoding", "block_q", "block_kv", "cube", "head_dim", "dtype", "layout",
-                 "variable_block_sizes")
+                 "variable_block_sizes", "quant")
 #: Fields that only describe the shape tuning and benchmarks run on (the kernel takes any).
 WORKLOAD_FIELDS = ("grid", "num_heads", "topk", "batch", "window")
 
@@ -72,7 +75,9 @@ class Spec:
     Kernel fields: ``encoding``, ``block_q``/``block_kv`` (tokens per query / KV cube, i.e. the
     granularity of the sparsity pattern), ``cube`` (t, h, w cube shape; its volume is the block
     size), ``head_dim``, ``dtype``, ``layout`` and ``variable_block_sizes`` (mask the padding
-    tail of partial cubes using ``vbs``; off means every cube is full and ``vbs`` is ignored).
+    tail of partial cubes using ``vbs``; off means every cube is full and ``vbs`` is ignored)
+    and ``quant`` (``QUANT_MODES``: "none", or an 8-bit recipe of `tilegen.quant`; bf16/fp16 in
+    and out either way).
 
     Workload fields (the shape tuning and benchmarks use; the kernel accepts any shape):
     ``grid`` (latent t, h, w, in tokens; the cube grid is ``cube_grid``), ``num_heads``,
@@ -97,6 +102,7 @@ class Spec:
     topk: int = 78
     batch: int = 1
     window: Any = None
+    quant: str = "none"
     _hash: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -106,6 +112,7 @@ class Spec:
         _choice("layout", self.layout, LAYOUTS)
         _choice("block_q", self.block_q, BLOCK_SIZES)
         _choice("block_kv", self.block_kv, BLOCK_SIZES)
+        _choice("quant", self.quant, QUANT_MODES)
         if not isinstance(self.variable_block_sizes, bool):
             raise ValueError(
                 f"Spec.variable_block_sizes must be a bool, got {self.variable_block_sizes!r}"
@@ -236,7 +243,7 @@ class Spec:
         two share a kernel hash, compiled variants and tuned winners."""
         d = self.to_dict()
         d["encoding"] = KERNEL_ENCODING[self.encoding]
-        return {k: d[k] for k in KERNEL_FIELDS}
+        return {k: d[k] for k in KERNEL_FIELDS if k in d}  # quant only where it is set
 
     def workload_dict(self) -> dict[str, Any]:
         """The fields that only describe the tuned / benchmarked shape (`WORKLOAD_FIELDS`)."""
@@ -270,8 +277,9 @@ class Spec:
             if not f.init:
                 continue
             value = getattr(self, f.name)
-            if value is None:  # window of a non-sliding_tile spec: left out, so the hashes of
-                continue       # the specs that predate it are unchanged
+            if value is None or (f.name == "quant" and value == "none"):
+                continue  # window of a non-sliding_tile spec, quant "none": left out, so the
+                # hashes of the specs that predate them are unchanged
             out[f.name] = _plain(value)
         return out
 

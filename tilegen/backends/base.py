@@ -41,6 +41,8 @@ class Backend(ABC):
     encodings: ClassVar[tuple[str, ...]] = ("lut",)
     #: why a kernel encoding it lacks is missing (said by `spec_violations`)
     missing_encoding_reason: ClassVar[str] = ""
+    #: the `Spec.quant` modes its kernels compute (`tilegen.quant`'s recipes)
+    quant_modes: ClassVar[tuple[str, ...]] = ("none",)
 
     # -- what it accepts ---------------------------------------------------------------------
     def spec_violations(self, spec: Spec, target: Target) -> list[str]:
@@ -56,6 +58,13 @@ class Backend(ABC):
             why = f": {self.missing_encoding_reason}" if self.missing_encoding_reason else ""
             return [f"the {self.name} family implements encodings {list(self.encodings)}, not "
                     f"{encoding!r}{why} (families with it: {having})"]
+        if spec.quant not in self.quant_modes:
+            from tilegen import backends
+
+            having = [n for n in backends.names() if spec.quant in backends.get(n).quant_modes]
+            return [f"the {self.name} family has no quant={spec.quant!r} kernel (families with "
+                    f"it: {having or 'none yet: the 8-bit kernels are issue #19'}; "
+                    "tilegen.quant.emulate computes the recipe in PyTorch)"]
         return []
 
     def config_violations(self, spec: Spec, target: Target, cfg: KernelConfig) -> list[str]:

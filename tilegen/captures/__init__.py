@@ -11,8 +11,8 @@ Three modules, one job each; this package re-exports their public names, so
 - `tilegen.captures.files`: `load`, `save`, `validate` (both on-disk spellings, checksums,
   damaged files as ValueError naming the path);
 - `tilegen.captures.synthesis`: `synthesize`, `synthesize_for`, `for_spec`;
-- `tilegen.captures.scoring`: the contract's scoring rule `score` and the gradient rule
-  `grad_score`.
+- `tilegen.captures.scoring`: the contract's scoring rule `score`, the gradient rule
+  `grad_score` and the quantized rule `quant_score`.
 """
 
 from __future__ import annotations
@@ -29,9 +29,15 @@ from tilegen.captures.scoring import (
     GRAD_MAX_REL,
     MAX_ABS,
     MEAN_ABS,
+    QUANT_COS_MIN,
+    QUANT_EMUL_RATIO,
+    QUANT_HEAD_COS_MIN,
+    QUANT_REL_L1_MAX,
     GradScore,
+    QuantScore,
     Score,
     grad_score,
+    quant_score,
     score,
 )
 from tilegen.captures.synthesis import (
@@ -49,11 +55,17 @@ __all__ = [
     "GradScore",
     "MAX_ABS",
     "MEAN_ABS",
+    "QUANT_COS_MIN",
+    "QUANT_EMUL_RATIO",
+    "QUANT_HEAD_COS_MIN",
+    "QUANT_REL_L1_MAX",
+    "QuantScore",
     "Score",
     "V_BOUND",
     "for_spec",
     "grad_score",
     "load",
+    "quant_score",
     "save",
     "score",
     "synthesize",

@@ -162,3 +162,87 @@ def grad_score(g: torch.Tensor, g_ref: torch.Tensor, *, layout: str = "bshd") ->
                      passed=passed)
 
 
+
+
+# --- the quantized rule (contract.md, "Quantized variants"); used only by quant_score() --------
+QUANT_COS_MIN = 0.999       # whole output, flattened: cosine >= this
+QUANT_REL_L1_MAX = 0.035    # whole output: sum|o - o_ref| / sum|o_ref| <= this
+QUANT_HEAD_COS_MIN = 0.995  # per (b, h): cosine >= this
+QUANT_EMUL_RATIO = 2.0      # kernel's max and mean error to the oracle <= this x the emulation's
+
+
+@dataclass(frozen=True)
+class QuantScore:
+    """Result of :func:`quant_score`, with its margins. ``emul_max_ratio`` and
+    ``emul_mean_ratio`` are the kernel's max and mean error to the oracle over the emulation's
+    (None when no emulation was given: check 4 not run)."""
+
+    finite: bool
+    cos: float
+    rel_l1: float
+    min_head_cos: float
+    emul_max_ratio: float | None
+    emul_mean_ratio: float | None
+    passed: bool
+    head_cos: torch.Tensor = field(repr=False, compare=False)
+
+    def __str__(self) -> str:
+        emul = ("" if self.emul_max_ratio is None else
+                f" vs emulation max x{self.emul_max_ratio:.2f} mean x{self.emul_mean_ratio:.2f}")
+        return (f"finite={self.finite} cos={self.cos:.5f} relL1={self.rel_l1:.4f} "
+                f"min_head_cos={self.min_head_cos:.5f}{emul} -> "
+                f"{'PASS' if self.passed else 'FAIL'} (quantized rule)")
+
+
+def _errors(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    d = (a.double() - b.double()).abs()
+    return float(d.max()), float(d.mean())
+
+
+def quant_score(o: torch.Tensor, o_ref: torch.Tensor, o_emul: torch.Tensor | None = None,
+                o_oracle: torch.Tensor | None = None, *, vbs: torch.Tensor | None = None,
+                layout: str = "bshd") -> QuantScore:
+    """Score a quantized variant's output: the contract's quantized rule, scale-free.
+
+    A candidate passes iff
+      1. every element of ``o`` is finite;
+      2. flattened over the whole output, ``cosine(o, o_ref) >= 0.999`` and the relative L1
+         ``sum|o - o_ref| / sum|o_ref| <= 0.035``;
+      3. per (b, h), the cosine is ``>= 0.995``;
+      4. (when ``o_emul`` is given) against its own recipe: the max and the mean of
+         ``|o - o_oracle|`` are each at most 2x those of ``|o_emul - o_oracle|``, so a kernel bug
+         cannot hide inside the recipe's error.
+
+    ``o_ref`` is the bf16 reference variant's output on the same index lists; ``o_emul`` the
+    PyTorch emulation of the same quantization (`tilegen.quant.emulate`); ``o_oracle`` the fp32
+    oracle (default: ``o_ref``, whose own error, one bf16 rounding, is far below an 8-bit
+    recipe's). ``vbs`` (real rows of each cube, cube-major padded tensors): padded rows are left
+    out of every check (what a kernel writes there is unspecified); without it every row counts.
+    """
+    if vbs is not None:
+        seq = o.shape[1] if layout == "bshd" else o.shape[2]
+        block = seq // vbs.numel()
+        real = torch.arange(block, device=o.device)[None, :] < vbs.to(o.device)[:, None].long()
+        shape = (1, seq, 1, 1) if layout == "bshd" else (1, 1, seq, 1)
+        real = real.reshape(shape)
+
+        def keep(t):
+            return None if t is None else torch.where(real, t.detach().to(o.device), 0.0)
+        o, o_ref, o_emul, o_oracle = keep(o), keep(o_ref), keep(o_emul), keep(o_oracle)
+    base = score(o, o_ref, layout=layout)  # shape and type checks, finiteness, head cosines
+    a, r = o.detach().double(), o_ref.detach().to(o.device).double()
+    finite = base.finite
+    cos = float(torch.nn.functional.cosine_similarity(a.flatten(), r.flatten(), dim=0))
+    rel = float((a - r).abs().sum() / r.abs().sum().clamp_min(1e-300))
+    ratios: tuple[float | None, float | None] = (None, None)
+    if o_emul is not None:
+        oracle = (o_oracle if o_oracle is not None else o_ref).detach().to(o.device)
+        k_max, k_mean = _errors(a, oracle)
+        e_max, e_mean = _errors(o_emul.detach().to(o.device), oracle)
+        ratios = (k_max / max(e_max, 1e-30), k_mean / max(e_mean, 1e-30))
+    passed = (finite and cos >= QUANT_COS_MIN and rel <= QUANT_REL_L1_MAX
+              and base.min_head_cos >= QUANT_HEAD_COS_MIN
+              and all(x is None or x <= QUANT_EMUL_RATIO for x in ratios))
+    return QuantScore(finite=finite, cos=cos, rel_l1=rel, min_head_cos=base.min_head_cos,
+                      emul_max_ratio=ratios[0], emul_mean_ratio=ratios[1], passed=passed,
+                      head_cos=base.head_cos)

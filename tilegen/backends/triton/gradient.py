@@ -44,6 +44,9 @@ class TritonBackwardBackend(Backend):
         if self.forward_family not in target.backends:
             return [f"target {target.name} has no {self.forward_family} backend, whose backward "
                     f"kernels {self.name} tunes (its backends: {list(target.backends)})"]
+        if spec.quant != "none":
+            return [f"quant={spec.quant!r}: the backward kernels are bf16/fp16 (the 8-bit "
+                    "variants are inference kernels)"]
         return []
 
     def violations(self, spec: Spec, target: Target, cfg: KernelConfig) -> list[str]:

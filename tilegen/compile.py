@@ -56,9 +56,10 @@ class Artifact:
         return d
 
 
-#: tensor-core mnemonics: SASS mma.sync (HMMA), wgmma (HGMMA), tcgen05 (UTCHMMA, UTCQMMA, ...),
+#: tensor-core mnemonics: SASS mma.sync (HMMA), wgmma (HGMMA; IGMMA int8, QGMMA fp8), tcgen05 (UTCHMMA, ...),
 #: integer and fp8 forms, and AMD MFMA (the whole mnemonic, so its shape shows)
-_MATRIX_MNEMONIC = re.compile(r"\b(HMMA|HGMMA|IMMA|QMMA|UTC[A-Z]*MMA|v_mfma_[a-z0-9_]+)\b")
+_MATRIX_MNEMONIC = re.compile(
+    r"\b(HMMA|HGMMA|IGMMA|QGMMA|IMMA|QMMA|UTC[A-Z]*MMA|v_mfma_[a-z0-9_]+)\b")
 
 
 def matrix_ops(disassembly: str) -> dict[str, int]:

@@ -5,7 +5,8 @@ On synthesized Wan2.2 captures at the default grid and TOPK (4 heads each, head 
 head), `tilegen.quant.emulate` (fp32 arithmetic on exactly rounded int8 / e4m3 values, tile by
 tile with the online softmax) is scored with `tilegen.captures.quant_score` against the fp32
 oracle rounded to bf16 (the reference variant to within one rounding), padded rows left out.
-Rows: the recipe as the kernels will run it, then without Q smoothing and without V smoothing.
+Rows: the recipe as the kernels run it (K and V smoothed, Q not), then with Q smoothing added
+and without V smoothing.
 Check 4 (kernel against emulation) is trivially 1.0 here: no kernel runs. CPU only:
 
     python bench/experiments/int8_recipe.py --seeds 2 --out bench/results/int8_recipe.json
@@ -25,8 +26,8 @@ from tilegen.reference import attention_fp32
 from tilegen.spec import Spec
 
 VARIANTS = {
-    "recipe": {},
-    "no Q smoothing": {"q_smooth": False},
+    "recipe (no Q smoothing)": {},
+    "with Q smoothing": {"q_smooth": True},
     "no V smoothing": {"v_smooth": False},
 }
 
@@ -59,7 +60,7 @@ def main() -> int:
                        "head_cos": [round(float(c), 6) for c in s.head_cos.flatten()],
                        "passed": s.passed, "seconds": time.perf_counter() - t0}
                 rows.append(row)
-                print(f"seed {seed} {mode:9s} {name:15s} {s}", flush=True)
+                print(f"seed {seed} {mode:9s} {name:24s} {s}", flush=True)
     print("\n| mode | variant | flattened cosine | relative L1 | worst head cosine | rule |")
     print("|---|---|---|---|---|---|")
     for mode in ("int8", "int8_fp8"):

@@ -56,8 +56,9 @@ class Artifact:
         return d
 
 
-#: tensor-core mnemonics: SASS mma.sync (HMMA), wgmma (HGMMA; IGMMA int8, QGMMA fp8), tcgen05 (UTCHMMA, ...),
-#: integer and fp8 forms, and AMD MFMA (the whole mnemonic, so its shape shows)
+#: tensor-core mnemonics: SASS mma.sync (HMMA), wgmma (HGMMA; IGMMA int8, QGMMA fp8), tcgen05
+#: (UTCHMMA, UTCQMMA, ...), integer and fp8 forms, and AMD MFMA (the whole mnemonic, so its
+#: shape shows)
 _MATRIX_MNEMONIC = re.compile(
     r"\b(HMMA|HGMMA|IGMMA|QGMMA|IMMA|QMMA|UTC[A-Z]*MMA|v_mfma_[a-z0-9_]+)\b")
 

@@ -179,7 +179,7 @@ def test_record_inputs_and_errors():
                                                  "encoder_hidden_states"}
     assert not model._forward_pre_hooks
     with pytest.raises(NotImplementedError, match="8-bit.*#19"):
-        tgd.enable_block_sparse(model, quant="int8")
+        tgd.enable_block_sparse(model, quant="int8_fp8")
     with pytest.raises(ValueError, match="quant='int4' is not allowed"):
         tgd.enable_block_sparse(model, quant="int4")
     with pytest.raises(ValueError, match="selector"):

@@ -46,6 +46,7 @@ S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=
 O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 128, 32]))
 P_SMEM = gl.constexpr(gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv))
+P_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=4))
 ROW_S = gl.constexpr(gl.SliceLayout(1, S_LAYOUT))
 COL_S = gl.constexpr(gl.SliceLayout(0, S_LAYOUT))
 ROW_O = gl.constexpr(gl.SliceLayout(1, O_LAYOUT))
@@ -61,6 +62,7 @@ def _exp2(x):
 @gluon.jit
 def _producer(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
               v_ready, v_empty, sidx_ptr, meta_ptr, row, q_row0, kv_row0, col, vt_row0, topk):
+    """Q once, then K of tile j and V of tile j-1 (the cube id read from the plan for each)."""
     n_tiles = gl.load(meta_ptr + row * 2)
     sidx_row = sidx_ptr + row.to(gl.int64) * topk
     if n_tiles > 0:
@@ -85,21 +87,41 @@ def _producer(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k
 
 
 @gluon.jit
-def _scores(s_int, sq, sidx_row, tinfo_row, ksc_ptr, ks_off, j):
-    """fp32 scores of tile j (base-2 logits: qk_scale is folded into sq), keys past the fill
-    masked."""
-    cube = gl.load(sidx_row + j)
-    fill = gl.load(tinfo_row + j) >> 16
+def _to_f32(x, FAST_CVT: gl.constexpr):
+    """int32 -> fp32. FAST_CVT: |x| < 2^22 always (128 products of int8 values), so adding the
+    bits of 1.5 x 2^23 and subtracting it as a float is exact with two full-rate ops instead of
+    a quarter-rate I2F."""
+    if FAST_CVT:
+        return (x + 0x4B400000).to(gl.float32, bitcast=True) - 12582912.0
+    return x.to(gl.float32)
+
+
+@gluon.jit
+def _tile_meta(sidx_row, tinfo_row, ksc_ptr, ks_off, j, n_tiles):
+    """K's scales and the fill of tile j (j clamped to the row: a prefetch past the last tile
+    reads the last one again)."""
+    jc = gl.minimum(j, n_tiles - 1)
+    cube = gl.load(sidx_row + jc)
+    fill = gl.load(tinfo_row + jc) >> 16
     cols = gl.arange(0, BLOCK, layout=COL_S)
-    sk = gl.load(ksc_ptr + ks_off + cube * BLOCK + cols)
-    s = s_int.to(gl.float32) * gl.expand_dims(sq, 1) * gl.expand_dims(sk, 0)
+    return gl.load(ksc_ptr + ks_off + cube * BLOCK + cols), fill
+
+
+@gluon.jit
+def _scores(s_int, sq, sk, fill, FAST_CVT: gl.constexpr):
+    """fp32 scores of a tile (base-2 logits: qk_scale is folded into sq), keys past the fill
+    masked."""
+    cols = gl.arange(0, BLOCK, layout=COL_S)
+    s = _to_f32(s_int, FAST_CVT) * gl.expand_dims(sq, 1) * gl.expand_dims(sk, 0)
     return gl.where(gl.expand_dims(cols < fill, 0), s, float("-inf"))
 
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc,
               sidx_ptr, tinfo_ptr, meta_ptr, vbs_ptr, qsc_ptr, ksc_ptr, vsc_ptr, vmean_ptr,
-              row, q_row0, col, sc_off, q_cube, vd_off, topk, qk_scale):
+              row, q_row0, col, sc_off, q_cube, vd_off, topk, qk_scale,
+              FAST_CVT: gl.constexpr, PREFETCH: gl.constexpr, TWO_LEVEL: gl.constexpr,
+              REG_P: gl.constexpr):
     n_tiles = gl.load(meta_ptr + row * 2)
     sidx_row = sidx_ptr + row.to(gl.int64) * topk
     tinfo_row = tinfo_ptr + row.to(gl.int64) * (topk + 1)
@@ -115,46 +137,89 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, k_empty, v_ready, 
         mbarrier.wait(k_ready.index(0), 0)
         s_int = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False)
         mbarrier.arrive(k_empty.index(0), count=1)
-        s = _scores(s_int, sq, sidx_row, tinfo_row, ksc_ptr, sc_off, 0)
+        sk, fill = _tile_meta(sidx_row, tinfo_row, ksc_ptr, sc_off, 0, n_tiles)
+        s = _scores(s_int, sq, sk, fill, FAST_CVT)
+        if PREFETCH:  # the next tile's scales and fill, a whole iteration ahead
+            sk_next, fill_next = _tile_meta(sidx_row, tinfo_row, ksc_ptr, sc_off, 1, n_tiles)
         m_i = gl.max(s, 1)
         p = _exp2(s - gl.expand_dims(m_i, 1))
         l_i = gl.sum(p, 1)
         # P goes through shared memory (two slots): the wait of an async wgmma cannot keep
         # 8-bit register operands alive
-        p_smem.index(0).store((p * P_SCALE).to(gl.float8e4nv))
-        fence_async_shared()
+        if REG_P:
+            p_op = gl.convert_layout((p * P_SCALE).to(gl.float8e4nv), P_LAYOUT)
+        else:
+            p_smem.index(0).store((p * P_SCALE).to(gl.float8e4nv))
+            fence_async_shared()
         for j in range(1, n_tiles):
             ks = j % K_STAGES
             jv = j - 1
             vs = jv % V_STAGES
+            if PREFETCH:
+                sk = sk_next
+                fill = fill_next
+                sk_next, fill_next = _tile_meta(sidx_row, tinfo_row, ksc_ptr, sc_off, j + 1,
+                                                n_tiles)
             mbarrier.wait(k_ready.index(ks), (j // K_STAGES) & 1)
             s_tok = warpgroup_mma(q_smem, k_smem.index(ks).permute((1, 0)), zero_s,
                                   use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(vs), (jv // V_STAGES) & 1)
-            # two-level accumulation: each tile's P.V into a fresh fp32 accumulator
-            pv_tok = warpgroup_mma(p_smem.index(jv % 2), v_smem.index(vs).permute((1, 0)),
-                                   zero_o, use_acc=False, is_async=True)
-            s_int = warpgroup_mma_wait(1, deps=[s_tok])
+            if REG_P:
+                # P from registers: a synchronous P.V (an async wait cannot keep 8-bit register
+                # operands alive), which also completes S_j
+                if TWO_LEVEL:
+                    acc = acc + warpgroup_mma(p_op, v_smem.index(vs).permute((1, 0)), zero_o,
+                                              use_acc=False)
+                else:
+                    acc = warpgroup_mma(p_op, v_smem.index(vs).permute((1, 0)), acc)
+                mbarrier.arrive(v_empty.index(vs), count=1)
+                s_int = warpgroup_mma_wait(0, deps=[s_tok])
+            else:
+                # TWO_LEVEL: each tile's P.V into a fresh fp32 accumulator, added to O after;
+                # otherwise the MMA accumulates onto O (rescaled before)
+                if TWO_LEVEL:
+                    pv_tok = warpgroup_mma(p_smem.index(jv % 2),
+                                           v_smem.index(vs).permute((1, 0)), zero_o,
+                                           use_acc=False, is_async=True)
+                else:
+                    pv_tok = warpgroup_mma(p_smem.index(jv % 2),
+                                           v_smem.index(vs).permute((1, 0)), acc, is_async=True)
+                s_int = warpgroup_mma_wait(1, deps=[s_tok])
             mbarrier.arrive(k_empty.index(ks), count=1)
-            s = _scores(s_int, sq, sidx_row, tinfo_row, ksc_ptr, sc_off, j)
+            if not PREFETCH:
+                sk, fill = _tile_meta(sidx_row, tinfo_row, ksc_ptr, sc_off, j, n_tiles)
+            s = _scores(s_int, sq, sk, fill, FAST_CVT)
             m_new = gl.maximum(m_i, gl.max(s, 1))
             alpha = _exp2(m_i - m_new)
             p = _exp2(s - gl.expand_dims(m_new, 1))
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
-            # slot j % 2 was read by the P.V of tile j - 2, waited for last iteration
-            p_smem.index(j % 2).store((p * P_SCALE).to(gl.float8e4nv))
-            fence_async_shared()
-            pv = warpgroup_mma_wait(0, deps=[pv_tok])
-            mbarrier.arrive(v_empty.index(vs), count=1)
-            acc = (acc + pv) * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+            alpha_o = gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+            if REG_P:
+                p_op = gl.convert_layout((p * P_SCALE).to(gl.float8e4nv), P_LAYOUT)
+                acc = acc * alpha_o
+            else:
+                # slot j % 2 was read by the P.V of tile j - 2, waited for last iteration
+                p_smem.index(j % 2).store((p * P_SCALE).to(gl.float8e4nv))
+                fence_async_shared()
+                pv = warpgroup_mma_wait(0, deps=[pv_tok])
+                mbarrier.arrive(v_empty.index(vs), count=1)
+                if TWO_LEVEL:
+                    pv = acc + pv
+                acc = pv * alpha_o
         jv = n_tiles - 1
         vs = jv % V_STAGES
         mbarrier.wait(v_ready.index(vs), (jv // V_STAGES) & 1)
-        pv = warpgroup_mma(p_smem.index(jv % 2), v_smem.index(vs).permute((1, 0)), zero_o,
-                           use_acc=False)
+        if REG_P:
+            p_last = p_op
+        else:
+            p_last = p_smem.index(jv % 2)
+        if TWO_LEVEL:
+            acc = acc + warpgroup_mma(p_last, v_smem.index(vs).permute((1, 0)), zero_o,
+                                      use_acc=False)
+        else:
+            acc = warpgroup_mma(p_last, v_smem.index(vs).permute((1, 0)), acc)
         mbarrier.arrive(v_empty.index(vs), count=1)
-        acc = acc + pv
     # o = acc / l x v_scale / P_SCALE + v_mean; padded rows 0; a bad row NaN
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     cols_o = gl.arange(0, HEAD_DIM, layout=COL_O)
@@ -178,7 +243,8 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, k_empty, v_ready, 
 @gluon.jit
 def int8_fp8_kernel(q_desc, k_desc, vt_desc, o_desc, sidx_ptr, tinfo_ptr, meta_ptr, vbs_ptr,
                     qsc_ptr, ksc_ptr, vsc_ptr, vmean_ptr, seq_len, num_heads, num_q_blocks,
-                    topk, qk_scale):
+                    topk, qk_scale, FAST_CVT: gl.constexpr, PREFETCH: gl.constexpr,
+                    TWO_LEVEL: gl.constexpr, REG_P: gl.constexpr):
     q_cube = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // num_heads
@@ -211,7 +277,7 @@ def int8_fp8_kernel(q_desc, k_desc, vt_desc, o_desc, sidx_ptr, tinfo_ptr, meta_p
                      o_desc,
                      sidx_ptr, tinfo_ptr, meta_ptr, vbs_ptr, qsc_ptr, ksc_ptr, vsc_ptr,
                      vmean_ptr, row, q_row0, col, sc_off, q_cube, bh.to(gl.int64) * HEAD_DIM,
-                     topk, qk_scale)),
+                     topk, qk_scale, FAST_CVT, PREFETCH, TWO_LEVEL, REG_P)),
         (_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
                      v_ready, v_empty, sidx_ptr, meta_ptr, row, q_row0, row0, col,
                      bh * HEAD_DIM, topk)),
@@ -225,10 +291,25 @@ def _layouts():
             "o": gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)}
 
 
-MAXNREG = 128  # 8 launch warps; the producer drops to 24, the consumer gets 232 (the bf16 winner)
 
 
-def run(qi, vbs, topk_idx, counts, sm_scale: float) -> torch.Tensor:
+#: (constexprs, maxnreg): maxnreg 128 gives the consumer 232 registers (2 CTAs per SM; fewer
+#: for 3 CTAs per SM does not compile: ptxas needs 90+ for the m64n128 wgmma)
+#: the variants measured (bench/NOTES.md, issue #19): the scales a tile ahead (PREFETCH), the
+#: int32 -> fp32 conversion without I2F (FAST_CVT), P.V onto O directly (TWO_LEVEL False: fails
+#: by precision), P from registers with a synchronous P.V (REG_P)
+_BASE = dict(FAST_CVT=False, PREFETCH=True, TWO_LEVEL=True, REG_P=False)
+VARIANTS = {
+    "v1": ({**_BASE, "PREFETCH": False}, 128),
+    "prefetch": (_BASE, 128),
+    "prefetch+cvt": ({**_BASE, "FAST_CVT": True}, 128),
+    "one-level": ({**_BASE, "FAST_CVT": True, "TWO_LEVEL": False}, 128),
+    "regP": ({**_BASE, "FAST_CVT": True, "REG_P": True}, 128),
+}
+
+
+def run(qi, vbs, topk_idx, counts, sm_scale: float, variant: str = "prefetch"
+        ) -> torch.Tensor:
     """The kernel on `tilegen.quant.quantize` output (mode "int8_fp8", no Q smoothing)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -254,11 +335,12 @@ def run(qi, vbs, topk_idx, counts, sm_scale: float) -> torch.Tensor:
     int8_fp8_kernel[(nq, B * H)](
         q_desc, k_desc, vt_desc, o_desc, bufs["sidx"], bufs["tinfo"], bufs["meta"], vbs,
         qi.q_scale, qi.k_scale, qi.v_scale, qi.v_mean, S, H, nq, topk,
-        float(sm_scale) * math.log2(math.e), num_warps=4, maxnreg=MAXNREG)
+        float(sm_scale) * math.log2(math.e), **VARIANTS[variant][0], num_warps=4,
+        maxnreg=VARIANTS[variant][1])
     return o
 
 
-def compile_offline():
+def compile_offline(variant: str):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -274,9 +356,11 @@ def compile_offline():
            "meta_ptr": "*i32", "vbs_ptr": "*i32", "qsc_ptr": "*fp32", "ksc_ptr": "*fp32",
            "vsc_ptr": "*fp32", "vmean_ptr": "*fp32", "seq_len": "i32", "num_heads": "i32",
            "num_q_blocks": "i32", "topk": "i32", "qk_scale": "fp32"}
-    ck = triton.compile(GluonASTSource(int8_fp8_kernel, sig, {}),
+    consts, maxnreg = VARIANTS[variant]
+    sig.update({k: "constexpr" for k in consts})
+    ck = triton.compile(GluonASTSource(int8_fp8_kernel, sig, dict(consts)),
                         target=GPUTarget("cuda", 90, 32),
-                        options={"num_warps": 4, "maxnreg": MAXNREG})
+                        options={"num_warps": 4, "maxnreg": maxnreg})
     cubin = Path(tempfile.mkdtemp()) / "k.cubin"
     cubin.write_bytes(ck.asm["cubin"])
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
@@ -284,8 +368,9 @@ def compile_offline():
                           text=True, check=True).stdout
     from tilegen.cubin import cubin_matrix_ops, cubin_resources
 
-    return {"matrix_ops": cubin_matrix_ops(cubin), "resources": cubin_resources(cubin),
-            "shared": ck.metadata.shared, "STL": sass.count("STL"), "LDL": sass.count("LDL")}
+    return {"variant": variant, "matrix_ops": cubin_matrix_ops(cubin),
+            "resources": cubin_resources(cubin), "shared": ck.metadata.shared,
+            "STL": sass.count("STL"), "LDL": sass.count("LDL"), "I2F": sass.count("I2F")}
 
 
 def main() -> int:
@@ -295,7 +380,8 @@ def main() -> int:
     ap.add_argument("--small-only", action="store_true")
     args = ap.parse_args()
     if args.offline:
-        print(compile_offline())
+        for variant in VARIANTS:
+            print(compile_offline(variant), flush=True)
         return 0
     from triton.testing import do_bench
 
@@ -313,17 +399,18 @@ def main() -> int:
         call_cpu = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"])
         q, k, v, idx, vbs = (t.to(dev) for t in call_cpu)
         qi = quant.quantize(q, k, v, vbs, "int8_fp8")
-        o = run(qi, vbs, idx, None, 128 ** -0.5)
+        outs = {name: run(qi, vbs, idx, None, 128 ** -0.5, name) for name in VARIANTS}
         torch.cuda.synchronize()
         o32, _ = attention_fp32(*call_cpu)
         qi_cpu = type(qi)(**{f: (getattr(qi, f).cpu() if isinstance(getattr(qi, f),
                              torch.Tensor) else getattr(qi, f)) for f in qi.__dataclass_fields__})
         oe = quant.emulate(*call_cpu, mode="int8_fp8", quantized=qi_cpu)
-        s = captures.quant_score(o.cpu(), o32.to(torch.bfloat16), oe, o32, vbs=cap["vbs"])
-        row = {"grid": grid, "heads": heads, "topk": topk, "seed": seed, "score": str(s),
-               "passed": s.passed}
-        out["checks"].append(row)
-        print(row, flush=True)
+        for name, o in outs.items():
+            s = captures.quant_score(o.cpu(), o32.to(torch.bfloat16), oe, o32, vbs=cap["vbs"])
+            row = {"grid": grid, "heads": heads, "topk": topk, "seed": seed, "variant": name,
+                   "score": str(s), "passed": s.passed}
+            out["checks"].append(row)
+            print(row, flush=True)
         return q, k, v, idx, vbs
 
     check((8, 12, 16), 2, 6, 0)
@@ -337,7 +424,21 @@ def main() -> int:
         qi = quant.quantize(q, k, v, vbs, "int8_fp8")
         t = out["timing"]
         t["bf16_op"] = do_bench(lambda: block_sparse_attention(q, k, v, idx, vbs), rep=300)
-        t["int8_fp8_kernel"] = do_bench(lambda: run(qi, vbs, idx, None, 128 ** -0.5), rep=300)
+        import dataclasses
+
+        import tilegen
+
+        win = tilegen.load(spec)
+        cfg = win.config
+        unpacked = dataclasses.replace(cfg, options=tuple(sorted(
+            {**dict(cfg.options), "pack_partials": False}.items())))
+        op_u = tilegen.load(spec, config=unpacked, backend="gluon")
+        t["bf16_gluon_winner"] = do_bench(lambda: win(q, k, v, idx, vbs), rep=300)
+        t["bf16_gluon_unpacked"] = do_bench(lambda: op_u(q, k, v, idx, vbs), rep=300)
+        out["bf16_configs"] = [cfg.name, unpacked.name]
+        for name in VARIANTS:
+            t[f"int8_fp8_{name}"] = do_bench(
+                lambda n=name: run(qi, vbs, idx, None, 128 ** -0.5, n), rep=300)
         t["prepass"] = do_bench(lambda: quant.quantize(q, k, v, vbs, "int8_fp8"), rep=300)
         t["int8_fp8_with_prepass"] = do_bench(lambda: run(
             quant.quantize(q, k, v, vbs, "int8_fp8"), vbs, idx, None, 128 ** -0.5), rep=300)

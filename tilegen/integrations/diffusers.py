@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from tilegen import __version__, layout
 from tilegen import sparsity as selectors
+from tilegen.spec import QUANT_MODES as QUANT_SPEC_MODES
 
 __all__ = [
     "BlockSparseWanAttnProcessor", "LayerPlan", "SparsityPlan", "calibrate",
@@ -63,8 +64,8 @@ log = logging.getLogger("tilegen")
 
 DEFAULT_SPARSITY = 0.875  # seed 003 / the default spec: 78 of 624 cubes kept
 SELECTORS = ("mean_pool",)
-#: quant= values; only "none" runs today (the 8-bit kernels are issue #19's)
-QUANT_MODES = ("none", "int8", "fp8")
+#: quant= values: Spec.quant's; only "none" runs today (the 8-bit kernels are issue #19's)
+QUANT_MODES = QUANT_SPEC_MODES
 _STATE_ATTR = "_tilegen_block_sparse"
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 Triple = tuple[int, int, int]
@@ -357,8 +358,8 @@ def enable_block_sparse(
             step; a rise in the timestep starts a new generation at step 0). Reading the
             timestep costs one host sync per transformer call, so leave this empty under CUDA
             graphs.
-        quant: ``"none"``; the 8-bit variants (``"int8"``, ``"fp8"``) are refused until
-            tilegen's 8-bit kernels exist.
+        quant: ``"none"``; the 8-bit variants (``"int8"``, ``"int8_fp8"``: `tilegen.quant`'s
+            recipes) are refused until tilegen's 8-bit kernels ship.
         plan: a `SparsityPlan` (or its JSON file) from `calibrate`: its layers' sparsity and
             dense layers, unioned with ``dense_layers``; refused for another transformer config.
         cube: the cube shape in latent tokens (64 tokens: the kernels' block).

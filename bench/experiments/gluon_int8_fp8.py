@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 BLOCK = gl.constexpr(64)
 HEAD_DIM = gl.constexpr(128)
-K_STAGES = gl.constexpr(3)
+K_STAGES = gl.constexpr(4)
 V_STAGES = gl.constexpr(2)
 P_SCALE = gl.constexpr(448.0)
 KV_BYTES = gl.constexpr(64 * 128)  # one 8-bit tile: K (64 x 128) or V^T (128 x 64)
@@ -220,7 +220,14 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, k_empty, v_ready, 
         else:
             acc = warpgroup_mma(p_last, v_smem.index(vs).permute((1, 0)), acc)
         mbarrier.arrive(v_empty.index(vs), count=1)
-    # o = acc / l x v_scale / P_SCALE + v_mean; padded rows 0; a bad row NaN
+    _epilogue(acc, l_i, n_tiles, k_smem, o_desc, vsc_ptr, vmean_ptr, vbs_ptr, vd_off, q_cube,
+              q_row0, col)
+
+
+@gluon.jit
+def _epilogue(acc, l_i, n_tiles, k_smem, o_desc, vsc_ptr, vmean_ptr, vbs_ptr, vd_off, q_cube,
+              q_row0, col):
+    """o = acc / l x v_scale / P_SCALE + v_mean; padded rows 0; a bad row NaN; TMA store."""
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     cols_o = gl.arange(0, HEAD_DIM, layout=COL_O)
     v_scale = gl.load(vsc_ptr + vd_off + cols_o) * (1.0 / P_SCALE)
@@ -241,10 +248,129 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, k_empty, v_ready, 
 
 
 @gluon.jit
+def _pair_scores(s_a, s_b, sq, sidx_row, tinfo_row, ksc_ptr, ks_off, a, has_b, n_tiles,
+                 FAST_CVT: gl.constexpr):
+    sk_a, fill_a = _tile_meta(sidx_row, tinfo_row, ksc_ptr, ks_off, a, n_tiles)
+    sk_b, fill_b = _tile_meta(sidx_row, tinfo_row, ksc_ptr, ks_off, a + 1, n_tiles)
+    fill_b = gl.where(has_b, fill_b, 0)  # no tile b: every key masked (P_b = 0)
+    return (_scores(s_a, sq, sk_a, fill_a, FAST_CVT), _scores(s_b, sq, sk_b, fill_b, FAST_CVT))
+
+
+@gluon.jit
+def _pair_consumer(q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                   o_desc, sidx_ptr, tinfo_ptr, meta_ptr, vbs_ptr, qsc_ptr, ksc_ptr, vsc_ptr,
+                   vmean_ptr, row, q_row0, col, sc_off, q_cube, vd_off, topk, qk_scale,
+                   FAST_CVT: gl.constexpr):
+    """Two KV cubes (tiles a = 2i and b = 2i + 1) per softmax step: two S MMAs in flight, one
+    rescale of O per 128 keys, the two P.V of the step before chained into one fp32 accumulator
+    (two-level). An odd last tile pairs with itself, fully masked (its slot is waited for and
+    released once)."""
+    n_tiles = gl.load(meta_ptr + row * 2)
+    sidx_row = sidx_ptr + row.to(gl.int64) * topk
+    tinfo_row = tinfo_ptr + row.to(gl.int64) * (topk + 1)
+    rows_s = gl.arange(0, BLOCK, layout=ROW_S)
+    sq = gl.load(qsc_ptr + sc_off + q_cube * BLOCK + rows_s) * qk_scale
+    acc = gl.zeros([BLOCK, HEAD_DIM], gl.float32, O_LAYOUT)
+    zero_o = gl.zeros([BLOCK, HEAD_DIM], gl.float32, O_LAYOUT)
+    zero_s = gl.zeros([BLOCK, BLOCK], gl.int32, S_LAYOUT)
+    m_i = gl.full([BLOCK], float("-inf"), gl.float32, ROW_S)
+    l_i = gl.full([BLOCK], 0.0, gl.float32, ROW_S)
+    n_steps = (n_tiles + 1) // 2
+    if n_tiles > 0:
+        mbarrier.wait(q_bar, 0)
+        # step 0: tiles 0 and 1 (tile 0 with itself, masked, when there is one tile)
+        has_b = 1 < n_tiles
+        kb = gl.where(has_b, 1, 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        sa_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
+                               is_async=True)
+        if has_b:
+            mbarrier.wait(k_ready.index(1), 0)
+        sb_tok = warpgroup_mma(q_smem, k_smem.index(kb).permute((1, 0)), zero_s, use_acc=False,
+                               is_async=True)
+        s_a, s_b = warpgroup_mma_wait(0, deps=[sa_tok, sb_tok])
+        mbarrier.arrive(k_empty.index(0), count=1)
+        if has_b:
+            mbarrier.arrive(k_empty.index(1), count=1)
+        s_a, s_b = _pair_scores(s_a, s_b, sq, sidx_row, tinfo_row, ksc_ptr, sc_off, 0, has_b,
+                                n_tiles, FAST_CVT)
+        m_i = gl.maximum(gl.max(s_a, 1), gl.max(s_b, 1))
+        p_a = _exp2(s_a - gl.expand_dims(m_i, 1))
+        p_b = _exp2(s_b - gl.expand_dims(m_i, 1))
+        l_i = gl.sum(p_a, 1) + gl.sum(p_b, 1)
+        p_smem.index(0).store((p_a * P_SCALE).to(gl.float8e4nv))
+        p_smem.index(1).store((p_b * P_SCALE).to(gl.float8e4nv))
+        fence_async_shared()
+        for i in range(1, n_steps):
+            a = 2 * i
+            has_b = a + 1 < n_tiles
+            b = gl.where(has_b, a + 1, a)
+            ka = a % K_STAGES
+            kb = b % K_STAGES
+            mbarrier.wait(k_ready.index(ka), (a // K_STAGES) & 1)
+            sa_tok = warpgroup_mma(q_smem, k_smem.index(ka).permute((1, 0)), zero_s,
+                                   use_acc=False, is_async=True)
+            if has_b:
+                mbarrier.wait(k_ready.index(kb), (b // K_STAGES) & 1)
+            sb_tok = warpgroup_mma(q_smem, k_smem.index(kb).permute((1, 0)), zero_s,
+                                   use_acc=False, is_async=True)
+            # the step before (always two tiles): its two P.V chained into one accumulator
+            pa = a - 2
+            pb = a - 1
+            va = pa % V_STAGES
+            vb = pb % V_STAGES
+            slot = ((i - 1) % 2) * 2
+            mbarrier.wait(v_ready.index(va), (pa // V_STAGES) & 1)
+            mbarrier.wait(v_ready.index(vb), (pb // V_STAGES) & 1)
+            pv_tok = warpgroup_mma(p_smem.index(slot), v_smem.index(va).permute((1, 0)), zero_o,
+                                   use_acc=False, is_async=True)
+            pv_tok = warpgroup_mma(p_smem.index(slot + 1), v_smem.index(vb).permute((1, 0)),
+                                   pv_tok, is_async=True)
+            s_a, s_b = warpgroup_mma_wait(2, deps=[sa_tok, sb_tok])
+            mbarrier.arrive(k_empty.index(ka), count=1)
+            if has_b:
+                mbarrier.arrive(k_empty.index(kb), count=1)
+            s_a, s_b = _pair_scores(s_a, s_b, sq, sidx_row, tinfo_row, ksc_ptr, sc_off, a,
+                                    has_b, n_tiles, FAST_CVT)
+            m_new = gl.maximum(m_i, gl.maximum(gl.max(s_a, 1), gl.max(s_b, 1)))
+            alpha = _exp2(m_i - m_new)
+            p_a = _exp2(s_a - gl.expand_dims(m_new, 1))
+            p_b = _exp2(s_b - gl.expand_dims(m_new, 1))
+            l_i = l_i * alpha + gl.sum(p_a, 1) + gl.sum(p_b, 1)
+            m_i = m_new
+            nslot = (i % 2) * 2  # read by the P.V of step i - 2, waited for last step
+            p_smem.index(nslot).store((p_a * P_SCALE).to(gl.float8e4nv))
+            p_smem.index(nslot + 1).store((p_b * P_SCALE).to(gl.float8e4nv))
+            fence_async_shared()
+            pv = warpgroup_mma_wait(0, deps=[pv_tok])
+            mbarrier.arrive(v_empty.index(va), count=1)
+            mbarrier.arrive(v_empty.index(vb), count=1)
+            acc = (acc + pv) * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+        # the last step's P.V
+        i = n_steps - 1
+        a = 2 * i
+        has_b = a + 1 < n_tiles
+        va = a % V_STAGES
+        slot = (i % 2) * 2
+        mbarrier.wait(v_ready.index(va), (a // V_STAGES) & 1)
+        pv = warpgroup_mma(p_smem.index(slot), v_smem.index(va).permute((1, 0)), zero_o,
+                           use_acc=False)
+        mbarrier.arrive(v_empty.index(va), count=1)
+        if has_b:
+            vb = (a + 1) % V_STAGES
+            mbarrier.wait(v_ready.index(vb), ((a + 1) // V_STAGES) & 1)
+            pv = warpgroup_mma(p_smem.index(slot + 1), v_smem.index(vb).permute((1, 0)), pv)
+            mbarrier.arrive(v_empty.index(vb), count=1)
+        acc = acc + pv
+    _epilogue(acc, l_i, n_tiles, k_smem, o_desc, vsc_ptr, vmean_ptr, vbs_ptr, vd_off, q_cube,
+              q_row0, col)
+
+
+@gluon.jit
 def int8_fp8_kernel(q_desc, k_desc, vt_desc, o_desc, sidx_ptr, tinfo_ptr, meta_ptr, vbs_ptr,
                     qsc_ptr, ksc_ptr, vsc_ptr, vmean_ptr, seq_len, num_heads, num_q_blocks,
                     topk, qk_scale, FAST_CVT: gl.constexpr, PREFETCH: gl.constexpr,
-                    TWO_LEVEL: gl.constexpr, REG_P: gl.constexpr):
+                    TWO_LEVEL: gl.constexpr, REG_P: gl.constexpr, PAIR: gl.constexpr):
     q_cube = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // num_heads
@@ -258,7 +384,7 @@ def int8_fp8_kernel(q_desc, k_desc, vt_desc, o_desc, sidx_ptr, tinfo_ptr, meta_p
     k_smem = gl.allocate_shared_memory(gl.int8, [K_STAGES, BLOCK, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.float8e4nv, [V_STAGES, HEAD_DIM, BLOCK],
                                        vt_desc.layout)
-    p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK, BLOCK], P_SMEM)
+    p_smem = gl.allocate_shared_memory(gl.float8e4nv, [4 if PAIR else 2, BLOCK, BLOCK], P_SMEM)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
@@ -272,16 +398,27 @@ def int8_fp8_kernel(q_desc, k_desc, vt_desc, o_desc, sidx_ptr, tinfo_ptr, meta_p
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=1)
     fence_async_shared()
-    gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                     o_desc,
-                     sidx_ptr, tinfo_ptr, meta_ptr, vbs_ptr, qsc_ptr, ksc_ptr, vsc_ptr,
-                     vmean_ptr, row, q_row0, col, sc_off, q_cube, bh.to(gl.int64) * HEAD_DIM,
-                     topk, qk_scale, FAST_CVT, PREFETCH, TWO_LEVEL, REG_P)),
-        (_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-                     v_ready, v_empty, sidx_ptr, meta_ptr, row, q_row0, row0, col,
-                     bh * HEAD_DIM, topk)),
-    ], [1], [24])
+    vd_off = bh.to(gl.int64) * HEAD_DIM
+    if PAIR:
+        gl.warp_specialize([
+            (_pair_consumer, (q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, k_empty, v_ready,
+                              v_empty, o_desc, sidx_ptr, tinfo_ptr, meta_ptr, vbs_ptr, qsc_ptr,
+                              ksc_ptr, vsc_ptr, vmean_ptr, row, q_row0, col, sc_off, q_cube,
+                              vd_off, topk, qk_scale, FAST_CVT)),
+            (_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
+                         k_empty, v_ready, v_empty, sidx_ptr, meta_ptr, row, q_row0, row0, col,
+                         bh * HEAD_DIM, topk)),
+        ], [1], [24])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, k_empty, v_ready,
+                         v_empty, o_desc, sidx_ptr, tinfo_ptr, meta_ptr, vbs_ptr, qsc_ptr,
+                         ksc_ptr, vsc_ptr, vmean_ptr, row, q_row0, col, sc_off, q_cube, vd_off,
+                         topk, qk_scale, FAST_CVT, PREFETCH, TWO_LEVEL, REG_P)),
+            (_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
+                         k_empty, v_ready, v_empty, sidx_ptr, meta_ptr, row, q_row0, row0, col,
+                         bh * HEAD_DIM, topk)),
+        ], [1], [24])
 
 
 # ---------------------------------------------------------------------------------- the host
@@ -298,13 +435,15 @@ def _layouts():
 #: the variants measured (bench/NOTES.md, issue #19): the scales a tile ahead (PREFETCH), the
 #: int32 -> fp32 conversion without I2F (FAST_CVT), P.V onto O directly (TWO_LEVEL False: fails
 #: by precision), P from registers with a synchronous P.V (REG_P)
-_BASE = dict(FAST_CVT=False, PREFETCH=True, TWO_LEVEL=True, REG_P=False)
+_BASE = dict(FAST_CVT=False, PREFETCH=True, TWO_LEVEL=True, REG_P=False, PAIR=False)
 VARIANTS = {
     "v1": ({**_BASE, "PREFETCH": False}, 128),
     "prefetch": (_BASE, 128),
     "prefetch+cvt": ({**_BASE, "FAST_CVT": True}, 128),
     "one-level": ({**_BASE, "FAST_CVT": True, "TWO_LEVEL": False}, 128),
     "regP": ({**_BASE, "FAST_CVT": True, "REG_P": True}, 128),
+    "pair": ({**_BASE, "PAIR": True}, 128),
+    "pair+cvt": ({**_BASE, "PAIR": True, "FAST_CVT": True}, 128),
 }
 
 

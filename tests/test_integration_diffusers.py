@@ -228,3 +228,38 @@ def test_calibrate_command(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "cannot load a WanTransformer3DModel" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_a_plan_brings_its_cube_and_refuses_another(tmp_path):
+    model = tiny()
+    plan = tgd.calibrate(model, call(), rel_l1=1.0, cube=(2, 4, 8))
+    assert plan.cube == (2, 4, 8)
+    tgd.enable_block_sparse(model, plan=plan)
+    assert getattr(model, tgd._STATE_ATTR).cube == (2, 4, 8)
+    assert torch.isfinite(run(model, call())).all()
+    with pytest.raises(ValueError, match="calibrated on cubes"):
+        tgd.enable_block_sparse(model, plan=plan, cube=(4, 4, 4))
+    with pytest.raises(ValueError, match="64-token cubes"):
+        tgd.calibrate(model, call(), cube=(2, 2, 2))
+    bad = plan.to_dict()
+    bad["layers"][1]["sparsity"] = 1.7
+    with pytest.raises(ValueError, match="plan layer 1's sparsity"):
+        tgd.SparsityPlan.from_dict(bad)
+
+
+def test_a_quantized_copy_takes_the_same_plan():
+    model = tiny()
+    plan = tgd.calibrate(model, call(), rel_l1=1.0)
+    quantized = tiny()
+    quantized.register_to_config(quantization_config=object())  # e.g. a BitsAndBytesConfig
+    plan.check_applies_to(quantized)
+    assert "quantization_config" not in tgd._model_config(quantized)
+
+
+def test_recorded_calls_are_copies():
+    model = tiny()
+    kwargs = call()
+    with tgd.record_inputs(model) as calls:
+        run(model, kwargs)
+    kwargs["hidden_states"].zero_()
+    assert calls[0]["hidden_states"].abs().sum() > 0

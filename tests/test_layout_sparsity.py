@@ -280,3 +280,10 @@ def test_to_cubes_compiles_to_the_eager_result():
     vbs = torch.compile(lambda t: layout.to_cubes(t, grid)[1], fullgraph=True, backend="eager")(x)
     assert torch.equal(vbs, layout.vbs_for_grid(grid))
     torch._dynamo.reset()
+
+
+def test_token_slots_is_a_copy_of_the_cached_index():
+    grid = (5, 6, 7)
+    layout.token_slots(grid).zero_()
+    x = torch.randn(1, 5 * 6 * 7, 2)
+    torch.testing.assert_close(layout.from_cubes(layout.to_cubes(x, grid)[0], grid), x)

@@ -163,3 +163,19 @@ def test_spec_quant_is_validated_refused_by_every_family_and_keeps_the_old_hashe
         assert problems and "quant='int8_fp8'" in problems[0], name
     with pytest.raises(ValueError, match="no kernel family implements the 8-bit recipe"):
         tilegen.load(Spec(quant="int8", grid=(4, 4, 8), num_heads=2, head_dim=64, topk=2))
+
+
+def test_emulation_rows_without_keys_are_zero_and_modes_must_match():
+    cap = _capture(0)
+    counts = torch.full(cap["topk_idx"].shape[:3], 3, dtype=torch.int32)
+    counts[0, 0, 1] = 0  # query cube 1 of head 0 attends nothing
+    call = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"], counts)
+    o = quant.emulate(*call, mode="int8_fp8")
+    assert not o[0, 64:128, 0].any()  # no v̄ where there are no weights
+    o32, _ = attention_fp32(*call)
+    assert not o32[0, 64:128, 0].any()
+    qi = quant.quantize_torch(cap["q"], cap["k"], cap["v"], cap["vbs"], "int8_fp8")
+    with pytest.raises(ValueError, match="pre-pass"):
+        quant.emulate(*call, mode="int8", quantized=qi)
+    with pytest.raises(ValueError, match="needs o_emul"):
+        captures.quant_score(o, o32, o_oracle=o32)

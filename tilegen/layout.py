@@ -156,7 +156,8 @@ def token_slots(
 ) -> torch.Tensor:
     """``(T*H*W,)`` int64: slot of each row-major token in the cube-major padded sequence."""
     g, c = _triple(grid, "grid"), _triple(cube, "cube")
-    return _slots_on(g, c, torch.device(device if device is not None else "cpu"))
+    # a copy: the cached index serves every reorder
+    return _slots_on(g, c, torch.device(device if device is not None else "cpu")).clone()
 
 
 def to_cubes(

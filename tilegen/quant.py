@@ -176,7 +176,8 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
     qs = tl.where(valid[:, None], tl.load(Q + off).to(tl.float32), 0.0)
     q_scale = tl.max(tl.abs(qs), 1) / 127.0
     q_div = tl.where(q_scale > 0, q_scale, 1.0)
-    q8 = tl.minimum(tl.maximum(_round_half_even(qs / q_div[:, None]), -127.0), 127.0)
+    # div_rn: IEEE division, as torch's (Triton's `/` is div.full.f32, up to 2 ulp off)
+    q8 = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(qs, q_div[:, None])), -127.0), 127.0)
     tl.store(Q8 + off, q8.to(tl.int8))
     tl.store(QSCALE + bh * seq_len + tok, q_scale)
     # K: smoothed by the sampled mean, per-token int8
@@ -184,7 +185,7 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
     ks = tl.where(valid[:, None], k - k_mean[None, :], 0.0)
     k_scale = tl.max(tl.abs(ks), 1) / 127.0
     k_div = tl.where(k_scale > 0, k_scale, 1.0)
-    k8 = tl.minimum(tl.maximum(_round_half_even(ks / k_div[:, None]), -127.0), 127.0)
+    k8 = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(ks, k_div[:, None])), -127.0), 127.0)
     tl.store(K8 + off, k8.to(tl.int8))
     tl.store(KSCALE + bh * seq_len + tok, k_scale)
     if cube == 0:
@@ -194,7 +195,7 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
         v_mean = tl.sum(v_smp, 0) / n_sample
         v_amax = tl.max(tl.where(s_ok[:, None], tl.abs(v_smp - v_mean[None, :]), 0.0), 0)
         v_scale = tl.maximum(v_amax * (HEADROOM / E4M3), 1e-30)
-        v = (tl.load(V + off).to(tl.float32) - v_mean[None, :]) / v_scale[None, :]
+        v = tl.div_rn(tl.load(V + off).to(tl.float32) - v_mean[None, :], v_scale[None, :])
         v = tl.minimum(tl.maximum(tl.where(valid[:, None], v, 0.0), -E4M3), E4M3)
         # (B, H, D, S): stored as the transposed tile, so that a warp writes runs of keys
         vt_off = (bh * HEAD_DIM + d)[:, None] * seq_len + tok[None, :]
@@ -255,6 +256,8 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.T
     ``quantized``: the pre-pass's output to use (default: `quantize_torch` of q, k, v). Returns
     o in fp32."""
     _check_mode(mode)
+    if quantized is not None and quantized.mode != mode:
+        raise ValueError(f"quantized holds a {quantized.mode!r} pre-pass, mode is {mode!r}")
     B, S, H, D = q.shape
     n = S // block
     scale = (sm_scale if sm_scale is not None else D ** -0.5) * math.log2(math.e)
@@ -306,6 +309,8 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.T
                 m = m_new
             o = acc / l_sum.clamp_min(1e-30)[..., None]
             if mode == "int8_fp8":
-                o = o * qi.v_scale[b, h].cpu() + qi.v_mean[b, h].cpu()
+                # v̄ comes back with the weights (they sum to 1): not on a row without any key
+                seen = (l_sum > 0)[..., None]
+                o = o * qi.v_scale[b, h].cpu() + torch.where(seen, qi.v_mean[b, h].cpu(), 0.0)
             out[b, :, h] = torch.where(row_ok, o, 0.0).reshape(S, D)
     return out

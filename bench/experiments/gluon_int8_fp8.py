@@ -233,7 +233,8 @@ def _epilogue(acc, l_i, n_tiles, k_smem, o_desc, vsc_ptr, vmean_ptr, vbs_ptr, vd
     v_scale = gl.load(vsc_ptr + vd_off + cols_o) * (1.0 / P_SCALE)
     v_mean = gl.load(vmean_ptr + vd_off + cols_o)
     o = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, ROW_O), 1)
-    o = o * gl.expand_dims(v_scale, 0) + gl.expand_dims(v_mean, 0)
+    seen = gl.expand_dims(gl.convert_layout(l_i > 0.0, ROW_O), 1)  # v̄ only with weights
+    o = o * gl.expand_dims(v_scale, 0) + gl.where(seen, gl.expand_dims(v_mean, 0), 0.0)
     rows_o = gl.arange(0, BLOCK, layout=ROW_O)
     q_valid = gl.load(vbs_ptr + q_cube)
     o = gl.where(gl.expand_dims(rows_o < q_valid, 1), o, 0.0)

@@ -219,6 +219,8 @@ def quant_score(o: torch.Tensor, o_ref: torch.Tensor, o_emul: torch.Tensor | Non
     recipe's). ``vbs`` (real rows of each cube, cube-major padded tensors): padded rows are left
     out of every check (what a kernel writes there is unspecified); without it every row counts.
     """
+    if o_oracle is not None and o_emul is None:
+        raise ValueError("o_oracle is the reference of check 4, which needs o_emul too")
     if vbs is not None:
         seq = o.shape[1] if layout == "bshd" else o.shape[2]
         block = seq // vbs.numel()

@@ -9,8 +9,9 @@ import time
 from pathlib import Path
 
 EPILOG = """example:
-  # record a few denoising steps' transformer calls in your pipeline, once:
-  #   with record_inputs(pipe.transformer, max_calls=6) as calls:
+  # record a few denoising steps' transformer calls in your pipeline, once (with CFG a step is
+  # two calls; Wan2.2-A14B: pipe.transformer_2 runs the low-noise steps, record it apart):
+  #   with record_inputs(pipe.transformer, max_calls=12) as calls:
   #       pipe(prompt, num_inference_steps=6)
   #   torch.save(calls, "calls.pt")
   tilegen calibrate ./Wan2.2-T2V-A14B-Diffusers --subfolder transformer --inputs calls.pt \\
@@ -46,10 +47,20 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16",
                    help="the transformer's dtype (default bf16)")
     p.add_argument("--device", default=None, help="default: cuda when there is a GPU, else cpu")
-    p.add_argument("--max-calls", type=int, default=None,
+    p.add_argument("--max-calls", type=_positive, default=None,
                    help="calibrate on the first N recorded calls only")
     p.set_defaults(func=cmd_calibrate)
     return p
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
 
 
 def _load_calls(path: Path, device, dtype) -> list[dict]:
@@ -87,7 +98,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"tilegen: error: {exc}", file=sys.stderr)
         return 1
     dtype = getattr(torch, _DTYPES[args.dtype])
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as exc:
+        raise ValueError(f"--device {args.device!r}: {exc}") from exc
     t0 = time.perf_counter()
     try:
         model = diffusers.WanTransformer3DModel.from_pretrained(
@@ -127,9 +141,11 @@ class _CallProgress:
         self.bar = self.task = None
         if sys.stderr.isatty():
             import rich.progress as rp
+            from rich.console import Console
 
             self.bar = rp.Progress(rp.TextColumn("calls"), rp.BarColumn(), rp.MofNCompleteColumn(),
-                                   rp.TimeElapsedColumn(), transient=True)
+                                   rp.TimeElapsedColumn(), transient=True,
+                                   console=Console(stderr=True))
         self.t0 = time.perf_counter()
 
     def __enter__(self) -> _CallProgress:

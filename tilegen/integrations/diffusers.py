@@ -35,6 +35,12 @@ every case.
 `calibrate` measures each layer dense against sparse on the user's inputs and returns a
 `SparsityPlan` (seed 003's per-layer gate on relative L1); ``enable_block_sparse(..., plan=...)``
 applies one. `record_inputs` captures a pipeline's transformer calls to calibrate on.
+
+**Wan2.2-A14B has two experts**: its pipeline runs ``pipe.transformer`` on the high-noise steps
+and ``pipe.transformer_2`` on the low-noise ones. Each is a transformer of its own here: enable
+(and calibrate) both, with a plan each (their configs are alike, so a plan made on one is not
+refused on the other: keep them apart by file name); each counts its own ``dense_steps`` from
+its first call.
 """
 
 from __future__ import annotations
@@ -86,6 +92,14 @@ def topk_for(sparsity: float, n_cubes: int) -> int:
     return max(1, min(n_cubes, round(n_cubes * (1.0 - sparsity))))
 
 
+def _check_cube(cube: Sequence[int]) -> Triple:
+    c = layout._triple(cube, "cube")
+    if math.prod(c) != 64:
+        raise ValueError(f"cube={c} holds {math.prod(c)} tokens; the block-sparse kernels take "
+                         "64-token cubes")
+    return c
+
+
 def _check_sparsity(value: object, name: str = "sparsity") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or not math.isfinite(value) or not 0.0 <= value < 1.0:
@@ -109,9 +123,12 @@ def _self_attentions(transformer: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _model_config(transformer: torch.nn.Module) -> dict[str, Any]:
-    """The transformer's config as JSON values (diffusers' bookkeeping keys left out)."""
-    cfg = {k: v for k, v in dict(transformer.config).items() if not k.startswith("_")}
-    return json.loads(json.dumps(cfg))
+    """The transformer's architecture as JSON values: diffusers' bookkeeping keys and the
+    weights' storage (``quantization_config``: a bitsandbytes or torchao copy of the same model
+    takes the same plan) left out."""
+    cfg = {k: v for k, v in dict(transformer.config).items()
+           if not k.startswith("_") and k != "quantization_config"}
+    return json.loads(json.dumps(cfg, default=str))
 
 
 # -- plans -------------------------------------------------------------------------------------
@@ -157,12 +174,20 @@ class SparsityPlan:
     def from_dict(cls, d: Mapping[str, Any]) -> SparsityPlan:
         try:
             layers = tuple(LayerPlan(**layer) for layer in d["layers"])
-            return cls(model=d["model"], config=dict(d["config"]), grid=tuple(d["grid"]),
-                       cube=tuple(d["cube"]), layers=layers, rel_l1_gate=d.get("rel_l1_gate"),
+            plan = cls(model=d["model"], config=dict(d["config"]),
+                       grid=layout._triple(d["grid"], "grid"),
+                       cube=layout._triple(d["cube"], "cube"), layers=layers,
+                       rel_l1_gate=d.get("rel_l1_gate"),
                        calibration_calls=int(d.get("calibration_calls", 0)),
                        tilegen_version=d.get("tilegen_version", "unknown"))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a tilegen sparsity plan: {exc}") from exc
+        for i, layer in enumerate(plan.layers):
+            if layer.index != i:
+                raise ValueError(f"plan layer {i} says index {layer.index}")
+            if layer.sparsity is not None:
+                _check_sparsity(layer.sparsity, f"plan layer {i}'s sparsity")
+        return plan
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -342,7 +367,7 @@ def enable_block_sparse(
     dense_steps: Iterable[int] = (),
     quant: str = "none",
     plan: SparsityPlan | str | Path | None = None,
-    cube: Sequence[int] = (4, 4, 4),
+    cube: Sequence[int] | None = None,
 ) -> torch.nn.Module:
     """Swap the self-attention processors of a diffusers ``WanTransformer3DModel`` for
     tilegen's block-sparse one (module docstring); returns the transformer.
@@ -362,7 +387,8 @@ def enable_block_sparse(
             recipes) are refused until tilegen's 8-bit kernels ship.
         plan: a `SparsityPlan` (or its JSON file) from `calibrate`: its layers' sparsity and
             dense layers, unioned with ``dense_layers``; refused for another transformer config.
-        cube: the cube shape in latent tokens (64 tokens: the kernels' block).
+        cube: the cube shape in latent tokens, 64 tokens (the kernels' block); default (4, 4, 4),
+            or the plan's (a plan calibrated on other cubes is refused with another one).
 
     Calling it again replaces the previous settings; `disable_block_sparse` restores diffusers'
     processors.
@@ -376,10 +402,11 @@ def enable_block_sparse(
         raise NotImplementedError(
             f"quant={quant!r} needs tilegen's 8-bit attention kernels (the quantization issue, "
             "#19), which this tilegen does not have yet; use quant='none'")
-    c = layout._triple(cube, "cube")
-    if math.prod(c) != 64:
-        raise ValueError(f"cube={c} holds {math.prod(c)} tokens; the block-sparse kernels take "
-                         "64-token cubes")
+    if plan is not None and not isinstance(plan, SparsityPlan):
+        plan = SparsityPlan.load(plan)
+    if plan is not None and cube is not None and tuple(cube) != tuple(plan.cube):
+        raise ValueError(f"cube={tuple(cube)}: the plan was calibrated on cubes {plan.cube}")
+    c = _check_cube(cube if cube is not None else plan.cube if plan is not None else (4, 4, 4))
     if plan is not None and (sparsity is not None or topk is not None):
         raise ValueError("give a plan or sparsity/topk, not both (the plan sets each layer's)")
     if sparsity is not None and topk is not None:
@@ -388,8 +415,6 @@ def enable_block_sparse(
         raise ValueError(f"topk must be a positive int, got {topk!r}")
     per_layer: list[float | None]
     if plan is not None:
-        if not isinstance(plan, SparsityPlan):
-            plan = SparsityPlan.load(plan)
         plan.check_applies_to(transformer)
         per_layer = [layer.sparsity for layer in plan.layers]
         if plan.tilegen_version != __version__:
@@ -508,7 +533,7 @@ def calibrate(
     if was is not None:
         was.hook.remove()
     calib = _Calibration(candidates, len(attns))
-    state = _State(cube=layout._triple(cube, "cube"), dense_steps=frozenset(), originals=saved,
+    state = _State(cube=_check_cube(cube), dense_steps=frozenset(), originals=saved,
                    calibration=calib)
     hook = transformer.register_forward_pre_hook(
         lambda module, args, kwargs: state.observe(module, args, kwargs), with_kwargs=True)
@@ -552,8 +577,12 @@ def _check_gate(value: object, name: str) -> float:
 @contextlib.contextmanager
 def record_inputs(transformer: torch.nn.Module, max_calls: int | None = None
                   ) -> Iterator[list[dict[str, Any]]]:
-    """Record the keyword arguments of the transformer's calls (tensors detached, on their
-    device) while a pipeline runs, to calibrate on or save with ``torch.save``::
+    """Record the keyword arguments of the transformer's calls (tensors copied, on their device;
+    ``attention_kwargs`` too, e.g. a LoRA scale) while a pipeline runs, to calibrate on or save
+    with ``torch.save``. ``max_calls`` counts transformer calls: with classifier-free guidance a
+    pipeline makes two per denoising step. Wan2.2-A14B's pipeline has two experts,
+    ``pipe.transformer`` (the high-noise steps) and ``pipe.transformer_2`` (the low-noise ones):
+    record, calibrate and enable each on its own::
 
         with record_inputs(pipe.transformer, max_calls=8) as calls:
             pipe(prompt, num_inference_steps=8)
@@ -561,14 +590,15 @@ def record_inputs(transformer: torch.nn.Module, max_calls: int | None = None
     """
     _require_diffusers()
     calls: list[dict[str, Any]] = []
-    names = ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image")
+    names = ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image",
+             "return_dict", "attention_kwargs")
 
     def hook(module, args, kwargs):
         if max_calls is None or len(calls) < max_calls:
             call = dict(zip(names, args, strict=False))
             call.update({k: v for k, v in kwargs.items() if k in names})
-            calls.append({k: v.detach() if isinstance(v, torch.Tensor) else v
-                          for k, v in call.items()})
+            calls.append({k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                          for k, v in call.items() if k != "return_dict"})
 
     handle = transformer.register_forward_pre_hook(hook, with_kwargs=True)
     try:

@@ -13,9 +13,10 @@ kernels are held to (contract.md, the quantized rule's check 4).
   cost the kernel a GEMV per tile; measured on the default workload it buys 0.001 of relative L1
   on ``"int8_fp8"`` (bench/NOTES.md), so the kernels' recipe leaves it out. `quantize_torch`
   keeps it as an ablation (``q_smooth=True``), and `emulate` adds the term when ``q_mean`` is set.
-* **Per-token INT8.** ``x8 = round(x / s)``, ``s = amax_d |x| / 127`` per token (round half to
-  even, ``|x8| <= 127``): ``S_ij = sq_i sk_j (q8_i · k8_j)`` exactly in int32 (128 products of at
-  most 127^2 stay below 2^24, so fp32 holds the sum exactly too).
+* **Per-token INT8.** ``x8 = round(x * (1 / s))``, ``s = amax_d |x| / 127`` per token (round
+  half to even, ``|x8| <= 127``; the reciprocal once per token, IEEE, in both pre-passes):
+  ``S_ij = sq_i sk_j (q8_i · k8_j)`` exactly in int32 (128 products of at most 127^2 stay below
+  2^24, so fp32 holds the sum exactly too).
 * **V** (``"int8_fp8"``): smoothed by its sampled channel mean ``v̄`` (added back after the
   normalization: the softmax weights sum to 1), then e4m3 with one scale per channel, the
   sample's amax times ``V_HEADROOM`` (values past 448 saturate), stored transposed ``(B, H, D,
@@ -90,8 +91,9 @@ def sample_cubes(nkv: int) -> list[int]:
 
 # -- the pre-pass: PyTorch (CPU, and the model) --------------------------------------------------
 def _round_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    safe = torch.where(scale > 0, scale, 1.0)
-    return torch.round(x / safe).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    # x times the IEEE reciprocal of its scale: one division per token, the kernel's arithmetic
+    inv = 1.0 / torch.where(scale > 0, scale, 1.0)
+    return torch.round(x * inv).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
 
 
 def quantize_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
@@ -132,7 +134,7 @@ def quantize_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch
         v_mean = first_tokens_mean(v) if v_smooth else torch.zeros_like(k_mean)
         centred = vf - v_mean[:, None]
         v_scale = (centred[:, samples].abs().amax(1) * (V_HEADROOM / E4M3_MAX)).clamp_min(1e-30)
-        vq = torch.where(real.view(1, S, 1, 1), centred / v_scale[:, None], 0.0)
+        vq = torch.where(real.view(1, S, 1, 1), centred * (1.0 / v_scale)[:, None], 0.0)
         v8t = vq.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).permute(0, 2, 3, 1)
         v8t = v8t.contiguous()
     return QuantizedInputs(mode, q8, per_head(q_scale), k8, per_head(k_scale), k_mean, v8t,
@@ -176,8 +178,10 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
     qs = tl.where(valid[:, None], tl.load(Q + off).to(tl.float32), 0.0)
     q_scale = tl.max(tl.abs(qs), 1) / 127.0
     q_div = tl.where(q_scale > 0, q_scale, 1.0)
-    # div_rn: IEEE division, as torch's (Triton's `/` is div.full.f32, up to 2 ulp off)
-    q8 = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(qs, q_div[:, None])), -127.0), 127.0)
+    # one IEEE reciprocal per token (div_rn: Triton's `/` is div.full.f32, up to 2 ulp off),
+    # then a multiply: the PyTorch model's arithmetic, bit for bit
+    q_inv = tl.div_rn(1.0, q_div)
+    q8 = tl.minimum(tl.maximum(_round_half_even(qs * q_inv[:, None]), -127.0), 127.0)
     tl.store(Q8 + off, q8.to(tl.int8))
     tl.store(QSCALE + bh * seq_len + tok, q_scale)
     # K: smoothed by the sampled mean, per-token int8
@@ -185,7 +189,8 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
     ks = tl.where(valid[:, None], k - k_mean[None, :], 0.0)
     k_scale = tl.max(tl.abs(ks), 1) / 127.0
     k_div = tl.where(k_scale > 0, k_scale, 1.0)
-    k8 = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(ks, k_div[:, None])), -127.0), 127.0)
+    k_inv = tl.div_rn(1.0, k_div)
+    k8 = tl.minimum(tl.maximum(_round_half_even(ks * k_inv[:, None]), -127.0), 127.0)
     tl.store(K8 + off, k8.to(tl.int8))
     tl.store(KSCALE + bh * seq_len + tok, k_scale)
     if cube == 0:
@@ -195,7 +200,8 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
         v_mean = tl.sum(v_smp, 0) / n_sample
         v_amax = tl.max(tl.where(s_ok[:, None], tl.abs(v_smp - v_mean[None, :]), 0.0), 0)
         v_scale = tl.maximum(v_amax * (HEADROOM / E4M3), 1e-30)
-        v = tl.div_rn(tl.load(V + off).to(tl.float32) - v_mean[None, :], v_scale[None, :])
+        v_inv = tl.div_rn(1.0, v_scale)
+        v = (tl.load(V + off).to(tl.float32) - v_mean[None, :]) * v_inv[None, :]
         v = tl.minimum(tl.maximum(tl.where(valid[:, None], v, 0.0), -E4M3), E4M3)
         # (B, H, D, S): stored as the transposed tile, so that a warp writes runs of keys
         vt_off = (bh * HEAD_DIM + d)[:, None] * seq_len + tok[None, :]

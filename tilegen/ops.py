@@ -361,6 +361,28 @@ _block_sparse_attention_train.register_autograd(_backward_train,
                                                 setup_context=_setup_context_train)
 
 
+def _kv_heads_for(q: Any, k: Any, v: Any, layout: str) -> tuple[Any, Any]:
+    """GQA/MQA (``H_q = g * H_kv``, query head h reads KV head h // g): K and V with their heads
+    repeated g times, so the kernels see one K/V head per query head; autograd of the repeat sums
+    dK and dV over each group. Tensors of one head count, and anything the op's own checks
+    should reject, pass through unchanged."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return k, v
+    axis = 2 if layout == "bshd" else 1 if layout == "bhsd" else None
+    if axis is None or k.shape[axis] == q.shape[axis]:
+        return k, v
+    hq, hk = q.shape[axis], k.shape[axis]
+    if v.shape[axis] != hk:
+        raise ValueError(f"k has {hk} heads and v {v.shape[axis]}: GQA needs one KV head count")
+    if hk == 0 or hq % hk:
+        raise ValueError(f"k has {hk} heads, which does not divide q's {hq}: GQA/MQA needs "
+                         "H_q = g * H_kv")
+    group = hq // hk
+    _note_once(f"block_sparse_attention: GQA with groups of {group}; K and V heads are "
+               f"repeated x{group} for the kernels (they read one K/V head per query head)")
+    return k.repeat_interleave(group, dim=axis), v.repeat_interleave(group, dim=axis)
+
+
 def block_sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -375,6 +397,12 @@ def block_sparse_attention(
     sm_scale: float | None = None,
 ):
     """Block-sparse attention with the default spec for q's dtype and head dim.
+
+    GQA/MQA: k and v may have ``H_kv`` heads where q has ``g * H_kv`` (query head h reads KV
+    head ``h // g``); the group is inferred from the head counts, ``topk_idx`` has one row per
+    query head, and dK, dV come out summed over each group. The kernels read one K/V head per
+    query head: K and V are repeated ``g`` times on the device first (no host sync; the copy is
+    in the time of the call).
 
     Returns o, or (o, lse) with ``return_lse=True``. With ``return_max_prob=True`` it returns
     ``AttentionOutput(o, lse, max_prob, max_prob_cube)`` (`tilegen.maxprob`; lse None unless
@@ -394,6 +422,7 @@ def block_sparse_attention(
     ``torch.ops.tilegen.block_sparse_attention_train``, which also computes lse and keeps the
     fp32 output for the backward's delta (see `BlockSparseAttention.forward_for_grad`).
     """
+    k, v = _kv_heads_for(q, k, v, layout)
     grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     if return_max_prob:

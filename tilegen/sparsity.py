@@ -169,9 +169,11 @@ def _check_qkv_cubes(
             raise ValueError(f"{name} must be 4-D (B, S, H, D), got shape {tuple(t.shape)}")
         if t.shape[1] % block:
             raise ValueError(f"{name}.shape[1]={t.shape[1]} is not a multiple of block={block}")
-    if (q.shape[0], q.shape[2], q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]):
+    if (q.shape[0], q.shape[3]) != (k.shape[0], k.shape[3]) or not k.shape[2] \
+            or q.shape[2] % k.shape[2]:
         raise ValueError(
-            f"q and k must agree on B, H, D: q {tuple(q.shape)}, k {tuple(k.shape)}"
+            f"q and k must agree on B and D, and k's heads divide q's (GQA: H_q = g * H_kv): "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}"
         )
     if q.device != k.device:
         raise ValueError(f"q and k must be on one device, got {q.device} and {k.device}")
@@ -236,9 +238,17 @@ def _scores(q: torch.Tensor, k: torch.Tensor, vbs: torch.Tensor, q_vbs: torch.Te
     if q.is_cuda and d & (d - 1) == 0:  # the kernel's lanes: a power-of-two head dim
         from tilegen.coarse_gpu import pool_means
 
-        return pool_means(q, q_vbs.to(q.device), block) @ pool_means(
-            k, vbs.to(k.device), block).transpose(-1, -2)
-    return pool_cubes(q, q_vbs, block) @ pool_cubes(k, vbs, block).transpose(-1, -2)
+        qm, km = pool_means(q, q_vbs.to(q.device), block), pool_means(k, vbs.to(k.device), block)
+    else:
+        qm, km = pool_cubes(q, q_vbs, block), pool_cubes(k, vbs, block)
+    return qm @ _per_query_head(km, q.shape[2]).transpose(-1, -2)
+
+
+def _per_query_head(km: torch.Tensor, heads: int) -> torch.Tensor:
+    """Pooled K ``(B, H_kv, NKV, D)`` for each query head (GQA: query head h reads KV head
+    h // g): the pooled means repeated, not the tokens."""
+    g = heads // km.shape[1]
+    return km if g == 1 else km.repeat_interleave(g, dim=1)
 
 
 def coarse_scores(
@@ -254,7 +264,7 @@ def coarse_scores(
     """
     _, _, q_vbs = _check_qkv_cubes(q, k, vbs, block, q_vbs)
     qc = pool_cubes(q, q_vbs, block)
-    kc = pool_cubes(k, vbs, block)
+    kc = _per_query_head(pool_cubes(k, vbs, block), q.shape[2])
     return qc @ kc.transpose(-1, -2)
 
 

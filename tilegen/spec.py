@@ -48,7 +48,7 @@ SPEC_SCHEMA = 1
 KERNEL_FIELDS = ("encoding", "block_q", "block_kv", "cube", "head_dim", "dtype", "layout",
                  "variable_block_sizes", "quant")
 #: Fields that only describe the shape tuning and benchmarks run on (the kernel takes any).
-WORKLOAD_FIELDS = ("grid", "num_heads", "topk", "batch", "window")
+WORKLOAD_FIELDS = ("grid", "num_heads", "topk", "batch", "window", "num_kv_heads")
 
 
 def _as_int_tuple(name: str, value: Any, length: int) -> tuple[int, ...]:
@@ -86,7 +86,9 @@ class Spec:
     cube grid; one (t, h, w) triple for every head, or a list of ``num_heads`` triples, STA's
     head specialization; None for the other encodings, (3, 3, 3) when sliding_tile gives none).
     The sliding_tile kernel reads the cube grid and the windows at run time, so they are
-    workload fields too: its source does not depend on them.
+    workload fields too: its source does not depend on them. ``num_kv_heads`` (GQA/MQA: query
+    head h reads KV head ``h // (num_heads // num_kv_heads)``; None for as many as the query
+    heads) is a workload field: `tilegen.ops.block_sparse_attention` takes any group.
     """
 
     encoding: str = "lut"
@@ -103,6 +105,7 @@ class Spec:
     batch: int = 1
     window: Any = None
     quant: str = "none"
+    num_kv_heads: int | None = None
     _hash: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -134,6 +137,14 @@ class Spec:
                 "encoding 'lut': each LUT row belongs to one query cube"
             )
         object.__setattr__(self, "window", self._checked_window())
+        if self.num_kv_heads is not None:
+            kvh = self.num_kv_heads
+            if isinstance(kvh, bool) or not isinstance(kvh, int) or kvh <= 0 \
+                    or self.num_heads % kvh:
+                raise ValueError(f"Spec.num_kv_heads must be a positive int dividing "
+                                 f"num_heads={self.num_heads} (GQA/MQA), got {kvh!r}")
+            if kvh == self.num_heads:
+                object.__setattr__(self, "num_kv_heads", None)  # plain MHA: one spelling
         if self.encoding_info.has_lut_rows and self.topk > self.num_cubes:
             raise ValueError(
                 f"Spec.topk={self.topk} exceeds the {self.num_cubes} KV cubes of "

@@ -287,3 +287,21 @@ def test_token_slots_is_a_copy_of_the_cached_index():
     layout.token_slots(grid).zero_()
     x = torch.randn(1, 5 * 6 * 7, 2)
     torch.testing.assert_close(layout.from_cubes(layout.to_cubes(x, grid)[0], grid), x)
+
+
+@pytest.mark.parametrize("grid", [(6, 7, 9), (8, 8, 8)], ids=["partial", "whole"])
+def test_to_cubes_without_zero_padding_copies_each_cubes_first_token(grid):
+    x = torch.randn(2, math.prod(grid), 3, 8)
+    zero, vbs = layout.to_cubes(x, grid)
+    fast, vbs2 = layout.to_cubes(x, grid, zero_padding=False)
+    assert torch.equal(vbs, vbs2) and fast.shape == zero.shape
+    real = (torch.arange(64)[None, :] < vbs[:, None].long()).reshape(-1)
+    assert torch.equal(fast[:, real], zero[:, real])
+    first = fast.view(2, -1, 64, 3, 8)[:, :, :1].expand(-1, -1, 64, -1, -1).reshape(fast.shape)
+    assert torch.equal(fast[:, ~real], first[:, ~real])
+    torch.testing.assert_close(layout.from_cubes(fast, grid), x, atol=0, rtol=0)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: layout.to_cubes(t, grid, zero_padding=False)[0],
+                             fullgraph=True, backend="eager")(x)
+    assert torch.equal(compiled, fast)
+    torch._dynamo.reset()

@@ -6,12 +6,14 @@ row-major (t, h, w) order over the cube's actual extent, then zero padding up to
 Edge cubes are partial when a grid side is not a multiple of the cube side; ``vbs[c]`` counts the
 real tokens of cube ``c``.
 
-The reorder is one gather/scatter with an index computed once per (grid, cube) and cached.
+The reorder is one gather/scatter with an index computed once per (grid, cube) and cached
+(`to_cubes(..., zero_padding=False)`: one gather, padded slots holding a real token).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -160,8 +162,34 @@ def token_slots(
     return _slots_on(g, c, torch.device(device if device is not None else "cpu")).clone()
 
 
+def _build_sources(grid: Triple, cube: Triple, device: torch.device | None = None
+                   ) -> torch.Tensor:
+    """For each slot of the cube-major padded sequence the token it holds: its own token, or
+    for a padded slot the first token of its cube (always real)."""
+    vol = cube[0] * cube[1] * cube[2]
+    slots = _build_slots(grid, cube, device)
+    size = math.prod(cube_grid(grid, cube)) * vol
+    tokens = torch.arange(slots.numel(), device=device)
+    src = torch.zeros(size, dtype=torch.int64, device=device).scatter(0, slots, tokens)
+    idx = torch.arange(size, device=device)
+    real = (idx % vol) < _build_vbs(grid, cube, device).long().repeat_interleave(vol)
+    return torch.where(real, src, src[idx - idx % vol])
+
+
+@functools.lru_cache(maxsize=32)
+def _sources_cached(grid: Triple, cube: Triple, device: torch.device) -> torch.Tensor:
+    return _build_sources(grid, cube).to(device)
+
+
+def _sources_on(grid: Triple, cube: Triple, device: torch.device) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # as _vbs_on
+        return _build_sources(grid, cube, device)
+    return _sources_cached(grid, cube, device)
+
+
 def to_cubes(
-    x: torch.Tensor, grid: Sequence[int], cube: Sequence[int] = (4, 4, 4)
+    x: torch.Tensor, grid: Sequence[int], cube: Sequence[int] = (4, 4, 4), *,
+    zero_padding: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reorder row-major tokens into cube-major padded order.
 
@@ -170,10 +198,14 @@ def to_cubes(
             (t, h, w).
         grid: latent grid ``(T, H, W)``.
         cube: cube size ``(ct, ch, cw)``.
+        zero_padding: padded slots hold zeros (a zero fill, then a scatter of the tokens). With
+            False they hold a copy of their cube's first token instead, which the kernels'
+            contract allows (padded slots may hold any finite values): one gather, no fill,
+            about half the memory traffic.
 
     Returns:
-        ``(xc, vbs)``: ``xc`` is ``(B, NC * ct*ch*cw, ...)`` with zero padding, ``vbs`` is the
-        ``(NC,)`` int32 count of real tokens per cube (on ``x``'s device).
+        ``(xc, vbs)``: ``xc`` is ``(B, NC * ct*ch*cw, ...)``, ``vbs`` is the ``(NC,)`` int32
+        count of real tokens per cube (on ``x``'s device).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -183,6 +215,8 @@ def to_cubes(
         raise ValueError(
             f"x must be (B, T*H*W, ...) with T*H*W={n_tok} for grid={g}, got {tuple(x.shape)}"
         )
+    if not zero_padding:
+        return x.index_select(1, _sources_on(g, c, x.device)), vbs_for_grid(g, c, device=x.device)
     nt, nh, nw = cube_grid(g, c)
     size = nt * nh * nw * c[0] * c[1] * c[2]
     slots = _slots_on(g, c, x.device)

@@ -338,9 +338,11 @@ def _sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: T
         raise ValueError(f"self-attention got {q.shape[1]} tokens, the latent grid {grid} has "
                          f"{n_tok}")
     work = q.dtype if q.dtype in _KERNEL_DTYPES else torch.bfloat16
-    qc, vbs = layout.to_cubes(q.to(work), grid, cube)
-    kc, _ = layout.to_cubes(k.to(work), grid, cube)
-    vc, _ = layout.to_cubes(v.to(work), grid, cube)
+    # padded slots hold a copy of their cube's first token (one gather, no zero fill): the
+    # kernel masks padded keys, the selector pools real tokens only, padded rows are dropped
+    qc, vbs = layout.to_cubes(q.to(work), grid, cube, zero_padding=False)
+    kc, _ = layout.to_cubes(k.to(work), grid, cube, zero_padding=False)
+    vc, _ = layout.to_cubes(v.to(work), grid, cube, zero_padding=False)
     n_cubes = vbs.shape[0]
     topk = cubes_kept if isinstance(cubes_kept, int) else cubes_kept(n_cubes)
     block = math.prod(cube)

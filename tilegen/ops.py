@@ -124,8 +124,7 @@ def load(spec: Spec | None = None, config: KernelConfig | None = None, *,
                          f"{list(backends.names())}")
     if spec.quant != "none":
         # every device, the CPU too: a bf16 op must never stand in for an 8-bit spec
-        having = [n for n in backends.names() if spec.quant in backends.get(n).quant_modes]
-        if not having:
+        if not backends.with_quant(spec.quant):
             raise ValueError(f"Spec.quant={spec.quant!r}: no kernel family implements the 8-bit "
                              "recipe yet (issue #19); tilegen.quant.emulate computes it in "
                              "PyTorch")

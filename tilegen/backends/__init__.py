@@ -46,6 +46,11 @@ def get(name: str) -> Backend:
     return backend
 
 
+def with_quant(mode: str) -> list[str]:
+    """The families whose kernels compute `Spec.quant` mode `mode` (`Backend.quant_modes`)."""
+    return [n for n in names() if mode in get(n).quant_modes]
+
+
 def for_target(target: Target) -> list[Backend]:
     """The backends `target` lists (target.toml `backends`), in registry order."""
     return [get(n) for n in names() if n in target.backends]

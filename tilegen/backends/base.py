@@ -61,7 +61,7 @@ class Backend(ABC):
         if spec.quant not in self.quant_modes:
             from tilegen import backends
 
-            having = [n for n in backends.names() if spec.quant in backends.get(n).quant_modes]
+            having = backends.with_quant(spec.quant)
             return [f"the {self.name} family has no quant={spec.quant!r} kernel (families with "
                     f"it: {having or 'none yet: the 8-bit kernels are issue #19'}; "
                     "tilegen.quant.emulate computes the recipe in PyTorch)"]

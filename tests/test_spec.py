@@ -38,7 +38,7 @@ def test_round_trips(spec, tmp_path):
     ("dtype", "fp32", "['bf16', 'fp16']"),
     ("layout", "sbhd", "['bshd', 'bhsd']"),
     ("encoding", "csr", "['lut', 'mask', 'sliding_tile']"),
-    ("block_q", 48, "[16, 32, 64, 128]"),
+    ("block_q", 48, "[16, 32, 64, 128, 256, 384]"),
 ])
 def test_invalid_choices_name_field_and_allowed_values(field, value, allowed):
     with pytest.raises(ValueError) as err:

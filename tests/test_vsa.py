@@ -75,7 +75,8 @@ def test_gate_semantics(pytorch_path):
 
 @pytest.mark.parametrize("grid,cube,topk", [((5, 6, 8), (4, 4, 4), 1),
                                             ((4, 8, 8), (2, 4, 4), 5),
-                                            ((9, 4, 4), (4, 4, 4), 3)])
+                                            ((9, 4, 4), (4, 4, 4), 3),
+                                            ((8, 16, 12), (4, 8, 8), 2)])
 def test_other_grids_and_cubes(pytorch_path, grid, cube, topk):
     q, k, v = _tokens(2, grid=grid, b=2, h=1, d=128)
     _check(q, k, v, grid, topk, cube, _gates(q)["per_head"])

@@ -35,7 +35,9 @@ DEFAULT_WINDOW = (3, 3, 3)
 HEAD_DIMS = (64, 128)
 DTYPES = ("bf16", "fp16")
 LAYOUTS = ("bshd", "bhsd")
-BLOCK_SIZES = (16, 32, 64, 128)
+#: Tokens per cube. 256 ((4, 8, 8): FastVideo's VSA-256, seed 002's Blackwell tiles) and 384
+#: ((6, 8, 8): STA on HunyuanVideo's 30x48x80) are the Triton family's (`Backend.max_cube`).
+BLOCK_SIZES = (16, 32, 64, 128, 256, 384)
 #: 8-bit variants (issue #19, `tilegen.quant`): "none", INT8 Q.K with bf16 P.V, INT8 Q.K with
 #: e4m3 P.V. A quantized variant meets the quantized rule (contract.md), not the bf16 one.
 QUANT_MODES = ("none", "int8", "int8_fp8")

@@ -43,6 +43,8 @@ class Backend(ABC):
     missing_encoding_reason: ClassVar[str] = ""
     #: the `Spec.quant` modes its kernels compute (`tilegen.quant`'s recipes)
     quant_modes: ClassVar[tuple[str, ...]] = ("none",)
+    #: the largest cube (tokens per query / KV block) its kernels are checked at
+    max_cube: ClassVar[int] = 128
 
     # -- what it accepts ---------------------------------------------------------------------
     def spec_violations(self, spec: Spec, target: Target) -> list[str]:
@@ -65,6 +67,14 @@ class Backend(ABC):
             return [f"the {self.name} family has no quant={spec.quant!r} kernel (families with "
                     f"it: {having or 'none yet: the 8-bit kernels are issue #19'}; "
                     "tilegen.quant.emulate computes the recipe in PyTorch)"]
+        if max(spec.block_q, spec.block_kv) > self.max_cube:
+            from tilegen import backends
+
+            having = [n for n in backends.names()
+                      if backends.get(n).max_cube >= max(spec.block_q, spec.block_kv)]
+            return [f"the {self.name} family takes cubes of up to {self.max_cube} tokens, not "
+                    f"{max(spec.block_q, spec.block_kv)} (cube {spec.cube}; families that take "
+                    f"it: {having})"]
         return []
 
     def config_violations(self, spec: Spec, target: Target, cfg: KernelConfig) -> list[str]:

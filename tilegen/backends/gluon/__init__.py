@@ -22,6 +22,7 @@ class GluonBackend(Backend):
     name = "gluon"
     #: the kernel walks the pre-pass's tile plan: a LUT row, or a window from coordinates
     encodings = ("lut", "sliding_tile")
+    max_cube = 64  # `render.spec_problem`: 64-token cubes
 
     def spec_violations(self, spec: Spec, target: Target) -> list[str]:
         problems = super().spec_violations(spec, target)

@@ -21,6 +21,9 @@ class TritonBackend(Backend):
     runs_on_cpu = True
     backward = "triton_bwd"
     encodings = ("lut", "sliding_tile")
+    #: 256- and 384-token cubes (FastVideo's VSA-256 and STA's (6, 8, 8) tiles): the kernels
+    #: walk a cube in BLOCK_M / BLOCK_N steps; checked under the interpreter
+    max_cube = 384
 
     def config_violations(self, spec: Spec, target: Target, cfg: KernelConfig) -> list[str]:
         return []  # the generic predicates (tilegen.config) are the Triton kernel's rules

@@ -45,6 +45,10 @@ BACKWARD_PACKED = {
 }
 
 
+#: the largest cube the packed tiles take: a packed tile is one power-of-two cube wide
+PACK_MAX_CUBE = 128
+
+
 @dataclass(frozen=True)
 class BackwardConfig:
     """Launch parameters and render-time options of the three backward kernels.
@@ -119,9 +123,14 @@ class BackwardConfig:
         return cls()
 
     def fit(self, spec: Spec) -> BackwardConfig:
-        """Tiles shrunk to the spec's cube sizes where larger."""
+        """Tiles shrunk to the spec's cube sizes where larger; for cubes past
+        `PACK_MAX_CUBE` tokens, the unpacked Triton kernels."""
+        fitted = self
+        if max(spec.block_q, spec.block_kv) > PACK_MAX_CUBE:
+            fitted = dataclasses.replace(self, dq_pack=False, dkdv_pack=False, gluon=False,
+                                         ds_store=False)
         return dataclasses.replace(
-            self, dq_block_m=min(self.dq_block_m, spec.block_q),
+            fitted, dq_block_m=min(self.dq_block_m, spec.block_q),
             dq_block_n=min(self.dq_block_n, spec.block_kv),
             dkdv_block_n=min(self.dkdv_block_n, spec.block_kv),
             dkdv_block_m=min(self.dkdv_block_m, spec.block_q),
@@ -140,6 +149,9 @@ class BackwardConfig:
         if (self.dq_pack or self.dkdv_pack) and not spec.variable_block_sizes:
             out.append("dq_pack/dkdv_pack pack partial cubes: the spec has no vbs (every cube "
                        "is full)")
+        if (self.dq_pack or self.dkdv_pack) and max(spec.block_q, spec.block_kv) > PACK_MAX_CUBE:
+            out.append(f"dq_pack/dkdv_pack pack cubes of up to {PACK_MAX_CUBE} tokens into one "
+                       f"tile; the spec's cubes have {max(spec.block_q, spec.block_kv)}")
         if self.dq_pack and self.dq_block_n != spec.block_kv:
             out.append(f"dq_pack packs whole {spec.block_kv}-key tiles: needs dq_block_n="
                        f"{spec.block_kv}, got {self.dq_block_n}")

@@ -6,9 +6,6 @@ on the CPU: under the interpreter in this process and on the PyTorch path in a s
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -92,17 +89,6 @@ def test_selectors_take_kv_heads_per_group():
     torch.testing.assert_close(scores, sparsity.coarse_scores(q, k.repeat_interleave(2, 2), VBS))
 
 
-def test_gqa_on_the_pytorch_path(tmp_path):
+def test_gqa_on_the_pytorch_path(pytorch_path_run):
     """The CPU user's default (no interpreter): the same reference check in a fresh process."""
-    code = f"""
-import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})
-import test_gqa as t
-t.test_gqa_forward_and_backward_match_the_reference(4, 2)
-print("ok")
-"""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+    pytorch_path_run("test_gqa", "test_gqa_forward_and_backward_match_the_reference(4, 2)")

@@ -7,9 +7,6 @@ interpreter and on the PyTorch path. The families that do not take them refuse b
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -103,20 +100,18 @@ def test_sliding_tile_384_token_tiles_with_partial_edge_cubes():
     _check_forward_backward(op, (q, k, v, vbs), allowed, vbs, 384, 3)
 
 
-def test_lut_op_on_the_pytorch_path(tmp_path):
+def test_lut_op_on_the_pytorch_path(pytorch_path_run):
     """The CPU user's default (no interpreter): the same check in a fresh process."""
-    code = f"""
-import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})
-import test_large_cubes as t
-t.test_lut_op_forward_and_backward((4, 8, 8), 2)
-print("ok")
-"""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+    pytorch_path_run("test_large_cubes", "test_lut_op_forward_and_backward((4, 8, 8), 2)")
+
+
+def test_mask_encoding_with_256_token_cubes():
+    """A mask spec runs the LUT kernel behind its on-device conversion, at 256 tokens too."""
+    spec, (q, k, v, _, vbs), allowed, vbs, block = _lut_case((4, 8, 8), 4)
+    allowed[:, :, 0] = True  # a mask may name more cubes than the LUT's width
+    op = tilegen.load(spec.replace(encoding="mask"))
+    _check_forward_backward(op, (q, k, v, allowed[None].contiguous(), vbs), allowed, vbs,
+                            block, 4)
 
 
 @pytest.mark.parametrize("backend,target", [("cuda", "sm_90"), ("gluon", "sm_90"),

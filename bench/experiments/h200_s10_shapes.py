@@ -5,12 +5,10 @@ what do they cost beside 64-token cubes at the same density? And what does GQA t
 One process on the H200, each stage in its own try/except (a failure is recorded and the rest
 runs); the table is printed last and written to $OUT/h200_s10_shapes.json.
 
-1. check: cubes (4, 4, 4) (the default spec's, at 8 heads), (4, 8, 8) and (6, 8, 8) on the
-   default grid (21, 30, 52) at 12.5% density,
-   8 heads (head 4 the outlier), `tilegen.load(spec)` (the Triton family): o against the fp32
-   oracle (`captures.score`, beside the
-   oracle rounded once to bf16: the rule's floor), dq/dk/dv against fp32 autograd
-   (`captures.grad_score`).
+1. check: cubes (4, 4, 4) (the default spec's), (4, 8, 8) and (6, 8, 8) on the default grid
+   (21, 30, 52) at 12.5% density, 8 heads (head 4 the outlier), `tilegen.load(spec)`: o against
+   the fp32 oracle (`captures.score`) beside the oracle rounded once to bf16 (the rule's floor),
+   dq/dk/dv against fp32 autograd (`captures.grad_score`).
 2. time, 40 heads: forward (no grad) and forward + backward through the loaded op, for cubes of
    64 (the default spec: the shipped Gluon winner forward, the Triton/Gluon backward), 256, 384.
 3. GQA, default workload with KV heads 8 (g = 5): `block_sparse_attention(q, k8, v8, ...)`

@@ -349,14 +349,16 @@ def test_templates_hold_few_jinja_tags():
     assert files and all(p.read_text().count("{%") <= 30 for p in files)
 
 
-def test_aot_compile_uses_wgmma_without_spills(tmp_path):
-    """Compiled for sm_90a in a process without the interpreter (as `tilegen build` does)."""
+@pytest.mark.parametrize("separate_kv", [False, True], ids=["default", "separate_kv"])
+def test_aot_compile_uses_wgmma_without_spills(tmp_path, separate_kv):
+    """Compiled for sm_90a in a process without the interpreter (as `tilegen build` does); the
+    source of separate K/V (cross-attention, GQA read in place) the same way."""
     code = (
         "from pathlib import Path; import subprocess, os, triton\n"
         "from tilegen import Spec, backends\n"
         "from tilegen.targets import get_target\n"
         "t = get_target('sm_90'); b = backends.get('gluon'); s = Spec()\n"
-        "cfg = b.default_config(s, t)\n"
+        f"cfg = b.default_config(s, t).replace(separate_kv={separate_kv})\n"
         f"art = b.compile(s, cfg, t, b.render(s, cfg, t), Path({str(tmp_path)!r}))\n"
         "cu = Path(triton.__file__).parent / 'backends/nvidia/bin/cuobjdump'\n"
         "sass = subprocess.run([str(cu), '--dump-sass', str(art.path)], capture_output=True,"

@@ -227,7 +227,7 @@ def test_gluon_backward_builds_for_sm90a_with_wgmma():
     the dK/dV kernel issues S^T and dP^T (8 k-steps each), dV and dK (4 each) as wgmma, the dQ
     kernel dQ and the row sums (4 each); no local memory, and in the dK/dV kernel at most the
     three registers ptxas parks around the partial-cube masking (bench/NOTES.md); shared
-    memory for two CTAs per SM."""
+    memory for two CTAs per SM. The GQA source (`separate_kv`) builds the same way."""
     code = (
         "import subprocess, tempfile, triton\n"
         "from pathlib import Path\n"
@@ -240,6 +240,9 @@ def test_gluon_backward_builds_for_sm90a_with_wgmma():
         " 'dkdv_pack': True})['dkdv']\n"
         "out['dq_dsum'] = compile_offline(Spec(), get_target('sm_90'), {'ds_store': True},"
         " has_dsum=True)['dq']\n"
+        "gqa = compile_offline(Spec(), get_target('sm_90'), {'ds_store': True, 'dkdv_pack': True},"
+        " separate_kv=True)\n"
+        "out['dkdv_gqa'], out['dq_gqa'] = gqa['dkdv'], gqa['dq']\n"
         "cu = Path(triton.__file__).parent / 'backends/nvidia/bin/cuobjdump'\n"
         "d = Path(tempfile.mkdtemp())\n"
         "for k, ck in out.items():\n"
@@ -252,7 +255,10 @@ def test_gluon_backward_builds_for_sm90a_with_wgmma():
     lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env=env, check=True).stdout.split("\n")
     got = {ln.split()[0]: [int(x) for x in ln.split()[1:]] for ln in lines if ln.strip()}
-    assert set(got) == {"dkdv", "dq", "dq_dsum", "dkdv_pack"}
+    assert set(got) == {"dkdv", "dq", "dq_dsum", "dkdv_pack", "dkdv_gqa", "dq_gqa"}
+    # GQA (K and V read at the group's KV head): the same matmuls and no local memory
+    assert got["dkdv_gqa"][:2] == [24, 0] and got["dkdv_gqa"][2] <= 8, got
+    assert got["dq_gqa"][:3] == [8, 0, 0], got
     hgmma, local, stl, shared = got["dkdv"]
     assert (hgmma, local) == (24, 0) and stl <= 6, got
     # packed query tiles: the same matmuls, the producer's box per cube (its 24 registers

@@ -121,12 +121,10 @@ def test_gate_defaults_to_plain_sum_and_block_size_forms_agree():
 
 
 @pytest.mark.parametrize("call,needle", [
-    (lambda q, k, v: fv.block_sparse_attn_from_indices(
-        q, k[:, :, :128], v[:, :, :128], *lists(0)[:2], VBS), "S_q != S_kv"),
     (lambda q, k, v: fv.video_sparse_attn(q, k, v, VBS, VBS, 2, block_size=(4, 8, 8)),
      "64-token blocks only"),
-    (lambda q, k, v: fv.video_sparse_attn(q, k, v, VBS, torch.full((NB,), 64), 2),
-     "q_variable_block_sizes differs"),
+    (lambda q, k, v: fv.block_sparse_attn_from_indices(
+        q, k[:, :, :100], v[:, :, :100], *lists(0)[:2], VBS), "whole number of 64-token"),
     (lambda q, k, v: fv.video_sparse_attn(q, k, v, VBS[:4], VBS[:4], 2),
      "variable_block_sizes must have length 6"),
     (lambda q, k, v: fv.block_sparse_attn(q, k, v, torch.ones(NB, NB, dtype=torch.bool), VBS),
@@ -152,3 +150,38 @@ def test_strided_views_are_taken_as_fastvideo_takes_them():
         o_view, m_view = fv.block_sparse_attn_from_indices(*views, idx, num, VBS)
         o, m = fv.block_sparse_attn_from_indices(q, k, v, idx, num, VBS)
     assert torch.equal(o_view, o) and torch.equal(m_view, m)
+
+
+def test_cross_attention_and_query_block_sizes():
+    """S_q != S_kv as FastVideo's Triton path takes it (KV blocks' sizes, every query row
+    real), and a q_variable_block_sizes of its own in video_sparse_attn: against fp32."""
+    (q, k, v, do), _ = inputs(7)
+    nq = 4
+    qs = q.detach()[:, :, :nq * 64].contiguous().requires_grad_(True)
+    g = torch.Generator().manual_seed(8)
+    idx = torch.stack([torch.randperm(NB, generator=g)[:3] for _ in range(B * H * nq)])
+    idx = idx.view(B, H, nq, 3).to(torch.int32)
+    num = torch.full((B, H, nq), 3, dtype=torch.int32)
+    allowed = torch.zeros(B, H, nq, NB, dtype=torch.bool).scatter_(-1, idx.long(), True)
+    o, m = fv.block_sparse_attn_from_indices(qs, k, v, idx, num, VBS)
+    assert o.shape == qs.shape and m.shape == (B, H, nq * 64)
+    dos = torch.randn(qs.shape, generator=g).to(qs.dtype)
+    grads = torch.autograd.grad(o, (qs, k, v), dos)
+    qr, kr, vr = (t.detach().float().requires_grad_(True) for t in (qs, k, v))
+    key_real = (torch.arange(64)[None, :] < VBS[:, None]).reshape(S)
+    mask = allowed.repeat_interleave(64, dim=2).repeat_interleave(64, dim=3) & key_real
+    sc = (qr @ kr.transpose(-2, -1) / math.sqrt(D)).masked_fill(~mask, float("-inf"))
+    o_ref = torch.softmax(sc, -1) @ vr
+    ref_grads = torch.autograd.grad(o_ref, (qr, kr, vr), dos.float())
+    assert close(o, o_ref, 2e-2)
+    assert close(m, torch.logsumexp(sc, -1) / math.log(2), 1e-3)
+    for got, want in zip(grads, ref_grads, strict=True):  # every query row real: all of dq
+        assert close(got, want, 3e-2)
+    # query blocks of their own sizes: the same call as tilegen's q_vbs
+    q_sizes = torch.tensor([64, 40, 64, 64, 64, 8], dtype=torch.int32)
+    with torch.no_grad():
+        a = fv.video_sparse_attn(q, k, v, VBS, q_sizes, 2)
+        b = fv.video_sparse_attn(q, k, v, VBS, VBS, 2)
+    rows = (torch.arange(64)[None, :] < q_sizes[:, None]).reshape(S)
+    assert a.shape == q.shape and torch.isfinite(a[:, :, rows]).all()
+    assert not torch.equal(a, b)  # the query blocks' means differ

@@ -221,3 +221,75 @@ def test_fused_reorder_matches_to_cubes(interpreter):
     got = to_cubes3(q, k, v, grid, cube)
     for x, xc in zip((q, k, v), got, strict=True):
         assert torch.equal(xc, layout.to_cubes(x, grid, cube)[0])
+
+
+GRIDS = [(6, 7, 9), (4, 4, 4), (5, 4, 8)]  # 12 cubes, a single cube, 4 cubes
+TOPKS = [3, 1, 2]
+
+
+def _packed(seed=11, h=2, dtype=torch.bfloat16):
+    """Per-sequence tokens and their packing along the token axis (batch 1)."""
+    seqs = [_tokens(seed + i, grid=g, h=h, dtype=dtype) for i, g in enumerate(GRIDS)]
+    packed = tuple(torch.cat([s[j] for s in seqs], 1) for j in range(3))
+    return seqs, packed
+
+
+def test_list_of_grids_matches_each_sequence(pytorch_path):
+    """Packed sequences of three grids (one a single cube) in one call: each sequence's part is
+    its own video_sparse_attention (bit for bit) and passes the rule against the fp32 oracle;
+    a gate with a token dimension is split with the tokens."""
+    seqs, (q, k, v) = _packed()
+    g = torch.Generator().manual_seed(3)
+    gate = torch.rand(1, q.shape[1], q.shape[2], 1, generator=g).to(q.dtype)
+    out = video_sparse_attention(q, k, v, GRIDS, TOPKS, gate=gate)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    at = 0
+    for (qs, ks, vs), grid, topk in zip(seqs, GRIDS, TOPKS, strict=True):
+        n = math.prod(grid)
+        gs = gate[:, at:at + n]
+        want = video_sparse_attention(qs, ks, vs, grid, topk, gate=gs)
+        assert torch.equal(out[:, at:at + n], want), grid
+        ref, _ = vsa.reference_fp32(qs, ks, vs, grid, topk, gate=gs)
+        res = captures.score(out[:, at:at + n].contiguous(), ref.to(q.dtype))
+        assert res.passed, (grid, res)
+        at += n
+    # one topk for all must fit every grid (nothing is clamped)
+    with pytest.raises(ValueError, match=r"topk for grid\[1\]=\(4, 4, 4\) must be an int in"):
+        video_sparse_attention(q, k, v, GRIDS, 2)
+    with pytest.raises(ValueError, match=r"must be \(1, 602, heads, D\)"):
+        video_sparse_attention(q[:, :-1], k[:, :-1], v[:, :-1], GRIDS, TOPKS)
+    with pytest.raises(ValueError, match="whose cubes have 64 tokens"):
+        video_sparse_attention(q, k, v, GRIDS, TOPKS, cube=(2, 4, 4))
+
+
+def test_list_of_grids_gradients_match_fp32_autograd(pytorch_path):
+    """Gradients through the packed call against each sequence's fp32 oracle on its
+    selection."""
+    seqs, (q, k, v) = _packed(21)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(q.dtype)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    video_sparse_attention(*leaves, GRIDS, TOPKS).backward(do)
+    at = 0
+    for (qs, ks, vs), grid, topk in zip(seqs, GRIDS, TOPKS, strict=True):
+        n = math.prod(grid)
+        _, idx = vsa.forward(qs, ks, vs, grid, topk, fine=vsa_fine, return_selection=True)
+        ref_leaves = [t.detach().float().requires_grad_(True) for t in (qs, ks, vs)]
+        ref, _ = vsa.reference_fp32(*ref_leaves, grid, topk, topk_idx=idx)
+        ref.backward(do[:, at:at + n].float())
+        for name, a, b in zip("qkv", leaves, ref_leaves, strict=True):
+            res = captures.grad_score(a.grad[:, at:at + n].float(), b.grad)
+            assert res.passed, (grid, name, res)
+        at += n
+
+
+def test_packed_reorder_matches_each_sequence(interpreter):
+    """The list-of-grids forward's one-launch reorder: each sequence's slots are its own
+    `layout.to_cubes`, side by side (padding slots zero)."""
+    from tilegen.reorder_gpu import to_cubes3_packed
+
+    seqs, (q, k, v) = _packed(31, h=1)
+    got = to_cubes3_packed(q, k, v, tuple(GRIDS), (4, 4, 4))
+    for j in range(3):
+        want = torch.cat([layout.to_cubes(s[j], g, (4, 4, 4))[0]
+                          for s, g in zip(seqs, GRIDS, strict=True)], 1)
+        assert torch.equal(got[j], want)

@@ -35,6 +35,11 @@ class KernelConfig:
       the caller asks, ``return_max_prob=True``). Off, the rendered source is the one without the
       option, byte for byte: no extra arguments, stores or registers, and tuned winners stay
       current.
+    - ``separate_kv``: render the kernels for K and V of their own length and head count
+      (cross-attention ``S_q != S_kv``, GQA/MQA with query head h reading KV head
+      ``h // (H_q // H_kv)``, packed variable-length batches) with the query cubes' real rows
+      in their own ``q_vbs``. The op turns it on for such calls; off, the source is the one
+      without it, byte for byte (no extra arguments), as for ``store_max_prob``.
     - ``options``: render-time options of one kernel family beyond the common ones, as sorted
       (name, value) pairs (e.g. the Gluon family's ring depths and pipeline switches; see
       `tilegen.backends.gluon.OPTIONS`). Empty for the Triton and C++ families.
@@ -51,6 +56,7 @@ class KernelConfig:
     num_stages: int = 3
     store_lse: bool = True
     store_max_prob: bool = False
+    separate_kv: bool = False
     interp_bf16: bool = False
     options: tuple[tuple[str, bool | int | str], ...] = ()
 
@@ -96,6 +102,8 @@ class KernelConfig:
         parts.append("lse" if self.store_lse else "nolse")
         if self.store_max_prob:
             parts.append("maxprob")
+        if self.separate_kv:
+            parts.append("sepkv")
         if self.interp_bf16:
             parts.append("interpbf16")
         return "_".join(parts)
@@ -119,8 +127,9 @@ class KernelConfig:
         d["options"] = dict(self.options)
         if not d["options"]:
             del d["options"]  # the common families' dicts stay as they were
-        if not d["store_max_prob"]:
-            del d["store_max_prob"]  # likewise: configs without the signal keep their JSON
+        for flag in ("store_max_prob", "separate_kv"):
+            if not d[flag]:
+                del d[flag]  # likewise: configs without the option keep their JSON
         return d
 
     def to_json(self) -> str:

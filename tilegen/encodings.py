@@ -109,11 +109,18 @@ class MaskAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                  vbs: torch.Tensor, *, sm_scale: float | None = None, return_lse: bool = True,
-                 return_max_prob: bool = False, check_values: bool = False) -> Any:
-        """Validate (before any launch), convert, run the LUT op with counts."""
-        validate_mask_inputs(self.spec, q, k, v, mask, vbs, check_values=False)
+                 return_max_prob: bool = False, check_values: bool = False,
+                 q_vbs: torch.Tensor | None = None) -> Any:
+        """Validate (before any launch), convert, run the LUT op with counts. K/V of their own
+        length or heads (mask (B, H_q, NQ, NKV)) and ``q_vbs`` go to a family that takes them
+        (the Triton family's `BlockSparseAttention.__call__`); the others refuse them."""
+        separate = getattr(self.lut_op, "takes_separate_kv", False)
+        validate_mask_inputs(self.spec, q, k, v, mask, vbs, check_values=False, q_vbs=q_vbs,
+                             separate_kv=separate)
         idx, counts = mask_to_lut_device(mask)
         extra: dict[str, Any] = {"check_values": check_values}
+        if q_vbs is not None:
+            extra["q_vbs"] = q_vbs
         if return_max_prob:
             if not getattr(self.lut_op, "provides_max_prob", False):
                 raise ValueError(f"return_max_prob: the {self.lut_op.backend} family does not "

@@ -240,3 +240,21 @@ def from_cubes(
             f"got {tuple(xc.shape)}"
         )
     return xc.index_select(1, _slots_on(g, c, xc.device))
+
+
+@functools.lru_cache(maxsize=32)
+def packed_slot_sources(grids: tuple[tuple[int, int, int], ...], cube: tuple[int, int, int],
+                        device: torch.device | str) -> torch.Tensor:
+    """(total slots,) int32: the token of each cube slot of sequences packed one after another
+    (each THW row-major, its cubes after the previous sequence's), -1 for a padding slot. The
+    gather that reorders packed sequences to cube-major (`tilegen.vsa.forward_varlen`)."""
+    parts, at = [], 0
+    for g in grids:
+        g3, c3 = _triple(g, "grid"), _triple(cube, "cube")
+        slots = token_slots(g3, c3)
+        n_slot = vbs_for_grid(g3, c3).numel() * math.prod(c3)
+        src = torch.full((n_slot,), -1, dtype=torch.int32)
+        src[slots] = torch.arange(slots.numel(), dtype=torch.int32) + at
+        parts.append(src)
+        at += math.prod(g3)
+    return torch.cat(parts).to(device)

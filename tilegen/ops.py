@@ -26,8 +26,9 @@ from tilegen.targets import TARGET_NAMES, Target, detect_target, get_target
 
 log = logging.getLogger("tilegen")
 
-__all__ = ["AttentionOutput", "BlockSparseAttention", "block_sparse_attention", "load",
-           "resolve_config", "video_sparse_attention", "vsa_fine", "vsa_fine_op"]
+__all__ = ["AttentionOutput", "BlockSparseAttention", "block_sparse_attention",
+           "block_sparse_attention_varlen", "load", "resolve_config", "video_sparse_attention",
+           "vsa_fine", "vsa_fine_op"]
 
 _noted: set[str] = set()
 
@@ -168,11 +169,27 @@ def load_kernel_set(spec: Spec, config: KernelConfig | None = None, *,
 _ops: dict[tuple[torch.dtype, int, str, str], Any] = {}
 
 
+def _separate_kv(q: Any, k: Any, q_vbs: Any) -> bool:
+    """A call whose K/V have their own shape, or that passes q_vbs."""
+    return q_vbs is not None or (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+                                 and k.shape != q.shape)
+
+
+def _forward_op_for(q: Any, k: Any, q_vbs: Any, layout: str) -> Any:
+    """The op of a call without gradients: the fastest family's, unless the call has K/V of
+    their own shape (or a q_vbs) and that family addresses K/V by q's (the C++ families):
+    then the Triton family's, which takes every such call."""
+    op = _op_for(q, layout)
+    if _separate_kv(q, k, q_vbs) and not getattr(op, "takes_separate_kv", False):
+        op = _op_for(q, layout, "triton")
+    return op
+
+
 def _op_for(q: torch.Tensor, layout: str, backend: str | None = None) -> Any:
     """The op for q's dtype and head dim; errors name the argument, as validate_inputs does.
     With no backend, the fastest tuned family for the device (`load`); the gradient path (the
-    train and backward ops) asks for the Triton family by name: it is the family with backward
-    kernels."""
+    train and backward ops) and calls of separate K/V (`_separate_kv`) ask for the Triton
+    family by name: it is the family with backward kernels and separate K/V."""
     _tensor("q", q)
     key = (q.dtype, q.shape[-1] if q.dim() else 0, layout, backend)
     op = _ops.get(key)
@@ -202,9 +219,12 @@ def _block_sparse_attention(
     layout: str,
     sm_scale: float | None,
     return_lse: bool = True,
+    q_vbs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out = _op_for(q, layout)(q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale,
-                             return_lse=return_lse)
+    extra = {"q_vbs": q_vbs} if q_vbs is not None else {}
+    out = _forward_op_for(q, k, q_vbs, layout)(q, k, v, topk_idx, vbs, counts,
+                                                sm_scale=sm_scale, return_lse=return_lse,
+                                                **extra)
     if return_lse:
         return out
     return out, q.new_empty((0,), dtype=torch.float32)  # lse not computed
@@ -212,7 +232,7 @@ def _block_sparse_attention(
 
 @_block_sparse_attention.register_fake
 def _block_sparse_attention_fake(q, k, v, topk_idx, vbs, counts, layout, sm_scale,
-                                 return_lse=True):
+                                 return_lse=True, q_vbs=None):
     if not return_lse:
         return torch.empty_like(q), q.new_empty((0,), dtype=torch.float32)
     if layout == "bshd":
@@ -222,10 +242,10 @@ def _block_sparse_attention_fake(q, k, v, topk_idx, vbs, counts, layout, sm_scal
     return torch.empty_like(q), q.new_empty((B, H, S), dtype=torch.float32)
 
 
-def _max_prob_op_for(q: torch.Tensor, layout: str) -> Any:
-    """The op for a call with ``return_max_prob=True``: the fastest family's op; a family that
-    does not write the signal is an error, not a silent switch to another family."""
-    op = _op_for(q, layout)
+def _max_prob_op_for(q: torch.Tensor, k: Any, q_vbs: Any, layout: str) -> Any:
+    """The op for a call with ``return_max_prob=True``: the fastest family's op (`_forward_op_for`);
+    a family that does not write the signal is an error, not a silent switch to another family."""
+    op = _forward_op_for(q, k, q_vbs, layout)
     if not getattr(op, "provides_max_prob", False):
         family = getattr(op, "backend", type(op).__name__)
         raise ValueError(f"return_max_prob: the {family} family does not write the "
@@ -244,19 +264,22 @@ def _block_sparse_attention_max_prob(
     layout: str,
     sm_scale: float | None,
     return_lse: bool = True,
+    q_vbs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o, lse, max_prob, max_prob_cube) in one launch; lse is an empty tensor when
     return_lse=False. No autograd: `block_sparse_attention` calls it only for calls that need
     no gradients."""
-    out = _max_prob_op_for(q, layout)(q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale,
-                                      return_lse=return_lse, return_max_prob=True)
+    extra = {"q_vbs": q_vbs} if q_vbs is not None else {}
+    out = _max_prob_op_for(q, k, q_vbs, layout)(q, k, v, topk_idx, vbs, counts,
+                                                 sm_scale=sm_scale, return_lse=return_lse,
+                                                 return_max_prob=True, **extra)
     lse = out.lse if out.lse is not None else q.new_empty((0,), dtype=torch.float32)
     return out.o, lse, out.max_prob, out.max_prob_cube
 
 
 @_block_sparse_attention_max_prob.register_fake
 def _block_sparse_attention_max_prob_fake(q, k, v, topk_idx, vbs, counts, layout, sm_scale,
-                                          return_lse=True):
+                                          return_lse=True, q_vbs=None):
     if layout == "bshd":
         B, S, H, _ = q.shape
     else:
@@ -281,38 +304,41 @@ def _block_sparse_attention_backward(
     dlse: torch.Tensor | None,
     layout: str,
     sm_scale: float | None,
+    q_vbs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of `tilegen::block_sparse_attention` (the op's backward kernels)."""
-    return _op_for(q, layout, "triton").backward(do, q, k, v, o, lse, topk_idx, vbs, counts,
-                                                 sm_scale=sm_scale, dlse=dlse)
+    """(dq, dk, dv) of `tilegen::block_sparse_attention` (the op's backward kernels); dk and
+    dv have k's shape (GQA: summed over each group)."""
+    op = _op_for(q, layout, "triton")
+    return op.backward(do, q, k, v, o, lse, topk_idx, vbs, counts, sm_scale=sm_scale, dlse=dlse,
+                       q_vbs=op.query_vbs_of(q, k, vbs, q_vbs))
 
 
 @_block_sparse_attention_backward.register_fake
 def _block_sparse_attention_backward_fake(do, q, k, v, o, lse, topk_idx, vbs, counts, dlse,
-                                          layout, sm_scale):
+                                          layout, sm_scale, q_vbs=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, topk_idx, vbs, counts, layout, sm_scale, return_lse = inputs
+    q, k, v, topk_idx, vbs, counts, layout, sm_scale, return_lse, q_vbs = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, topk_idx, vbs, counts)
+    ctx.save_for_backward(q, k, v, o, lse, topk_idx, vbs, counts, q_vbs)
     ctx.layout, ctx.sm_scale, ctx.return_lse = layout, sm_scale, return_lse
 
 
 def _backward(ctx, do, dlse):
-    q, k, v, o, lse, topk_idx, vbs, counts = ctx.saved_tensors
+    q, k, v, o, lse, topk_idx, vbs, counts, q_vbs = ctx.saved_tensors
     if not ctx.return_lse:
         # called directly with return_lse=False (the wrapper never does when grad is needed):
         # lse was not computed; run the forward again for it
         _, lse = torch.ops.tilegen.block_sparse_attention(q, k, v, topk_idx, vbs, counts,
-                                                          ctx.layout, ctx.sm_scale, True)
+                                                          ctx.layout, ctx.sm_scale, True, q_vbs)
         dlse = None
     if do is None:
         do = torch.zeros_like(o)
     dq, dk, dv = torch.ops.tilegen.block_sparse_attention_backward(
-        do, q, k, v, o, lse, topk_idx, vbs, counts, dlse, ctx.layout, ctx.sm_scale)
-    return dq, dk, dv, None, None, None, None, None, None
+        do, q, k, v, o, lse, topk_idx, vbs, counts, dlse, ctx.layout, ctx.sm_scale, q_vbs)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _block_sparse_attention.register_autograd(_backward, setup_context=_setup_context)
@@ -328,15 +354,17 @@ def _block_sparse_attention_train(
     counts: torch.Tensor | None,
     layout: str,
     sm_scale: float | None,
+    q_vbs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward of a call that needs gradients: (o, lse, o_acc), o_acc the fp32 output the
     backward's delta is computed from (`BlockSparseAttention.forward_for_grad`)."""
     return _op_for(q, layout, "triton").forward_for_grad(q, k, v, topk_idx, vbs, counts,
-                                                         sm_scale=sm_scale)
+                                                         sm_scale=sm_scale, q_vbs=q_vbs)
 
 
 @_block_sparse_attention_train.register_fake
-def _block_sparse_attention_train_fake(q, k, v, topk_idx, vbs, counts, layout, sm_scale):
+def _block_sparse_attention_train_fake(q, k, v, topk_idx, vbs, counts, layout, sm_scale,
+                                       q_vbs=None):
     if layout == "bshd":
         B, S, H, _ = q.shape
     else:
@@ -346,9 +374,9 @@ def _block_sparse_attention_train_fake(q, k, v, topk_idx, vbs, counts, layout, s
 
 
 def _setup_context_train(ctx, inputs, output):
-    q, k, v, topk_idx, vbs, counts, layout, sm_scale = inputs
+    q, k, v, topk_idx, vbs, counts, layout, sm_scale, q_vbs = inputs
     _, lse, o_acc = output
-    ctx.save_for_backward(q, k, v, o_acc, lse, topk_idx, vbs, counts)
+    ctx.save_for_backward(q, k, v, o_acc, lse, topk_idx, vbs, counts, q_vbs)
     ctx.layout, ctx.sm_scale, ctx.return_lse = layout, sm_scale, True
 
 
@@ -360,25 +388,26 @@ _block_sparse_attention_train.register_autograd(_backward_train,
                                                 setup_context=_setup_context_train)
 
 
-def _kv_heads_for(q: Any, k: Any, v: Any, layout: str) -> tuple[Any, Any]:
-    """GQA/MQA (``H_q = g * H_kv``, query head h reads KV head h // g): K and V with their heads
-    repeated g times, so the kernels see one K/V head per query head; autograd of the repeat sums
-    dK and dV over each group. Tensors of one head count, and anything the op's own checks
-    should reject, pass through unchanged."""
+def _gqa_repeat(q: Any, k: Any, v: Any, q_vbs: Any, layout: str, grad: bool) -> tuple[Any, Any]:
+    """K and V for a GQA/MQA call of one length: repeated to q's heads when the fastest family
+    for the call reads one K/V head per query head (the C++ families: logged once); as they are
+    when its kernels read each query head's KV head in place (the Triton and Gluon families,
+    forward and backward). Cross-attention and q_vbs calls go to the Triton family instead
+    (`_forward_op_for`)."""
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         return k, v
     axis = 2 if layout == "bshd" else 1 if layout == "bhsd" else None
-    if axis is None or k.shape[axis] == q.shape[axis]:
+    if (axis is None or q_vbs is not None or k.shape == q.shape or k.shape != v.shape
+            or k.shape[3 - axis] != q.shape[3 - axis] or k.shape[axis] < 1
+            or q.shape[axis] % k.shape[axis]):
+        return k, v  # the op's own checks (or its in-place kernels) take the call
+    op = _op_for(q, layout, "triton" if grad else None)
+    if getattr(op, "takes_separate_kv", False):
         return k, v
-    hq, hk = q.shape[axis], k.shape[axis]
-    if v.shape[axis] != hk:
-        raise ValueError(f"k has {hk} heads and v {v.shape[axis]}: GQA needs one KV head count")
-    if hk == 0 or hq % hk:
-        raise ValueError(f"k has {hk} heads, which does not divide q's {hq}: GQA/MQA needs "
-                         "H_q = g * H_kv")
-    group = hq // hk
-    _note_once(f"block_sparse_attention: GQA with groups of {group}; K and V heads are "
-               f"repeated x{group} for the kernels (they read one K/V head per query head)")
+    group = q.shape[axis] // k.shape[axis]
+    family = getattr(op, "backend", type(op).__name__)
+    _note_once(f"block_sparse_attention: GQA with groups of {group}; K and V heads are repeated "
+               f"x{group} for the {family} kernels, which read one K/V head per query head")
     return k.repeat_interleave(group, dim=axis), v.repeat_interleave(group, dim=axis)
 
 
@@ -390,6 +419,7 @@ def block_sparse_attention(
     vbs: torch.Tensor,
     counts: torch.Tensor | None = None,
     *,
+    q_vbs: torch.Tensor | None = None,
     return_lse: bool = False,
     return_max_prob: bool = False,
     layout: str = "bshd",
@@ -397,11 +427,21 @@ def block_sparse_attention(
 ):
     """Block-sparse attention with the default spec for q's dtype and head dim.
 
+    Cross-attention: k and v may hold ``S_kv`` tokens where q holds ``S_q`` (both whole
+    cubes); ``topk_idx`` then names KV cubes in ``[0, NKV)``, one row per query cube, ``vbs``
+    is the KV cubes' real tokens and ``q_vbs`` (int32, (NQ,)) the query cubes' real rows:
+    by default ``vbs`` when the lengths match, else every row real.
+
     GQA/MQA: k and v may have ``H_kv`` heads where q has ``g * H_kv`` (query head h reads KV
     head ``h // g``); the group is inferred from the head counts, ``topk_idx`` has one row per
-    query head, and dK, dV come out summed over each group. The kernels read one K/V head per
-    query head: K and V are repeated ``g`` times on the device first (no host sync; the copy is
-    in the time of the call).
+    query head, and dK, dV come out summed over each group. The Triton kernels read the KV head
+    of each query head in place (`tilegen.config.KernelConfig.separate_kv`); where the call's
+    fastest kernels are the Gluon family's (a wgmma GPU), which read one K/V head per query
+    head, K and V are repeated on the device first instead (logged once; on the H200 that is
+    the faster of the two, bench/RESULTS.md).
+
+    Cross-attention and calls with ``q_vbs`` run on the Triton family, whose kernels take K/V
+    of their own shape.
 
     Returns o, or (o, lse) with ``return_lse=True``. With ``return_max_prob=True`` it returns
     ``AttentionOutput(o, lse, max_prob, max_prob_cube)`` (`tilegen.maxprob`; lse None unless
@@ -421,27 +461,83 @@ def block_sparse_attention(
     ``torch.ops.tilegen.block_sparse_attention_train``, which also computes lse and keeps the
     fp32 output for the backward's delta (see `BlockSparseAttention.forward_for_grad`).
     """
-    k, v = _kv_heads_for(q, k, v, layout)
     grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+    k, v = _gqa_repeat(q, k, v, q_vbs, layout, grad)
     if return_max_prob:
         if grad:
-            o, lse, _ = torch.ops.tilegen.block_sparse_attention_train(q, k, v, topk_idx, vbs,
-                                                                       counts, layout, sm_scale)
+            o, lse, _ = torch.ops.tilegen.block_sparse_attention_train(
+                q, k, v, topk_idx, vbs, counts, layout, sm_scale, q_vbs)
             _, _, mp, mpc = torch.ops.tilegen.block_sparse_attention_max_prob(
                 q.detach(), k.detach(), v.detach(), topk_idx, vbs, counts, layout, sm_scale,
-                False)
+                False, q_vbs)
         else:
             o, lse, mp, mpc = torch.ops.tilegen.block_sparse_attention_max_prob(
-                q, k, v, topk_idx, vbs, counts, layout, sm_scale, return_lse)
+                q, k, v, topk_idx, vbs, counts, layout, sm_scale, return_lse, q_vbs)
         return AttentionOutput(o, lse if return_lse else None, mp, mpc)
     if grad:
         o, lse, _ = torch.ops.tilegen.block_sparse_attention_train(q, k, v, topk_idx, vbs,
-                                                                   counts, layout, sm_scale)
+                                                                   counts, layout, sm_scale,
+                                                                   q_vbs)
     else:
         o, lse = torch.ops.tilegen.block_sparse_attention(q, k, v, topk_idx, vbs, counts,
-                                                          layout, sm_scale, return_lse)
+                                                          layout, sm_scale, return_lse, q_vbs)
     return (o, lse) if return_lse else o
+
+
+def block_sparse_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    topk_idx: torch.Tensor,
+    vbs: torch.Tensor,
+    cu_cubes_q: torch.Tensor,
+    cu_cubes_kv: torch.Tensor,
+    counts: torch.Tensor | None = None,
+    *,
+    q_vbs: torch.Tensor | None = None,
+    return_lse: bool = False,
+    sm_scale: float | None = None,
+    check_values: bool = False,
+):
+    """Block-sparse attention over a packed batch of variable-length sequences, in one launch.
+
+    ``q (total_q, H, D)``, ``k, v (total_kv, H_kv, D)``: the sequences' tokens packed, each
+    starting on a cube boundary and padded to whole cubes. ``cu_cubes_q``, ``cu_cubes_kv``
+    (int32, ``(N + 1,)``, from 0): cumulative cube counts per sequence. ``topk_idx
+    (H, NQ_total, TOPK)`` int32 holds KV-cube ids local to each row's sequence; ``counts
+    (H, NQ_total)`` optional; ``vbs (NKV_total,)`` the KV cubes' real tokens and ``q_vbs
+    (NQ_total,)`` the query cubes' (default: ``vbs`` when q and k have one length, else every
+    row real). GQA as in `block_sparse_attention`. Definitions in `tilegen.varlen`.
+
+    Returns o ``(total_q, H, D)``, or (o, lse) with lse ``(H, total_q)`` base-2. Differentiable
+    in q, k, v. No host sync on a GPU: the LUT is made global on the device and a local id
+    outside its sequence poisons its row like any bad index (raised on a later call);
+    ``check_values=True`` (always on the CPU) checks the offsets and ids first, with one sync.
+    """
+    from tilegen import varlen
+
+    for name, t in (("q", q), ("k", k), ("v", v), ("topk_idx", topk_idx)):
+        _tensor(name, t)
+        if t.dim() != 3:
+            dims = "H, NQ_total, TOPK" if name == "topk_idx" else "total, heads, D"
+            raise ValueError(f"{name} must be 3-D ({dims}) in a packed batch, got shape "
+                             f"{tuple(t.shape)}")
+    if counts is not None and (not isinstance(counts, torch.Tensor) or counts.dim() != 2):
+        raise ValueError("counts must be a (H, NQ_total) tensor or None")
+    varlen.validate_offsets(cu_cubes_q, cu_cubes_kv, q.device)
+    nq, nkv = topk_idx.shape[1], vbs.numel() if isinstance(vbs, torch.Tensor) else 0
+    if check_values or q.device.type == "cpu":
+        if topk_idx.dtype != torch.int32:
+            raise TypeError(f"topk_idx has dtype {topk_idx.dtype}, expected torch.int32")
+        varlen.check_offsets(cu_cubes_q, cu_cubes_kv, topk_idx, counts, nq, nkv)
+    lut = varlen.global_lut(topk_idx, cu_cubes_q, cu_cubes_kv)
+    out = block_sparse_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), lut, vbs,
+                                 None if counts is None else counts.unsqueeze(0).contiguous(),
+                                 q_vbs=q_vbs, return_lse=return_lse, sm_scale=sm_scale)
+    if return_lse:
+        return out[0][0], out[1][0]
+    return out[0]
 
 
 # -- the full VSA forward (tilegen.vsa) ---------------------------------------------------------
@@ -499,8 +595,8 @@ def video_sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    grid: tuple[int, int, int],
-    topk: int | None = None,
+    grid: tuple[int, int, int] | list[tuple[int, int, int]],
+    topk: int | list[int] | None = None,
     cube: tuple[int, int, int] = (4, 4, 4),
     gate: torch.Tensor | None = None,
     *,
@@ -518,9 +614,27 @@ def video_sparse_attention(
     ops and the differentiable ``tilegen::block_sparse_attention`` op, so autograd (and
     torch.compile) go through it: gradients reach q, k, v (fine and coarse paths) and gate; the
     top-k selection gets none.
+
+    A list of grids runs packed sequences (videos of different sizes) in one call: q, k, v
+    ``(1, sum_s T_s*H_s*W_s, heads, D)``, the sequences' THW tokens one after another; ``topk``
+    one int for all, one per grid, or None (each grid's default density); 64-token cubes. The
+    reorder and coarse stages run per sequence, the fine stage is **one** launch over all of
+    them (`tilegen.vsa.forward_varlen`: each row's cubes offset to its sequence), no host sync.
+    It runs as a composite of torch ops and ``tilegen::block_sparse_attention`` (autograd goes
+    through it).
     """
     from tilegen import vsa
 
+    if vsa.is_grid_list(grid):
+        gs, c, topks = vsa.check_varlen_args(q, k, v, grid, topk, cube, gate, sm_scale)
+        tensors = (q, k, v) if gate is None else (q, k, v, gate)
+
+        def packed_fine(qc, kc, vc, idx, vbs, counts):
+            return block_sparse_attention(qc, kc, vc, idx, vbs, counts, sm_scale=sm_scale)
+
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        return vsa.forward_varlen(q, k, v, gs, topks, c, gate, sm_scale, fine=packed_fine,
+                                  differentiable=grad)
     if topk is None:
         topk = vsa.default_topk(grid, cube)
     g, c, topk = vsa.check_args(q, k, v, grid, topk, cube, gate, sm_scale)

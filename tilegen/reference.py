@@ -3,6 +3,10 @@
 Computes, per (batch, head, query cube), softmax(q @ k_sel^T * sm_scale) @ v_sel over the KV
 cubes the LUT names, attending only the first vbs[c] tokens of cube c, in fp32, chunked so the
 full Wan2.2 workload fits in memory. Returns (o, lse) with lse in base-2 units like the kernels.
+
+K and V may have their own length (cross-attention: the LUT names their cubes) and a head count
+dividing q's (GQA/MQA: query head h reads KV head h // (H_q // H_kv)); the query cubes' real rows
+are then ``q_vbs`` (`query_vbs`).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ def attention_fp32(
     B, H, S, D = qh.shape
     nq = S // block
     nkv = kh.shape[2] // block
+    group = H // kh.shape[1]
     topk = topk_idx.shape[-1]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
     dev = q.device
@@ -59,8 +64,8 @@ def attention_fp32(
     for b in range(B):
         for h in range(H):
             qc = qh[b, h].float().reshape(nq, block, D)
-            kc = kh[b, h].float().reshape(nkv, block, D)
-            vc = vh[b, h].float().reshape(nkv, block, D)
+            kc = kh[b, h // group].float().reshape(nkv, block, D)
+            vc = vh[b, h // group].float().reshape(nkv, block, D)
             for c0 in range(0, nq, chunk):
                 idx = topk_idx[b, h, c0:c0 + chunk].long()  # (c, TOPK)
                 c = idx.shape[0]
@@ -88,6 +93,15 @@ def attention_fp32(
     return (o, lse, peak) if peak is not None else (o, lse)
 
 
+def query_vbs(vbs: torch.Tensor | None, q_vbs: torch.Tensor | None, seq_len: int,
+              kv_seq_len: int) -> torch.Tensor | None:
+    """The query cubes' real rows: ``q_vbs`` when given, else ``vbs`` when q and k/v have one
+    length, else None (every query row real)."""
+    if q_vbs is not None:
+        return q_vbs
+    return vbs if seq_len == kv_seq_len else None
+
+
 def query_valid(vbs: torch.Tensor | None, seq_len: int, block: int,
                 device: torch.device) -> torch.Tensor:
     """(S,) bool: True for the real query tokens (the first vbs[c] of cube c's block slots)."""
@@ -110,6 +124,7 @@ def attention_grads_fp32(
     layout: str = "bshd",
     block: int = 64,
     sm_scale: float | None = None,
+    q_vbs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in fp32: PyTorch autograd through `attention_fp32` (the backward's oracle).
 
@@ -119,8 +134,9 @@ def attention_grads_fp32(
     too). Padded key slots get zero dk/dv through the forward's masking.
     """
     qf, kf, vf = (t.detach().float().requires_grad_(True) for t in (q, k, v))
-    S = q.shape[1] if layout == "bshd" else q.shape[2]
-    valid = query_valid(vbs, S, block, q.device)
+    axis = 1 if layout == "bshd" else 2
+    S = q.shape[axis]
+    valid = query_valid(query_vbs(vbs, q_vbs, S, k.shape[axis]), S, block, q.device)
     mask = valid.view(1, S, 1, 1) if layout == "bshd" else valid.view(1, 1, S, 1)
     with torch.enable_grad():
         o, lse = attention_fp32(qf, kf, vf, topk_idx, vbs, counts, layout=layout, block=block,
@@ -149,6 +165,7 @@ def attention_backward_fp32(
     block: int = 64,
     sm_scale: float | None = None,
     chunk: int = 64,
+    q_vbs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in fp32 by the explicit backward formulas (P, dP = dO V^T, delta = rowsum(P dP),
     dS = P (dP - delta), dq = dS K, dk = dS^T Q, dv = P^T dO), chunked like `attention_fp32`.
@@ -160,24 +177,25 @@ def attention_backward_fp32(
     qh, kh, vh, doh = (to_bhsd(t, layout) for t in (q, k, v, do))
     B, H, S, D = qh.shape
     nq, nkv, topk = S // block, kh.shape[2] // block, topk_idx.shape[-1]
+    group = H // kh.shape[1]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
     dev = q.device
     token = torch.arange(block, device=dev)
     key_valid = (torch.ones(nkv, block, dtype=torch.bool, device=dev) if vbs is None
                  else token[None, :] < vbs.to(dev).long()[:, None])
-    qv = query_valid(vbs, S, block, dev).reshape(nq, block)
+    qv = query_valid(query_vbs(vbs, q_vbs, S, kh.shape[2]), S, block, dev).reshape(nq, block)
     dq = torch.zeros(B, H, S, D, dtype=torch.float32, device=dev)
-    dk = torch.zeros(B, H, S, D, dtype=torch.float32, device=dev)
-    dv = torch.zeros(B, H, S, D, dtype=torch.float32, device=dev)
+    dk = torch.zeros(kh.shape, dtype=torch.float32, device=dev)
+    dv = torch.zeros(kh.shape, dtype=torch.float32, device=dev)
     slot = torch.arange(topk, device=dev)
     for b in range(B):
         for h in range(H):
             qc = qh[b, h].float().reshape(nq, block, D)
-            kc = kh[b, h].float().reshape(nkv, block, D)
-            vc = vh[b, h].float().reshape(nkv, block, D)
+            kc = kh[b, h // group].float().reshape(nkv, block, D)
+            vc = vh[b, h // group].float().reshape(nkv, block, D)
             dc = doh[b, h].float().reshape(nq, block, D)
-            dkc = dk[b, h].view(nkv, block, D)
-            dvc = dv[b, h].view(nkv, block, D)
+            dkc = dk[b, h // group].view(nkv, block, D)  # GQA: summed over the group
+            dvc = dv[b, h // group].view(nkv, block, D)
             for c0 in range(0, nq, chunk):
                 idx = topk_idx[b, h, c0:c0 + chunk].long()
                 c = idx.shape[0]

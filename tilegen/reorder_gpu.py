@@ -69,3 +69,19 @@ def to_cubes3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: tuple[int
         q, k, v, *outs, src, n_tok, n_slot, ROW=row, SLOTS=slots,
         CHUNK=min(1024, triton.next_power_of_2(row)), num_warps=4)
     return outs  # type: ignore[return-value]
+
+
+def to_cubes3_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     grids: tuple[tuple[int, int, int], ...], cube: tuple[int, int, int]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`to_cubes3` of packed sequences (batch 1, their THW tokens one after another): every
+    sequence cube-major, side by side, in one launch."""
+    src = layout.packed_slot_sources(tuple(grids), cube, q.device)
+    n_slot, n_tok = src.numel(), q.shape[1]
+    row = q[0, 0].numel()
+    outs = tuple(t.new_empty((1, n_slot, *t.shape[2:])) for t in (q, k, v))
+    slots = 16
+    _to_cubes3_kernel[(triton.cdiv(n_slot, slots), 1)](
+        q, k, v, *outs, src, n_tok, n_slot, ROW=row, SLOTS=slots,
+        CHUNK=min(1024, triton.next_power_of_2(row)), num_warps=4)
+    return outs  # type: ignore[return-value]

@@ -43,8 +43,8 @@ from tilegen import layout, sparsity
 from tilegen.coarse_gpu import row_topk_ids
 from tilegen.spec import Spec
 
-__all__ = ["default_topk", "check_args", "reorder", "coarse", "fine_spec", "combine",
-           "forward", "reference_fp32"]
+__all__ = ["default_topk", "check_args", "check_varlen_args", "reorder", "coarse",
+           "fine_spec", "combine", "forward", "forward_varlen", "is_grid_list", "reference_fp32"]
 
 Triple = tuple[int, int, int]
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -185,6 +185,100 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Triple, top
     fine_c = fine(qc, kc, vc, idx, vbs, grid, cube, sm_scale, differentiable)
     out = combine(fine_c, co, gate, grid, cube, differentiable)
     return (out, idx) if return_selection else out
+
+
+def is_grid_list(grid: Any) -> bool:
+    """A list of grids (one per packed sequence) rather than one grid."""
+    return (isinstance(grid, (list, tuple)) and len(grid) > 0
+            and all(isinstance(g, (list, tuple)) for g in grid))
+
+
+def check_varlen_args(q: Any, k: Any, v: Any, grids: Any, topk: Any, cube: Any, gate: Any,
+                      sm_scale: Any = None) -> tuple[list[Triple], Triple, list[int]]:
+    """`check_args` for packed sequences: q, k, v ``(1, sum_s T_s*H_s*W_s, heads, D)``, the
+    sequences' tokens one after another (each THW row-major); ``topk`` an int for every
+    sequence, one per sequence, or None (each grid's default density). Returns (grids, cube,
+    topks)."""
+    gs = [layout._triple(g, f"grid[{i}]") for i, g in enumerate(grids)]
+    c = layout._triple(cube, "cube")
+    n_tok = sum(math.prod(g) for g in gs)
+    ncs = [math.prod(layout.cube_grid(g, c)) for g in gs]
+    if topk is None:
+        topks = [default_topk(g, c) for g in gs]
+    elif isinstance(topk, int) and not isinstance(topk, bool):
+        topks = [topk] * len(gs)
+    elif isinstance(topk, (list, tuple)) and len(topk) == len(gs):
+        topks = list(topk)
+    else:
+        raise TypeError(f"topk must be None, an int or one int per grid ({len(gs)}), "
+                        f"got {topk!r}")
+    for i, (t, nc) in enumerate(zip(topks, ncs, strict=True)):
+        if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= nc:
+            raise ValueError(f"topk for grid[{i}]={gs[i]} must be an int in 1..{nc} (its cubes)"
+                             f", got {t!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and (t.dim() != 4 or t.shape[0] != 1
+                                            or t.shape[1] != n_tok):
+            raise ValueError(f"{name} must be (1, {n_tok}, heads, D) for the {len(gs)} grids "
+                             f"packed one after another, got shape {tuple(t.shape)}")
+    if math.prod(c) != 64:
+        raise ValueError(f"cube={c}: a list of grids runs the fine stage as one packed call of "
+                         "tilegen::block_sparse_attention, whose cubes have 64 tokens")
+    # dtypes, devices, k and v like q, the gate: the checks of one sequence of n_tok tokens
+    check_args(q, k, v, (1, 1, n_tok), 1, (1, 1, 1), gate, sm_scale)
+    return gs, c, topks
+
+
+def forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grids: list[Triple],
+                   topks: list[int], cube: Triple = (4, 4, 4), gate: torch.Tensor | None = None,
+                   sm_scale: float | None = None, *, fine: Callable[..., torch.Tensor],
+                   differentiable: bool = False) -> torch.Tensor:
+    """The pipeline over packed sequences (`check_varlen_args`): reorder and coarse stage per
+    sequence (their own grids and top-k), then **one** fine call over all of them (the cube-major
+    sequences side by side, each row's selected cubes offset to its sequence, counts for the
+    narrower rows), then combine per sequence. ``fine(qc, kc, vc, idx, vbs, counts)`` is the
+    packed fine stage (`tilegen.ops`). No host sync: the offsets come from the grids."""
+    vol = math.prod(cube)
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    width = max(topks)
+    if q.is_cuda and not differentiable and q.shape == k.shape == v.shape and all(
+            t.is_contiguous() for t in (q, k, v)):
+        from tilegen.reorder_gpu import to_cubes3_packed
+
+        packed = to_cubes3_packed(q, k, v, tuple(grids), cube)  # every sequence, one launch
+    else:  # one differentiable gather per tensor for all sequences (padding slots zero)
+        src = layout.packed_slot_sources(tuple(grids), cube, q.device).long()
+        real = (src >= 0).view(1, -1, 1, 1)
+        packed = tuple(torch.where(real, x[:, src.clamp(min=0)], 0.0).to(x.dtype)
+                       for x in (q, k, v))
+    parts, cubes_at, tok_at = [], 0, 0
+    for g, t in zip(grids, topks, strict=True):
+        n = math.prod(g)
+        vbs = layout.vbs_for_grid(g, cube, device=q.device)
+        rows = slice(cubes_at * vol, (cubes_at + vbs.numel()) * vol)
+        qc, kc, vc = (x[:, rows] for x in packed)
+        co, idx = coarse(qc, kc, vc, vbs, t, vol, scale)
+        if t < width:  # slots past the count are never read: repeat the first id
+            idx = torch.cat((idx, idx[..., :1].expand(-1, -1, -1, width - t)), -1)
+        parts.append((g, n, qc, kc, vc, vbs, co, idx + cubes_at, t, tok_at))
+        cubes_at += vbs.numel()
+        tok_at += n
+    vbs_all = torch.cat([p[5] for p in parts])
+    idx_all = torch.cat([p[7] for p in parts], 2).to(torch.int32).contiguous()
+    counts = None
+    if min(topks) < width:
+        counts = torch.cat([torch.full(p[7].shape[:3], p[8], dtype=torch.int32,
+                                       device=q.device) for p in parts], 2).contiguous()
+    fine_all = fine(*packed, idx_all, vbs_all, counts)
+    outs, at = [], 0
+    for g, n, qc, _, _, _, co, _, _, start in parts:
+        rows = qc.shape[1]
+        gate_s = gate
+        if gate is not None and gate.dim() >= 3 and gate.shape[-3] != 1:  # a token dimension
+            gate_s = gate.reshape((1,) * (4 - gate.dim()) + tuple(gate.shape))[:, start:start + n]
+        outs.append(combine(fine_all[:, at:at + rows], co, gate_s, g, cube, differentiable))
+        at += rows
+    return torch.cat(outs, 1)
 
 
 # -- the oracle ------------------------------------------------------------------------------

@@ -21,10 +21,12 @@ Where tilegen's contract differs (README, "The input contract"):
 - **The coarse stage's block means** average a block's real tokens only, so padded tokens get
   no gradient from it; FastVideo sums the whole block (its inputs are zero-padded, so the
   values agree) and gives padded tokens a gradient.
-- **Not supported yet** (tilegen's shapes issue, #21), each refused by a one-line
-  ``ValueError`` that says so: ``S_q != S_kv`` (FastVideo's Triton path takes it), a
-  ``q_variable_block_sizes`` that differs from ``variable_block_sizes``, and blocks other than
-  64 tokens (FastVideo's 256-token CuTe path).
+- **Cross-attention** (``S_q != S_kv``) runs as FastVideo's Triton path does: the block lists
+  name KV blocks, ``variable_block_sizes`` is the KV blocks' real tokens and every query row is
+  real (tilegen's ``q_vbs`` default for another length). A ``q_variable_block_sizes`` that
+  differs from ``variable_block_sizes`` in `video_sparse_attn` becomes tilegen's ``q_vbs``.
+- **Not supported yet** (tilegen's shapes issue, #21), refused by a one-line ``ValueError``
+  that says so: blocks other than 64 tokens (FastVideo's 256-token CuTe path).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ BLOCK = 64  # tokens per block: the only size FastVideo's 64-token path and tile
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           variable_block_sizes: torch.Tensor) -> tuple[int, int]:
-    """(B * H, number of blocks) after FastVideo's shape rules and tilegen's limits."""
+           variable_block_sizes: torch.Tensor) -> tuple[int, int, int]:
+    """(B * H, query blocks, KV blocks) after FastVideo's shape rules and tilegen's limits."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-d (B, H, S, D) tensor, got "
@@ -46,26 +48,27 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must "
                          "share batch, heads and head dim, and k and v one shape")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"q has {q.shape[2]} tokens and k/v {k.shape[2]}: tilegen does not "
-                         "support S_q != S_kv yet (issue #21); FastVideo's Triton path does")
-    if q.shape[2] % BLOCK:
-        raise ValueError(f"the sequence length {q.shape[2]} must be a whole number of "
-                         f"{BLOCK}-token blocks")
-    n_blocks = q.shape[2] // BLOCK
+    for name, t in (("q", q), ("k", k)):
+        if t.shape[2] % BLOCK:
+            raise ValueError(f"{name}'s sequence length {t.shape[2]} must be a whole number of "
+                             f"{BLOCK}-token blocks")
+    n_blocks = k.shape[2] // BLOCK
     if variable_block_sizes.numel() != n_blocks:
-        raise ValueError(f"variable_block_sizes must have length {n_blocks} (one per block), "
-                         f"got {variable_block_sizes.numel()}")
-    return q.shape[0] * q.shape[1], n_blocks
+        raise ValueError(f"variable_block_sizes must have length {n_blocks} (one per KV "
+                         f"block), got {variable_block_sizes.numel()}")
+    return q.shape[0] * q.shape[1], q.shape[2] // BLOCK, n_blocks
 
 
 def block_sparse_attn_from_indices(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                    q2k_idx: torch.Tensor, q2k_num: torch.Tensor,
-                                   variable_block_sizes: torch.Tensor
+                                   variable_block_sizes: torch.Tensor, *,
+                                   q_vbs: torch.Tensor | None = None
                                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention with autograd from compact per-row KV block lists: row ``i`` of
     ``q2k_idx`` ``(B, H, NQ, K)`` attends its first ``q2k_num[b, h, i]`` entries. Returns
-    ``(o, M)``. tilegen's ``topk_idx`` and ``counts`` are these two."""
+    ``(o, M)``. tilegen's ``topk_idx`` and ``counts`` are these two. k and v may hold another
+    number of blocks than q (cross-attention); ``q_vbs`` (tilegen's, not FastVideo's) gives the
+    query blocks' real rows."""
     _check(q, k, v, variable_block_sizes)
     from tilegen.ops import block_sparse_attention
 
@@ -83,10 +86,12 @@ def block_sparse_attn_from_indices(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     idx = torch.where(slot < num.unsqueeze(-1), q2k_idx.to(device=dev, dtype=torch.int32), 0)
     # FastVideo's ops take strided views (they call .contiguous() themselves); tilegen's op
     # takes contiguous tensors
+    if q_vbs is not None:
+        q_vbs = q_vbs.to(device=dev, dtype=torch.int32).contiguous()
     return block_sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(),
                                   idx.contiguous(),
                                   variable_block_sizes.to(device=dev, dtype=torch.int32),
-                                  num, return_lse=True, layout="bhsd")
+                                  num, q_vbs=q_vbs, return_lse=True, layout="bhsd")
 
 
 def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -130,9 +135,11 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     weighted by ``compress_attn_weight`` (the gate, ``(B, H, S, D)``) when given. Returns o.
     ``block_size`` is an int (tokens per block, or the edge of a cubic block) or a (t, h, w)
     tuple; its volume must be 64 (an int of 64 is read as 64 tokens, FastVideo reads any int b
-    as a b x b x b block). ``topk`` is clamped to the number of blocks. Comparing the two block
-    size tensors reads them back to the host (one sync) unless they are the same tensor: pass
-    ``variable_block_sizes`` twice to avoid it (under CUDA graph capture, for one)."""
+    as a b x b x b block). ``topk`` is clamped to the number of KV blocks. Block sizes that
+    differ between the two tensors become tilegen's ``q_vbs`` (the query rows' own padding).
+    Comparing the two tensors reads them back to the host (one sync) unless they are the same
+    tensor: pass ``variable_block_sizes`` twice to avoid it (under CUDA graph capture, for
+    one)."""
     if isinstance(block_size, int):
         volume = block_size if block_size == BLOCK else block_size ** 3
     else:
@@ -140,16 +147,17 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if volume != BLOCK:
         raise ValueError(f"block_size={block_size!r} has {volume} tokens per block: tilegen's "
                          f"VSA takes {BLOCK}-token blocks only (256 is issue #21)")
-    _, n_blocks = _check(q, k, v, variable_block_sizes)
-    if q_variable_block_sizes.numel() != n_blocks:
-        raise ValueError(f"q_variable_block_sizes must have length {n_blocks} (one per "
-                         f"block), got {q_variable_block_sizes.numel()}")
-    if q_variable_block_sizes is not variable_block_sizes and not torch.equal(
-            q_variable_block_sizes.to(variable_block_sizes.device).long(),
-            variable_block_sizes.long()):
-        raise ValueError("q_variable_block_sizes differs from variable_block_sizes: tilegen "
-                         "reads one vbs for query and key blocks until separate query block "
-                         "sizes land (issue #21)")
+    _, nq_blocks, n_blocks = _check(q, k, v, variable_block_sizes)
+    if q_variable_block_sizes.numel() != nq_blocks:
+        raise ValueError(f"q_variable_block_sizes must have length {nq_blocks} (one per "
+                         f"query block), got {q_variable_block_sizes.numel()}")
+    # equal block sizes on both sides keep one vbs (the kernels without separate query rows)
+    q_vbs = None
+    if q_variable_block_sizes is not variable_block_sizes and (
+            nq_blocks != n_blocks or not torch.equal(
+                q_variable_block_sizes.to(variable_block_sizes.device).long(),
+                variable_block_sizes.long())):
+        q_vbs = q_variable_block_sizes
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
     B, H, S, D = q.shape
@@ -161,9 +169,9 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out_c = out_c.repeat_interleave(BLOCK, dim=2)
     idx = scores.detach().topk(min(topk, n_blocks), dim=-1).indices.to(torch.int32)
     out_s, _ = block_sparse_attn_from_indices(
-        q, k, v, idx.contiguous(), torch.full((B, H, n_blocks), idx.shape[-1],
+        q, k, v, idx.contiguous(), torch.full((B, H, nq_blocks), idx.shape[-1],
                                               dtype=torch.int32, device=q.device),
-        variable_block_sizes)
+        variable_block_sizes, q_vbs=q_vbs)
     if compress_attn_weight is not None:
         return out_c * compress_attn_weight + out_s
     return out_c + out_s

@@ -41,6 +41,7 @@ LAUNCH_FIELDS: tuple[str, ...] = ("block_m", "block_n", "num_warps", "num_stages
 NOT_TUNABLE: dict[str, str] = {
     "store_lse": "the caller decides it (return_lse); tuning always runs with lse stored",
     "store_max_prob": "the caller decides it (return_max_prob); tuning runs without it",
+    "separate_kv": "the call's shapes decide it (K/V of their own length or heads)",
     "interp_bf16": "an interpreter-only workaround, never built for a GPU",
 }
 

@@ -73,7 +73,8 @@ def compile_gluon(spec: Spec, cfg: KernelConfig, target: Target, source: Source,
     opts = options_of(cfg)
     saved = os.environ.pop("TRITON_INTERPRET", None)
     try:
-        compiled = compile_offline(source, opts, spec.head_dim, spec.dtype, target)
+        compiled = compile_offline(source, opts, spec.head_dim, spec.dtype, target,
+                                   separate_kv=cfg.separate_kv)
     except Exception as exc:  # triton raises several exception types for bad kernels
         raise CompileError(f"Gluon compile failed for {target.name} {cfg.name}: "
                            f"{type(exc).__name__}: {exc}") from exc

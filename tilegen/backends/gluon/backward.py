@@ -90,14 +90,17 @@ def spec_problem(spec: Spec, target: Target) -> str | None:
     return None
 
 
-def render_backward(spec: Spec, target: Target) -> Source:
+def render_backward(spec: Spec, target: Target, separate_kv: bool = False) -> Source:
+    """The source of both kernels; ``separate_kv`` (GQA: K and V of fewer heads, read at each
+    query head's KV head; q's length and vbs) adds their num_kv_heads argument."""
     why = spec_problem(spec, target)
     if why:
         raise ValueError(why)
-    name = f"{spec_basename(spec)}_gluon_bwd.py"
+    name = f"{spec_basename(spec)}_gluon_bwd{'_sepkv' if separate_kv else ''}.py"
     return render(TEMPLATE, "triton", spec, KernelConfig(), name, KERNELS["dkdv"], target,
                   names=KERNELS, block=spec.block_kv, head_dim=spec.head_dim, dtype=spec.dtype,
-                  gl_dtype=_render.GL_DTYPES[spec.dtype], arch=target.arch)
+                  gl_dtype=_render.GL_DTYPES[spec.dtype], arch=target.arch,
+                  separate_kv=separate_kv)
 
 
 def maxnreg_for(opts: Mapping[str, Any], target: Target) -> int:
@@ -166,14 +169,16 @@ class GluonBackward:
     CUDA tensors of a wgmma target. `dkdv` and `dq` launch one kernel each on validated,
     contiguous BSHD tensors."""
 
-    def __init__(self, spec: Spec, target: Target, opts: Mapping[str, Any] | None = None
-                 ) -> None:
+    def __init__(self, spec: Spec, target: Target, opts: Mapping[str, Any] | None = None,
+                 separate_kv: bool = False) -> None:
         from tilegen.backends.gluon.launch import load_kernel
 
         self.spec = spec
         self.target = target
         self.opts = resolve(opts)
-        self.source = render_backward(spec, target)
+        #: GQA: k and v of fewer heads than q (`render_backward`); dk, dv stay q's shape
+        self.separate_kv = separate_kv
+        self.source = render_backward(spec, target, separate_kv)
         self.kernels = {k: load_kernel(self.source, name) for k, name in KERNELS.items()}
         self.maxnreg = maxnreg_for(self.opts, target)
         self.num_warps = target.fact("warps_per_warpgroup")
@@ -237,21 +242,27 @@ class GluonBackward:
         self.kernels["dkdv"][(nkv, bh_count if bh_count is not None else B * H)](
             *self._row_descs(q), self._desc(k), self._desc(v), *self._row_descs(do),
             self._desc(dk), self._desc(dv), self._ds_desc(ds) if store else None, offsets,
-            items, *tiles, vbs, lse, delta, err, S, H, nkv, bh_base, float(sm_scale) * LOG2E,
+            items, *tiles, vbs, lse, delta, err, S, H, *self._kv_heads(k), nkv, bh_base,
+            float(sm_scale) * LOG2E,
             float(sm_scale), STAGES=self.opts["dkdv_stages"], DS_STORE=store, PACKED=packed,
             DS_SLOTS=self.opts["ds_slots"],
             PRODUCER_REGS=self.opts["producer_regs"], DEBUG=self.opts["debug"],
             num_warps=self.num_warps, maxnreg=self.maxnreg)
 
+    def _kv_heads(self, k) -> tuple[int, ...]:
+        """The num_kv_heads argument of a GQA source, or none."""
+        return (k.shape[2],) if self.separate_kv else ()
+
     def dq(self, k, ds, dq, topk_idx, pos, meta, vbs, dsum, offsets, err, sm_scale: float,
            bh_base: int = 0, bh_count: int | None = None) -> None:
         """dQ of b*h ``bh_base .. + bh_count`` from the dS^T `dkdv` stored for the same group,
         with the centring (``dsum``: log2(e) dlse, or None)."""
-        B, S, H, D = k.shape
+        B, S, H, D = dq.shape
         nq, nkv = S // 64, S // 64
         self.kernels["dq"][(nq, bh_count if bh_count is not None else B * H)](
             self._ds_desc(ds), *self._row_descs(k, "dq_k_boxes"), self._desc(dq), topk_idx,
-            pos, meta, vbs, dsum, offsets, err, S, H, nq, nkv, topk_idx.shape[3], bh_base,
+            pos, meta, vbs, dsum, offsets, err, S, H, *self._kv_heads(k), nq, nkv,
+            topk_idx.shape[3], bh_base,
             float(sm_scale), STAGES=self.opts["dq_stages"], HAS_DSUM=dsum is not None,
             CENTRE=self.opts["centre"], K_BOXES=self.opts["dq_k_boxes"],
             PRODUCER_REGS=self.opts["producer_regs"],
@@ -314,10 +325,11 @@ class GluonBackward:
 # ----------------------------------------------------------------------------- offline compile
 
 
-def signatures(spec: Spec, opts: Mapping[str, Any], has_dsum: bool = False
-               ) -> dict[str, tuple[dict, dict]]:
+def signatures(spec: Spec, opts: Mapping[str, Any], has_dsum: bool = False,
+               separate_kv: bool = False) -> dict[str, tuple[dict, dict]]:
     """(signature, constexprs) of each kernel for triton.compile, with no tensors; ``has_dsum``
-    builds the dQ kernel of a call with a gradient of lse (HAS_DSUM)."""
+    builds the dQ kernel of a call with a gradient of lse (HAS_DSUM), ``separate_kv`` the GQA
+    source's (its num_kv_heads)."""
     from triton.experimental.gluon import language as gl
 
     opts = resolve(opts)
@@ -344,8 +356,8 @@ def signatures(spec: Spec, opts: Mapping[str, Any], has_dsum: bool = False
         "tile_count_ptr": "*i32" if packed else None,
         "vbs_ptr": "*i32",
         "lse_ptr": "*fp32", "delta_ptr": "*fp32", "err_ptr": "*i32", "seq_len": "i32",
-        "num_heads": "i32", "num_kv_blocks": "i32", "bh_base": "i32", "qk_scale": "fp32",
-        "sm_scale": "fp32"})
+        "num_heads": "i32", **({"num_kv_heads": "i32"} if separate_kv else {}),
+        "num_kv_blocks": "i32", "bh_base": "i32", "qk_scale": "fp32", "sm_scale": "fp32"})
     dkdv_c = {"STAGES": opts["dkdv_stages"], "DS_STORE": store, "PACKED": packed,
               "DS_SLOTS": opts["ds_slots"],
               "PRODUCER_REGS": opts["producer_regs"], "DEBUG": opts["debug"]}
@@ -356,8 +368,8 @@ def signatures(spec: Spec, opts: Mapping[str, Any], has_dsum: bool = False
           "pos_ptr": "*i32", "meta_ptr": "*i32", "vbs_ptr": "*i32",
           "dsum_ptr": "*fp32" if has_dsum else None,
           "kv_offsets_ptr": "*i32", "err_ptr": "*i32", "seq_len": "i32", "num_heads": "i32",
-          "num_q_blocks": "i32", "num_kv_blocks": "i32", "topk": "i32", "bh_base": "i32",
-          "sm_scale": "fp32"}
+          **({"num_kv_heads": "i32"} if separate_kv else {}), "num_q_blocks": "i32",
+          "num_kv_blocks": "i32", "topk": "i32", "bh_base": "i32", "sm_scale": "fp32"}
     dq_c = {"STAGES": opts["dq_stages"], "HAS_DSUM": has_dsum, "CENTRE": opts["centre"],
             "K_BOXES": boxes, "PRODUCER_REGS": opts["producer_regs"]}
 
@@ -375,7 +387,7 @@ def signatures(spec: Spec, opts: Mapping[str, Any], has_dsum: bool = False
 
 
 def compile_offline(spec: Spec, target: Target, opts: Mapping[str, Any] | None = None,
-                    has_dsum: bool = False) -> dict[str, Any]:
+                    has_dsum: bool = False, separate_kv: bool = False) -> dict[str, Any]:
     """Compile the kernels for `target` here (no GPU): {kernel: CompiledKernel}."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -384,9 +396,9 @@ def compile_offline(spec: Spec, target: Target, opts: Mapping[str, Any] | None =
     from tilegen.backends.gluon.launch import load_kernel
 
     opts = resolve(opts)
-    source = render_backward(spec, target)
+    source = render_backward(spec, target, separate_kv)
     out = {}
-    for kernel, (sig, consts) in signatures(spec, opts, has_dsum).items():
+    for kernel, (sig, consts) in signatures(spec, opts, has_dsum, separate_kv).items():
         fn = load_kernel(source, KERNELS[kernel])
         out[kernel] = triton.compile(
             GluonASTSource(fn, sig, consts),

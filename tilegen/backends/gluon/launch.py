@@ -104,9 +104,11 @@ class GluonLaunch:
     """One rendered variant, launchable on CUDA tensors of a target with wgmma or tcgen05."""
 
     def __init__(self, source: Source, opts: dict[str, Any], head_dim: int,
-                 target: Target) -> None:
+                 target: Target, separate_kv: bool = False) -> None:
         self.source = source
         self.cfg = opts
+        #: the source takes K/V of their own shape and a q_vbs (`KernelConfig.separate_kv`)
+        self.separate_kv = separate_kv
         self.kernel = load_kernel(source)
         self.maxnreg = _render.maxnreg_for(opts, target)
         self.num_warps = target.fact("warps_per_warpgroup")  # the default partition: a consumer
@@ -133,13 +135,19 @@ class GluonLaunch:
     def __call__(self, q, k, v, topk_idx, vbs, counts, o, lse, err, sm_scale: float,
                  zero_pad_rows: bool = False, max_prob_out=None, windows=None,
                  cube_grid: tuple[int, int, int] | None = None, topk: int = 0,
-                 o32=None) -> None:
+                 o32=None, q_vbs=None) -> None:
         """Pre-pass and kernel on validated inputs (`tilegen.inputs.validate_inputs`). A
         sliding-tile call passes `windows` (`tilegen.encodings.window_table`), the cube grid and
         the largest window volume as `topk` instead of a LUT. ``o32`` (fp32, q's shape) also
-        receives O before its rounding (a call that needs gradients: the backward's delta)."""
+        receives O before its rounding (a call that needs gradients: the backward's delta).
+        A source of separate K/V takes ``q_vbs`` (the query cubes' real rows) and reads k, v
+        of their own length and heads."""
         B, S, H, D = q.shape
         nq, nkv = S // 64, vbs.shape[0]
+        if self.separate_kv != (q_vbs is not None):
+            raise ValueError("q_vbs: a Gluon launch of separate K/V takes it, any other none")
+        sep: tuple[tuple, tuple, tuple] = ((q_vbs,), (k.shape[1],), (k.shape[2],)) \
+            if self.separate_kv else ((), (), ())
         if windows is None:
             topk = topk_idx.shape[3]
         share = self.cfg["share_kv"]
@@ -168,10 +176,10 @@ class GluonLaunch:
         self.kernel[grid](
             self._desc(q, 64), *kd, *vd, self._desc(o, 64),
             bufs["sidx"], bufs["tinfo"], bufs["tmask"] if share else None, bufs["meta"], vbs,
-            lse if lse is not None else bufs["meta"], *mp, self._o32(o32),
-            S, H, nq, topk, float(sm_scale) * LOG2E,
-            **_render.constexprs(self.cfg, zero_pad_rows=bool(zero_pad_rows) and nkv == nq,
-                                 store_o32=o32 is not None),
+            *sep[0], lse if lse is not None else bufs["meta"], *mp, self._o32(o32),
+            S, *sep[1], H, *sep[2], nq, topk, float(sm_scale) * LOG2E,
+            **_render.constexprs(self.cfg, zero_pad_rows=bool(zero_pad_rows) and (
+                nkv == nq or self.separate_kv), store_o32=o32 is not None),
             num_warps=self.num_warps, maxnreg=self.maxnreg,
         )
 
@@ -179,11 +187,12 @@ class GluonLaunch:
 # ----------------------------------------------------------------------------- offline compile
 
 
-def signature(opts: dict, head_dim: int, dtype: str, store_o32: bool = False
-              ) -> tuple[dict, dict]:
+def signature(opts: dict, head_dim: int, dtype: str, store_o32: bool = False,
+              separate_kv: bool = False) -> tuple[dict, dict]:
     """Kernel signature strings for triton.compile (no tensors needed), and the constexpr
     values: the knobs (`render.constexprs`) and the None of each parameter the options leave
-    unused (the packed-cube descriptors, tmask_ptr, mp_ptr, mpc_ptr and o32_out)."""
+    unused (the packed-cube descriptors, tmask_ptr, mp_ptr, mpc_ptr and o32_out). A source of
+    separate K/V adds q_vbs_ptr, kv_seq_len and num_kv_heads."""
     from triton.experimental.gluon import language as gl
 
     gdt = gl.bfloat16 if dtype == "bf16" else gl.float16
@@ -199,7 +208,10 @@ def signature(opts: dict, head_dim: int, dtype: str, store_o32: bool = False
             args[f"{t}_{part}"] = td(rows) if packed or rows == 64 else None
     args.update({"o_desc": td(64), "sidx_ptr": "*i32", "tinfo_ptr": "*i32",
                  "tmask_ptr": "*i32" if opts["share_kv"] else None, "meta_ptr": "*i32",
-                 "vbs_ptr": "*i32", "lse_ptr": "*fp32"})
+                 "vbs_ptr": "*i32"})
+    if separate_kv:
+        args["q_vbs_ptr"] = "*i32"
+    args["lse_ptr"] = "*fp32"
     for name in ("mp_ptr", "mpc_ptr"):
         args[name] = "*fp32" if opts["store_max_prob"] else None
     if not store_o32:
@@ -208,8 +220,13 @@ def signature(opts: dict, head_dim: int, dtype: str, store_o32: bool = False
         args["o32_out"] = "*fp32"
     else:
         args["o32_out"] = f"tensordesc<fp32[64, {head_dim}],{o32_layout()!r}>"
-    args.update({"seq_len": "i32", "num_heads": "i32", "num_q_blocks": "i32", "topk": "i32",
-                 "qk_scale": "fp32"})
+    args["seq_len"] = "i32"
+    if separate_kv:
+        args["kv_seq_len"] = "i32"
+    args["num_heads"] = "i32"
+    if separate_kv:
+        args["num_kv_heads"] = "i32"
+    args.update({"num_q_blocks": "i32", "topk": "i32", "qk_scale": "fp32"})
     consts: dict = {name: None for name, kind in args.items() if kind is None}
     consts.update(_render.constexprs(opts, store_o32=store_o32))
     sig = {name: kind or "constexpr" for name, kind in args.items()}
@@ -217,7 +234,8 @@ def signature(opts: dict, head_dim: int, dtype: str, store_o32: bool = False
     return sig, consts
 
 
-def compile_offline(source: Source, opts: dict, head_dim: int, dtype: str, target: Target):
+def compile_offline(source: Source, opts: dict, head_dim: int, dtype: str, target: Target,
+                    separate_kv: bool = False):
     """Compile for the target here (no GPU needed): Triton's CompiledKernel (asm: ttgir, llir,
     ptx, cubin)."""
     import triton
@@ -225,7 +243,7 @@ def compile_offline(source: Source, opts: dict, head_dim: int, dtype: str, targe
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = load_kernel(source)
-    sig, consts = signature(opts, head_dim, dtype)
+    sig, consts = signature(opts, head_dim, dtype, separate_kv=separate_kv)
     src = GluonASTSource(fn, sig, consts)
     return triton.compile(src, target=GPUTarget(target.triton_backend, target.triton_arch,
                                                 target.warp_size),

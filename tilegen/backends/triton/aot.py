@@ -42,18 +42,26 @@ def cursor_signature(spec: Spec) -> tuple[dict[str, str], dict[str, str], dict[s
 def signature(spec: Spec, cfg: KernelConfig | None = None) -> dict[str, str]:
     """Triton signature of the generated kernel for this spec (runtime arguments, then the
     constexprs; pointers first, see lut_kernel.py.j2). A config that stores the max_prob signal
-    adds its two fp32 pointers after ERR."""
+    adds its two fp32 pointers after ERR; one of separate K/V adds Q_VBS, kv_seq_len and
+    num_kv_heads (attention_macros.j2 `kv_layout`)."""
     elem = {"bf16": "*bf16", "fp16": "*fp16"}[spec.dtype]
     ptrs, scalars, flags = cursor_signature(spec)
-    sig = {"Q": elem, "K": elem, "V": elem, **ptrs, "VBS": "*i32", "O": elem, "LSE": "*fp32",
-           "ERR": "*i32"}
+    sep = cfg is not None and cfg.separate_kv
+    sig = {"Q": elem, "K": elem, "V": elem, **ptrs, "VBS": "*i32",
+           **({"Q_VBS": "*i32"} if sep else {}), "O": elem, "LSE": "*fp32", "ERR": "*i32"}
     if cfg is not None and cfg.store_max_prob:
         sig.update(MAX_PROB="*fp32", MAX_PROB_CUBE="*fp32")
-    sig.update(seq_len="i32", num_heads="i32", num_q_blocks="i32", num_kv_blocks="i32",
+    sig.update(seq_len="i32", **_separate(sep, "kv_seq_len"), num_heads="i32",
+               **_separate(sep, "num_kv_heads"), num_q_blocks="i32", num_kv_blocks="i32",
                **scalars, qk_scale="fp32")
     sig.update({name: "constexpr" for name in flags}, BLOCK_M="constexpr", BLOCK_N="constexpr",
                STORE_LSE="constexpr", INTERP_BF16="constexpr")
     return sig
+
+
+def _separate(on: bool, name: str, kind: str = "i32") -> dict[str, str]:
+    """One argument of separate K/V, or none."""
+    return {name: kind} if on else {}
 
 
 def forward_constexprs(spec: Spec, cfg: KernelConfig) -> dict[str, bool | int]:
@@ -89,33 +97,38 @@ def compile_triton(spec: Spec, cfg: KernelConfig, target: Target, out_dir: Path,
                            cfg.launch, target, out_dir, stem, cfg.name)
 
 
-def backward_signatures(spec: Spec, bwd: BackwardConfig | None = None
-                        ) -> dict[str, dict[str, str]]:
+def backward_signatures(spec: Spec, bwd: BackwardConfig | None = None,
+                        separate_kv: bool = False) -> dict[str, dict[str, str]]:
     """Triton signatures (runtime arguments, then constexprs) of the backward module's kernels
     (see lut_backward.py.j2) for the template options of `bwd`: the packed tiles' pointers
     (`PackedTiles`) are constexprs (None) without dq_pack / dkdv_pack. O is the forward's fp32
-    output (`forward_for_grad`)."""
+    output (`forward_for_grad`). ``separate_kv``: the kernels of separate K/V (their Q_VBS,
+    kv_seq_len, num_kv_heads, and the dK/dV kernel's num_q_blocks; preprocess reads Q_VBS)."""
+    sep = separate_kv
     elem = {"bf16": "*bf16", "fp16": "*fp16"}[spec.dtype]
     f32, i32 = "*fp32", "*i32"
     dq_pack = i32 if bwd is not None and bwd.dq_pack else "constexpr"
     dkdv_pack = i32 if bwd is not None and bwd.dkdv_pack else "constexpr"
     ptrs, scalars, flags = cursor_signature(spec)
     return {
-        "preprocess": {"O": f32, "DO": elem, "DELTA": f32, "VBS": i32,
+        "preprocess": {"O": f32, "DO": elem, "DELTA": f32, ("Q_VBS" if sep else "VBS"): i32,
                        "seq_len": "i32", "num_heads": "i32", "BLOCK_M": "constexpr"},
         "dq": {"Q": elem, "K": elem, "V": elem, "DO": elem, "LSE": f32, "DELTA": f32,
-               "DSUM": f32, **ptrs, "VBS": i32, "DQ": elem, "ERR": i32,
-               **{name: dq_pack for name in BACKWARD_PACKED["dq"]},
-               "seq_len": "i32", "num_heads": "i32", "num_q_blocks": "i32",
+               "DSUM": f32, **ptrs, "VBS": i32, **_separate(sep, "Q_VBS", i32), "DQ": elem,
+               "ERR": i32, **{name: dq_pack for name in BACKWARD_PACKED["dq"]},
+               "seq_len": "i32", **_separate(sep, "kv_seq_len"), "num_heads": "i32",
+               **_separate(sep, "num_kv_heads"), "num_q_blocks": "i32",
                "num_kv_blocks": "i32", **scalars, "qk_scale": "fp32", "sm_scale": "fp32",
                **{name: "constexpr" for name in flags}, "HAS_DSUM": "constexpr",
                "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "DQ_PACK": "constexpr",
                "INTERP_BF16": "constexpr"},
         "dkdv": {"Q": elem, "K": elem, "V": elem, "DO": elem, "LSE": f32, "DELTA": f32,
-                 "KV_OFFSETS": i32, "KV_QCUBES": i32, "VBS": i32, "DK": elem, "DV": elem,
-                 "DQ_ACC": f32, "DS_SUM": f32, "ERR": i32,
+                 "KV_OFFSETS": i32, "KV_QCUBES": i32, "VBS": i32, **_separate(sep, "Q_VBS", i32),
+                 "DK": elem, "DV": elem, "DQ_ACC": f32, "DS_SUM": f32, "ERR": i32,
                  **{name: dkdv_pack for name in BACKWARD_PACKED["dkdv"]},
-                 "seq_len": "i32", "num_heads": "i32", "num_kv_blocks": "i32",
+                 "seq_len": "i32", **_separate(sep, "kv_seq_len"), "num_heads": "i32",
+                 **_separate(sep, "num_kv_heads"), **_separate(sep, "num_q_blocks"),
+                 "num_kv_blocks": "i32",
                  "qk_scale": "fp32", "sm_scale": "fp32", "ATOMIC_DQ": "constexpr",
                  "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "DKDV_PACK": "constexpr",
                  "INTERP_BF16": "constexpr"},
@@ -128,9 +141,11 @@ def compile_triton_backward(spec: Spec, cfg: KernelConfig, target: Target, out_d
     """Compile every kernel of the backward module (preprocess, dQ, dK/dV) for `target`, with
     the target's default `BackwardConfig` (fitted to the spec); one Artifact per kernel."""
     bwd = (bwd or BackwardConfig.default_for(target)).fit(spec)
+    if cfg.separate_kv:
+        bwd = bwd.for_separate_kv()
     source = source or render_triton_backward(spec, cfg, target, bwd)
     arts = []
-    for kernel, sig in backward_signatures(spec, bwd).items():
+    for kernel, sig in backward_signatures(spec, bwd, cfg.separate_kv).items():
         consts, launch = bwd.kernel_launch(kernel)
         if kernel == "dq":
             consts = {**cursor_signature(spec)[2], "HAS_DSUM": False, **consts,

@@ -136,6 +136,17 @@ class BackwardConfig:
             dkdv_block_m=min(self.dkdv_block_m, spec.block_q),
             pre_block_m=min(self.pre_block_m, spec.block_q))
 
+    def for_separate_kv(self) -> BackwardConfig:
+        """This config for K/V of their own length or heads (`KernelConfig.separate_kv`): the
+        kernels walk unpacked cubes (the packed tiles pack one side's cubes by one vbs), compute
+        dQ in the dQ kernel (the atomic variant's host epilogue reads K per query head) and are
+        Triton's (the Gluon backward addresses K/V by q's heads); launch fields are kept."""
+        return dataclasses.replace(self, dq_pack=False, dkdv_pack=False, dq_atomic=False,
+                                   gluon=False, ds_store=False,
+                                   gluon_dkdv_stages=BackwardConfig.gluon_dkdv_stages,
+                                   gluon_dq_stages=BackwardConfig.gluon_dq_stages,
+                                   ds_scratch_mib=BackwardConfig.ds_scratch_mib)
+
     def violations(self, spec: Spec) -> list[str]:
         """Why this config cannot run `spec` (empty when it can)."""
         out = []
@@ -254,9 +265,11 @@ RENDER_FIELDS: tuple[str, ...] = ("dq_pack", "dkdv_pack")
 
 
 def backward_render_name(cfg: KernelConfig, bwd: BackwardConfig | None = None) -> str:
-    """The options the backward's kernels are compiled for (the forward config's interp_bf16
-    and the backward config's template options), as the module's file name spells them."""
+    """The options the backward's kernels are compiled for (the forward config's separate_kv
+    and interp_bf16, and the backward config's template options), as the module's file name
+    spells them."""
     return ("bwd" + (bwd.render_name if bwd is not None else "")
+            + ("_sepkv" if cfg.separate_kv else "")
             + ("_interpbf16" if cfg.interp_bf16 else ""))
 
 
@@ -267,7 +280,7 @@ def render_triton_backward(spec: Spec, cfg: KernelConfig, target: Target | None,
     (default: none), which are the kernels' constexprs."""
     bwd = (bwd or BackwardConfig()).render_options()
     name = f"{spec_basename(spec)}_{backward_render_name(cfg, bwd)}.py"
-    opts = KernelConfig(interp_bf16=cfg.interp_bf16)
+    opts = KernelConfig(interp_bf16=cfg.interp_bf16, separate_kv=cfg.separate_kv)
     return render(TRITON_BACKWARD_TEMPLATE, "triton", spec, opts, name,
                   BACKWARD_KERNELS["dq"], target, names=BACKWARD_KERNELS)
 
@@ -277,6 +290,18 @@ def is_backward(source: Source) -> bool:
 
 
 # -- the inverse map ------------------------------------------------------------------------------
+def grouped_lut(topk_idx: torch.Tensor, counts: torch.Tensor | None, kv_heads: int
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The LUT (B, H, NQ, TOPK) of GQA query heads as (B, H_kv, G * NQ, TOPK), G = H // H_kv:
+    row i * NQ + c of KV head j is query cube c of query head j * G + i (a view, no copy). Its
+    inverse map lists, per (b, KV head, KV cube), items i * NQ + c over the whole group, which
+    the dK/dV kernel of separate K/V decodes (lut_backward.py.j2)."""
+    B, H, NQ, TOPK = topk_idx.shape
+    g = H // kv_heads
+    lut = topk_idx.view(B, kv_heads, g * NQ, TOPK)
+    return lut, (counts.view(B, kv_heads, g * NQ) if counts is not None else None)
+
+
 def inverse_map(topk_idx: torch.Tensor, counts: torch.Tensor | None, num_kv_blocks: int,
                 return_order: bool = False):
     """For each (batch*head, KV cube), the query cubes whose LUT row chose it, as CSR.

@@ -39,6 +39,7 @@ from tilegen.backends.triton.backward import (
     PackedTiles,
     backward_maps,
     finish_atomic_dq,
+    grouped_lut,
     render_triton_backward,
 )
 from tilegen.backends.triton.jit import interpreting, load_triton
@@ -49,6 +50,7 @@ from tilegen.inputs import (
     Shapes,
     check_sm_scale,
     needs_grad,
+    query_vbs,
     validate_inputs,
     validate_sliding_tile_inputs,
 )
@@ -75,22 +77,24 @@ class _Attention(torch.autograd.Function):
     gradient."""
 
     @staticmethod
-    def forward(ctx, op, q, k, v, topk_idx, vbs, counts, sm_scale, shapes, max_prob_out):
+    def forward(ctx, op, q, k, v, topk_idx, vbs, counts, sm_scale, shapes, max_prob_out,
+                q_vbs=None):
         o, lse, o_acc = op.forward_for_grad(q, k, v, topk_idx, vbs, counts, shapes=shapes,
-                                            sm_scale=sm_scale, max_prob_out=max_prob_out)
-        ctx.save_for_backward(q, k, v, o_acc, lse, topk_idx, vbs, counts)
+                                            sm_scale=sm_scale, max_prob_out=max_prob_out,
+                                            q_vbs=q_vbs)
+        ctx.save_for_backward(q, k, v, o_acc, lse, topk_idx, vbs, counts, q_vbs)
         ctx.op, ctx.sm_scale = op, sm_scale
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, topk_idx, vbs, counts = ctx.saved_tensors
+        q, k, v, o, lse, topk_idx, vbs, counts, q_vbs = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
         dq, dk, dv = ctx.op.backward(do, q, k, v, o, lse, topk_idx, vbs, counts,
-                                     sm_scale=ctx.sm_scale, dlse=dlse)
-        return None, dq, dk, dv, None, None, None, None, None, None
+                                     sm_scale=ctx.sm_scale, dlse=dlse, q_vbs=q_vbs)
+        return None, dq, dk, dv, None, None, None, None, None, None, None
 
 
 class BlockSparseAttention:
@@ -99,6 +103,8 @@ class BlockSparseAttention:
     backend = "triton"
     #: writes the softmax-normalizer signal (``return_max_prob=True``, `tilegen.maxprob`)
     provides_max_prob = True
+    #: takes K/V of their own length and heads, and a q_vbs (`KernelConfig.separate_kv`)
+    takes_separate_kv = True
 
     def __init__(self, spec: Spec, config: KernelConfig, target: Target | None,
                  source: str = "default") -> None:
@@ -114,6 +120,7 @@ class BlockSparseAttention:
         self._bwd_kernels: dict[tuple[KernelConfig, BackwardConfig], dict[str, object]] = {}
         self._backward_config: BackwardConfig | None = None
         self._gluon_bwd: dict = {}
+        self._full_vbs: dict = {}  # `query_vbs`'s full query cubes
         self._bwd_pinned = False  # set by assigning backward_config
         #: the family whose forward serves calls that need gradients (`grad_forward`)
         self.grad_forward_family = "gluon"
@@ -137,10 +144,18 @@ class BlockSparseAttention:
         return_lse: bool = True,
         return_max_prob: bool = False,
         check_values: bool = False,
+        q_vbs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | AttentionOutput:
         """Validate, then run. Returns (o, lse), or o alone when return_lse=False (lse is then
         never computed). ``check_values`` checks index, vbs and count values before launch (one
         host sync); on the CPU they are always checked.
+
+        k and v may differ from q in length (cross-attention: ``S_kv`` tokens; topk_idx names
+        KV cubes in ``[0, NKV)``, one row per query cube) and in head count (GQA/MQA:
+        ``H_q = g * H_kv``, query head h reads KV head ``h // g``). ``vbs`` is the KV cubes'
+        real tokens, ``q_vbs`` (int32, (NQ,)) the query cubes' real rows: by default ``vbs``
+        when q and k/v have one length, else every row real. Such calls render the kernels
+        with ``separate_kv`` (`tilegen.config.KernelConfig`).
 
         ``return_max_prob=True`` returns ``AttentionOutput(o, lse, max_prob, max_prob_cube)``
         (`tilegen.maxprob`; lse None when return_lse=False): the softmax-normalizer signal
@@ -148,14 +163,17 @@ class BlockSparseAttention:
         (B, H, NQ), written by the same launch's epilogue."""
         on_cpu = q.device.type == "cpu"
         shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
-                                 check_values=check_values or on_cpu)
+                                 check_values=check_values or on_cpu, q_vbs=q_vbs,
+                                 separate_kv=True)
         check_sm_scale(sm_scale)
+        q_vbs = self.query_vbs(shapes, vbs, q_vbs)
         mp = self.max_prob_buffers(q, shapes) if return_max_prob else None
         if needs_grad(q, k, v):  # lse is computed (and saved) whatever return_lse says
-            o, lse = _Attention.apply(self, q, k, v, topk_idx, vbs, counts, sm_scale, shapes, mp)
+            o, lse = _Attention.apply(self, q, k, v, topk_idx, vbs, counts, sm_scale, shapes, mp,
+                                      q_vbs)
         else:
             o, lse = self._forward(q, k, v, topk_idx, vbs, counts, shapes, sm_scale, return_lse,
-                                   mp)
+                                   mp, q_vbs)
         if mp is not None:
             return AttentionOutput(o, lse if return_lse else None, *mp)
         return (o, lse) if return_lse else o
@@ -168,34 +186,54 @@ class BlockSparseAttention:
         return empty_buffers(shapes.batch, shapes.heads, shapes.seq_len, shapes.num_q_blocks,
                              q.device, zero_cube=split)
 
+    def query_vbs(self, shapes: Shapes, vbs: torch.Tensor, q_vbs: torch.Tensor | None
+                  ) -> torch.Tensor | None:
+        """The kernels' Q_VBS for a call of separate K/V (`tilegen.inputs.query_vbs`)."""
+        return query_vbs(shapes, vbs, q_vbs, self.spec.block_q, self._full_vbs)
+
+    def query_vbs_of(self, q: torch.Tensor, k: torch.Tensor, vbs: torch.Tensor,
+                     q_vbs: torch.Tensor | None) -> torch.Tensor | None:
+        """`query_vbs` from the tensors' shapes (no checks: the forward did them)."""
+        axis = 1 if self.spec.layout == "bshd" else 2
+        S, S_kv = q.shape[axis], k.shape[axis]
+        shapes = Shapes(q.shape[0], S, q.shape[3 - axis], q.shape[3], S // self.spec.block_q,
+                        S_kv // self.spec.block_kv, 0, S_kv, k.shape[3 - axis],
+                        q_vbs is not None or k.shape != q.shape)
+        return self.query_vbs(shapes, vbs, q_vbs)
+
     def _pytorch_path(self, device: torch.device) -> bool:
         return device.type == "cpu" and not interpreting()
 
     def _forward(self, q, k, v, topk_idx, vbs, counts, shapes, sm_scale, store_lse,
-                 max_prob_out=None):
+                 max_prob_out=None, q_vbs=None):
         if self._pytorch_path(q.device):
             o, lse = self._pytorch_forward(q, k, v, topk_idx, vbs, counts, sm_scale,
-                                           max_prob_out)
+                                           max_prob_out, q_vbs)
             return o.to(q.dtype), lse
         self.errors.raise_pending(q.device)
         return self._launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
-                            store_lse=store_lse, max_prob_out=max_prob_out)
+                            store_lse=store_lse, max_prob_out=max_prob_out, q_vbs=q_vbs)
 
-    def _pytorch_forward(self, q, k, v, topk_idx, vbs, counts, sm_scale, max_prob_out=None):
+    def _pytorch_forward(self, q, k, v, topk_idx, vbs, counts, sm_scale, max_prob_out=None,
+                         q_vbs=None):
         """The CPU PyTorch path: the fp32 reference; the signal, when asked, from the same
-        softmax (`attention_fp32(max_prob=True)`) and its cube mean (`tilegen.maxprob`)."""
-        vbs_ = vbs if self.spec.variable_block_sizes else None
+        softmax (`attention_fp32(max_prob=True)`) and its cube mean over the real query rows
+        (`tilegen.maxprob`)."""
+        has_vbs = self.spec.variable_block_sizes
+        vbs_ = vbs if has_vbs else None
         out = attention_fp32(q, k, v, topk_idx, vbs_, counts, layout=self.spec.layout,
                              block=self.spec.block_kv, sm_scale=sm_scale,
                              max_prob=max_prob_out is not None)
         if max_prob_out is not None:
+            rows = (q_vbs if q_vbs is not None else vbs) if has_vbs else None
             max_prob_out[0].copy_(out[2])
-            max_prob_out[1].copy_(cube_mean(out[2], vbs_, self.spec.block_q))
+            max_prob_out[1].copy_(cube_mean(out[2], rows, self.spec.block_q))
         return out[0], out[1]
 
     def forward_for_grad(self, q, k, v, topk_idx, vbs, counts=None, *,
                          shapes: Shapes | None = None, sm_scale: float | None = None,
                          max_prob_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         q_vbs: torch.Tensor | None = None,
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The forward of a call that needs gradients: (o, lse, o_acc), o_acc being o before
         its rounding to the input dtype (fp32), which the backward's delta = rowsum(dO * O)
@@ -205,25 +243,29 @@ class BlockSparseAttention:
         max|dQ|, against the rule's 1%). The kernel writes fp32 directly (Triton specialises
         the store on the output pointer's dtype); o is its rounding. On a GPU with wgmma the
         launch is the tuned Gluon forward's instead (`grad_forward`), which writes o, lse and
-        the fp32 O in one pass. ``max_prob_out`` (see `launch`) is filled by the same launch."""
+        the fp32 O in one pass. ``max_prob_out`` (see `launch`) is filled by the same launch.
+        ``q_vbs``: a call of separate K/V (`query_vbs`), which this op's own kernel runs."""
         if shapes is None:
             shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
-                                     check_values=False)
+                                     check_values=False, q_vbs=q_vbs, separate_kv=True)
+            q_vbs = self.query_vbs(shapes, vbs, q_vbs)
         if self._pytorch_path(q.device):
             o_acc, lse = self._pytorch_forward(q, k, v, topk_idx, vbs, counts, sm_scale,
-                                               max_prob_out)
+                                               max_prob_out, q_vbs)
             return o_acc.to(q.dtype), lse, o_acc
         fast = self.grad_forward() if q.device.type == "cuda" else None
-        if fast is not None:
+        if fast is not None and (getattr(fast, "takes_separate_kv", False)
+                                 or not shapes.separate_kv):
+            extra = {"q_vbs": q_vbs} if shapes.separate_kv else {}
             return fast.forward_for_grad(q, k, v, topk_idx, vbs, counts, shapes=shapes,
                                          sm_scale=sm_scale, max_prob_out=max_prob_out,
-                                         errors=self.errors)
+                                         errors=self.errors, **extra)
         self.errors.raise_pending(q.device)
         o_acc = torch.empty_like(q, dtype=torch.float32)
         lse = torch.empty((shapes.batch, shapes.heads, shapes.seq_len),
                           dtype=torch.float32, device=q.device)
         self._launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
-                     out=(o_acc, lse), max_prob_out=max_prob_out)
+                     out=(o_acc, lse), max_prob_out=max_prob_out, q_vbs=q_vbs)
         return o_acc.to(q.dtype), lse, o_acc
 
     def grad_forward(self):
@@ -256,21 +298,25 @@ class BlockSparseAttention:
     def backward(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, lse: torch.Tensor, topk_idx: torch.Tensor, vbs: torch.Tensor,
                  counts: torch.Tensor | None = None, *, sm_scale: float | None = None,
-                 dlse: torch.Tensor | None = None,
+                 dlse: torch.Tensor | None = None, q_vbs: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(dq, dk, dv) given dO (and optionally d lse), from the forward's o and base-2 lse.
         ``o`` is best the fp32 ``o_acc`` of `forward_for_grad` (any float dtype is taken).
+        ``q_vbs``: as the forward's (`query_vbs`; K/V of their own shape), dk and dv then have
+        k's shape (GQA: summed over each group).
 
         No input checks (the forward did them). Padded slots of dq, dk and dv come out zero.
         On the CPU PyTorch path: the fp32 reference backward (`attention_backward_fp32`)."""
         if self._pytorch_path(q.device):
+            has_vbs = self.spec.variable_block_sizes
             dq, dk, dv = attention_backward_fp32(
-                q, k, v, topk_idx, vbs if self.spec.variable_block_sizes else None, counts,
-                do, dlse, layout=self.spec.layout, block=self.spec.block_kv, sm_scale=sm_scale)
+                q, k, v, topk_idx, vbs if has_vbs else None, counts,
+                do, dlse, layout=self.spec.layout, block=self.spec.block_kv, sm_scale=sm_scale,
+                q_vbs=q_vbs if has_vbs else None)
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         self.errors.raise_pending(q.device)
         return self.launch_backward(do, q, k, v, o, lse, topk_idx, vbs, counts,
-                                    sm_scale=sm_scale, dlse=dlse)
+                                    sm_scale=sm_scale, dlse=dlse, q_vbs=q_vbs)
 
     @property
     def backward_config(self) -> BackwardConfig:
@@ -297,11 +343,11 @@ class BlockSparseAttention:
         self._backward_config = value
         self._bwd_pinned = True
 
-    def backward_kernels(self, device: torch.device, bwd: BackwardConfig | None = None
-                         ) -> dict[str, object]:
+    def backward_kernels(self, device: torch.device, bwd: BackwardConfig | None = None,
+                         separate_kv: bool = False) -> dict[str, object]:
         """The three backward kernels for `device` and the template options of `bwd` (default:
         the op's backward config), rendered and imported once."""
-        cfg = self.kernel_config(device)
+        cfg = self.kernel_config(device, separate_kv=separate_kv)
         opts = (bwd or self.backward_config).render_options()
         kernels = self._bwd_kernels.get((cfg, opts))
         if kernels is None:
@@ -310,9 +356,11 @@ class BlockSparseAttention:
                 k: load_triton(src, name) for k, name in BACKWARD_KERNELS.items()}
         return kernels
 
-    def gluon_backward(self, device: torch.device, bwd: BackwardConfig):
+    def gluon_backward(self, device: torch.device, bwd: BackwardConfig,
+                       separate_kv: bool = False):
         """The Gluon backward kernels (`tilegen.backends.gluon.backward.GluonBackward`) at the
-        stages of `bwd`, for this op's target (a wgmma target with a CUDA device)."""
+        stages of `bwd`, for this op's target (a wgmma target with a CUDA device); with
+        ``separate_kv``, GQA's (K and V of fewer heads)."""
         from tilegen.backends.gluon.backward import GluonBackward, options_for, spec_problem
 
         if device.type != "cuda" or self.target is None:
@@ -322,36 +370,57 @@ class BlockSparseAttention:
         if why:
             raise ValueError(f"backward config {bwd.name}: {why}")
         opts = options_for(bwd, self.spec)
-        key = tuple(sorted(opts.items()))
+        key = (tuple(sorted(opts.items())), separate_kv)
         run = self._gluon_bwd.get(key)
         if run is None:
-            run = self._gluon_bwd[key] = GluonBackward(self.spec, self.target, opts)
+            run = self._gluon_bwd[key] = GluonBackward(self.spec, self.target, opts,
+                                                       separate_kv)
         return run
 
     def launch_backward(self, do, q, k, v, o, lse, topk_idx, vbs, counts=None, *,
                         sm_scale: float | None = None, dlse: torch.Tensor | None = None,
                         inverse: BackwardMaps | tuple[torch.Tensor, torch.Tensor] | None = None,
-                        config: BackwardConfig | None = None):
+                        config: BackwardConfig | None = None,
+                        q_vbs: torch.Tensor | None = None):
         """Launch preprocess, dQ and dK/dV with no input checks; returns (dq, dk, dv).
         ``inverse`` passes prebuilt maps (`backward_maps` for the config, or for a config
-        without packing an `inverse_map`), e.g. shared by the layers of a step."""
+        without packing an `inverse_map`), e.g. shared by the layers of a step.
+
+        ``q_vbs`` (`query_vbs`) runs the kernels of separate K/V. GQA alone (q's length and
+        vbs) keeps a Gluon config's kernels, which read each query head's KV head and write dK
+        and dV per query head, summed over each group here. Any other such call runs the Triton
+        kernels whose dK/dV programs run per KV head over a grouped inverse map (`backward_maps`
+        of `grouped_lut`, which ``inverse`` must then be), without the config's packing, atomic
+        dQ and Gluon kernels (`BackwardConfig.for_separate_kv`)."""
         spec = self.spec
-        cfg = self.kernel_config(q.device)
+        separate = q_vbs is not None
+        if spec.layout == "bshd":
+            B, S, H, _ = q.shape
+            S_kv, H_kv = k.shape[1], k.shape[2]
+        else:
+            B, H, S, _ = q.shape
+            S_kv, H_kv = k.shape[2], k.shape[1]
+        cfg = self.kernel_config(q.device, separate_kv=separate)
         bcfg = (config or self.backward_config).fit(spec)
         if bcfg.gluon and q.device.type != "cuda" and config is None and not self._bwd_pinned:
             # the target's default (or winner) names the Gluon kernels, which run on CUDA
             # devices only: a call on another device (the interpreter) takes the Triton ones
             bcfg = dataclasses.replace(bcfg, gluon=False, ds_store=False)
+        # GQA alone on the Gluon kernels: per query head, as without GQA (ungrouped maps)
+        gqa_gluon = separate and bcfg.gluon and S_kv == S and q_vbs is vbs
+        if separate and not gqa_gluon:
+            bcfg = bcfg.for_separate_kv()
+        grouped = separate and not gqa_gluon
         problems = bcfg.violations(spec)
         if problems:
             raise ValueError(f"backward config {bcfg.name} is invalid: " + "; ".join(problems))
-        kernels = self.backward_kernels(q.device, bcfg)
-        if spec.layout == "bshd":
-            B, S, H, _ = q.shape
-        else:
-            B, H, S, _ = q.shape
+        kernels = self.backward_kernels(q.device, bcfg, separate_kv=separate)
         nq = S // spec.block_q
-        nkv = S // spec.block_kv
+        nkv = S_kv // spec.block_kv
+        # the kernel arguments of separate K/V (attention_macros.j2 `kv_layout`), or none
+        q_vbs_arg: tuple = (q_vbs,) if separate else ()
+        kv_len_arg: tuple = (S_kv,) if separate else ()
+        kv_heads_arg: tuple = (H_kv,) if separate else ()
         if bcfg.gluon and (vbs is None or not spec.variable_block_sizes):
             # the Gluon kernels read vbs; a spec without variable block sizes has full cubes
             vbs = torch.full((nkv,), spec.block_kv, dtype=torch.int32, device=q.device)
@@ -363,17 +432,27 @@ class BlockSparseAttention:
         delta = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
         consts, opts = bcfg.kernel_launch("preprocess")
         kernels["preprocess"][(S // consts["BLOCK_M"], B * H)](
-            o, do, delta, vbs, S, H, **consts, **opts)
+            o, do, delta, q_vbs if separate else vbs, S, H, **consts, **opts)
         dsum = None
         if dlse is not None:  # d lse_2 / d s = log2(e) * P: fold it into delta
             dsum = (dlse.to(torch.float32) * LOG2E).contiguous()  # = sum_j dS_ij: the centring
             delta = delta - dsum
         if inverse is None:
-            maps = backward_maps(topk_idx, counts, vbs, nkv, spec.block_kv, bcfg)
+            lut, lut_counts = (grouped_lut(topk_idx, counts, H_kv) if grouped
+                               else (topk_idx, counts))
+            maps = backward_maps(lut, lut_counts, vbs, nkv, spec.block_kv, bcfg)
         elif isinstance(inverse, BackwardMaps):
             maps = inverse
         else:
             maps = BackwardMaps(inverse)
+        map_rows = B * (H_kv if grouped else H) * nkv + 1
+        offsets_seen = (maps.inverse.offsets if isinstance(maps.inverse, PackedTiles)
+                        else maps.inverse[0])
+        if offsets_seen.numel() != map_rows:
+            raise ValueError(f"inverse: the prebuilt map has {offsets_seen.numel()} offsets; "
+                             f"this call needs {map_rows} (B * {'H_kv' if grouped else 'H'} "
+                             "* NKV + 1: K/V of their own heads take backward_maps of "
+                             "grouped_lut)")
         if bcfg.dkdv_pack != isinstance(maps.inverse, PackedTiles) or (
                 bcfg.dq_pack and maps.lut is None):
             raise ValueError(f"inverse: the prebuilt maps do not fit backward config {bcfg.name} "
@@ -389,16 +468,18 @@ class BlockSparseAttention:
             lut = maps.lut
             dq_extra = (lut.offsets, lut.items, lut.tile_start, lut.tile_meta, lut.count)
         buf = torch.float32 if cfg.interp_bf16 else q.dtype
-        dk = torch.empty_like(k, dtype=buf)
-        dv = torch.empty_like(v, dtype=buf)
+        # GQA on the Gluon kernels: dK and dV per query head first
+        dk = torch.empty_like(q if gqa_gluon else k, dtype=buf)
+        dv = torch.empty_like(q if gqa_gluon else v, dtype=buf)
         dq = None if bcfg.dq_atomic else torch.empty_like(q, dtype=buf)
 
         def launch_dq() -> None:
             consts, opts = bcfg.kernel_launch("dq")
             tensors, scalars, flags = self.cursor_args(topk_idx, counts, H, q.device)
             kernels["dq"][(nq * (spec.block_q // consts["BLOCK_M"]), B * H)](
-                q, k, v, do, lse, delta, dsum if dsum is not None else delta, *tensors, vbs, dq,
-                err, *dq_extra, S, H, nq, nkv, *scalars, scale * LOG2E, scale,
+                q, k, v, do, lse, delta, dsum if dsum is not None else delta, *tensors, vbs,
+                *q_vbs_arg, dq, err, *dq_extra, S, *kv_len_arg, H, *kv_heads_arg, nq, nkv,
+                *scalars, scale * LOG2E, scale,
                 HAS_DSUM=dsum is not None, **flags, **consts, INTERP_BF16=cfg.interp_bf16,
                 **opts)
 
@@ -406,9 +487,13 @@ class BlockSparseAttention:
             if bcfg.ds_store and maps.dq_plan is None:
                 raise ValueError(f"inverse: the prebuilt maps do not fit backward config "
                                  f"{bcfg.name} (build them with backward_maps(..., config))")
-            self.gluon_backward(q.device, bcfg).run(
+            self.gluon_backward(q.device, bcfg, separate_kv=gqa_gluon).run(
                 q, k, v, do, lse, delta, dsum, topk_idx, vbs, maps.inverse, maps.dq_plan, dk,
                 dv, err, scale, dq=dq, triton_dq=launch_dq)
+            if gqa_gluon:  # the sum over each group of query heads (accumulated in fp32)
+                g = H // H_kv
+                dk = dk.view(B, S, H_kv, g, -1).sum(3)
+                dv = dv.view(B, S, H_kv, g, -1).sum(3)
         else:
             if bcfg.dq_atomic:
                 dq_acc = torch.zeros_like(q, dtype=torch.float32)
@@ -417,9 +502,12 @@ class BlockSparseAttention:
                 dq_acc = ds_sum = delta  # not touched
                 launch_dq()
             consts, opts = bcfg.kernel_launch("dkdv")
-            kernels["dkdv"][(nkv * (spec.block_kv // consts["BLOCK_N"]), B * H)](
-                q, k, v, do, lse, delta, offsets, qcubes, vbs, dk, dv, dq_acc, ds_sum, err,
-                *dkdv_extra, S, H, nkv, scale * LOG2E, scale, ATOMIC_DQ=bcfg.dq_atomic,
+            kernels["dkdv"][(nkv * (spec.block_kv // consts["BLOCK_N"]),
+                             B * (H_kv if separate else H))](
+                q, k, v, do, lse, delta, offsets, qcubes, vbs, *q_vbs_arg, dk, dv, dq_acc,
+                ds_sum, err, *dkdv_extra, S, *kv_len_arg, H, *kv_heads_arg,
+                *((nq,) if separate else ()), nkv, scale * LOG2E, scale,
+                ATOMIC_DQ=bcfg.dq_atomic,
                 **consts, INTERP_BF16=cfg.interp_bf16, **opts)
         self.errors.after_launch(q.device)
         if bcfg.dq_atomic:
@@ -436,8 +524,9 @@ class BlockSparseAttention:
         self.errors.check()
 
     def kernel_config(self, device: torch.device, store_lse: bool = True,
-                      store_max_prob: bool = False) -> KernelConfig:
-        cfg = self.config.replace(store_lse=store_lse, store_max_prob=store_max_prob)
+                      store_max_prob: bool = False, separate_kv: bool = False) -> KernelConfig:
+        cfg = self.config.replace(store_lse=store_lse, store_max_prob=store_max_prob,
+                                  separate_kv=separate_kv)
         if device.type == "cpu" and self.spec.dtype == "bf16":
             cfg = cfg.replace(interp_bf16=True)
         return cfg
@@ -448,8 +537,11 @@ class BlockSparseAttention:
                store_lse: bool = True,
                out: tuple[torch.Tensor, torch.Tensor] | None = None,
                max_prob_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+               q_vbs: torch.Tensor | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Launch the Triton kernel with no input checks (call `validate_inputs` once first).
+        K/V of their own shape take ``q_vbs`` (`query_vbs`: the call's, or its default).
+
 
         ``max_prob_out=(max_prob, max_prob_cube)``, fp32 (B, H, S) and (B, H, NQ) buffers
         (`max_prob_buffers`), renders the kernel with the signal and fills them; the cube buffer
@@ -457,9 +549,10 @@ class BlockSparseAttention:
         Without it the kernel is the one without the signal: no extra argument or store."""
         if shapes is None:
             shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
-                                     check_values=False)
+                                     check_values=False, q_vbs=q_vbs, separate_kv=True)
         return self._launch(q, k, v, topk_idx, vbs, counts, shapes=shapes, sm_scale=sm_scale,
-                            store_lse=store_lse, out=out, max_prob_out=max_prob_out)
+                            store_lse=store_lse, out=out, max_prob_out=max_prob_out,
+                            q_vbs=self.query_vbs(shapes, vbs, q_vbs))
 
     def cursor_args(self, topk_idx: torch.Tensor | None, counts: torch.Tensor | None,
                     heads: int, device: torch.device
@@ -473,8 +566,10 @@ class BlockSparseAttention:
                 sm_scale: float | None = None, store_lse: bool = True,
                 out: tuple[torch.Tensor, torch.Tensor] | None = None,
                 max_prob_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                q_vbs: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        cfg = self.kernel_config(q.device, store_lse, max_prob_out is not None)
+        separate = q_vbs is not None
+        cfg = self.kernel_config(q.device, store_lse, max_prob_out is not None, separate)
         if cfg.interp_bf16:
             note_once("Triton interpreter with bf16: running the kernel with interp_bf16 "
                       "(fp32 dots on bf16-rounded operands, output rounded by torch), since "
@@ -495,10 +590,11 @@ class BlockSparseAttention:
         err = self.errors.buffer(q.device)
         tensors, scalars, flags = self.cursor_args(topk_idx, counts, shapes.heads, q.device)
         extra = () if max_prob_out is None else tuple(max_prob_out)
+        sep = ((q_vbs,), (shapes.kv_seq_len,), (shapes.kv_heads,)) if separate else ((),) * 3
         kernel[grid](
-            q, k, v, *tensors, vbs, o, lse, err, *extra,
-            shapes.seq_len, shapes.heads, shapes.num_q_blocks, shapes.num_kv_blocks,
-            *scalars, scale * LOG2E,
+            q, k, v, *tensors, vbs, *sep[0], o, lse, err, *extra,
+            shapes.seq_len, *sep[1], shapes.heads, *sep[2], shapes.num_q_blocks,
+            shapes.num_kv_blocks, *scalars, scale * LOG2E,
             **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STORE_LSE=cfg.store_lse,
             INTERP_BF16=cfg.interp_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -538,14 +634,18 @@ class SlidingTileAttention(BlockSparseAttention):
         """Validate, then run (as `BlockSparseAttention.__call__`, without an index tensor)."""
         on_cpu = q.device.type == "cpu"
         shapes = validate_sliding_tile_inputs(self.spec, q, k, v, vbs,
-                                              check_values=check_values or on_cpu)
+                                              check_values=check_values or on_cpu,
+                                              separate_kv=True)
         check_sm_scale(sm_scale)
+        q_vbs = self.query_vbs(shapes, vbs, None)  # GQA: k and v with fewer heads
         lut, counts = self.window_lut(q.device, shapes.batch, shapes.heads)
         mp = self.max_prob_buffers(q, shapes) if return_max_prob else None
         if needs_grad(q, k, v):
-            o, lse = _Attention.apply(self, q, k, v, lut, vbs, counts, sm_scale, shapes, mp)
+            o, lse = _Attention.apply(self, q, k, v, lut, vbs, counts, sm_scale, shapes, mp,
+                                      q_vbs)
         else:
-            o, lse = self._forward(q, k, v, lut, vbs, counts, shapes, sm_scale, return_lse, mp)
+            o, lse = self._forward(q, k, v, lut, vbs, counts, shapes, sm_scale, return_lse, mp,
+                                   q_vbs)
         if mp is not None:
             return AttentionOutput(o, lse if return_lse else None, *mp)
         return (o, lse) if return_lse else o
@@ -579,9 +679,11 @@ class SlidingTileAttention(BlockSparseAttention):
         """Launch the kernel with no input checks (`validate_sliding_tile_inputs` first);
         ``max_prob_out`` as in `BlockSparseAttention.launch`."""
         if shapes is None:
-            shapes = validate_sliding_tile_inputs(self.spec, q, k, v, vbs, check_values=False)
+            shapes = validate_sliding_tile_inputs(self.spec, q, k, v, vbs, check_values=False,
+                                                  separate_kv=True)
         return self._launch(q, k, v, None, vbs, None, shapes=shapes, sm_scale=sm_scale,
-                            store_lse=store_lse, out=out, max_prob_out=max_prob_out)
+                            store_lse=store_lse, out=out, max_prob_out=max_prob_out,
+                            q_vbs=self.query_vbs(shapes, vbs, None))
 
 
 _grad_ops: dict[tuple[Spec, str | None], BlockSparseAttention] = {}

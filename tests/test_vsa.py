@@ -288,6 +288,9 @@ def test_packed_reorder_matches_each_sequence(interpreter):
     from tilegen.reorder_gpu import to_cubes3_packed
 
     seqs, (q, k, v) = _packed(31, h=1)
+    src = layout.packed_slot_sources(tuple(GRIDS), (4, 4, 4), "cpu").long()
+    slots = layout.packed_token_slots(tuple(GRIDS), (4, 4, 4), "cpu")
+    assert torch.equal(src[slots], torch.arange(q.shape[1]))  # each token's slot holds it
     got = to_cubes3_packed(q, k, v, tuple(GRIDS), (4, 4, 4))
     for j in range(3):
         want = torch.cat([layout.to_cubes(s[j], g, (4, 4, 4))[0]

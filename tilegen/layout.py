@@ -258,3 +258,16 @@ def packed_slot_sources(grids: tuple[tuple[int, int, int], ...], cube: tuple[int
         parts.append(src)
         at += math.prod(g3)
     return torch.cat(parts).to(device)
+
+
+@functools.lru_cache(maxsize=32)
+def packed_token_slots(grids: tuple[tuple[int, int, int], ...], cube: tuple[int, int, int],
+                       device: torch.device | str) -> torch.Tensor:
+    """(total tokens,) int64: the cube slot of each token of packed sequences (the inverse of
+    `packed_slot_sources`)."""
+    parts, at = [], 0
+    for g in grids:
+        g3, c3 = _triple(g, "grid"), _triple(cube, "cube")
+        parts.append(token_slots(g3, c3).long() + at)
+        at += vbs_for_grid(g3, c3).numel() * math.prod(c3)
+    return torch.cat(parts).to(device)

@@ -229,6 +229,23 @@ def check_varlen_args(q: Any, k: Any, v: Any, grids: Any, topk: Any, cube: Any, 
     return gs, c, topks
 
 
+class _PackedGather(torch.autograd.Function):
+    """x (1, tokens, H, D) -> its cube slots (1, slots, H, D), slot s holding token src[s] (zeros
+    where src < 0). Every token sits in exactly one slot, so the backward is a gather too
+    (``slot_of_token``), not the scatter-add autograd records for an index (2x slower than the
+    whole step on the H200: bench/NOTES.md)."""
+
+    @staticmethod
+    def forward(ctx, x, src, slot_of_token):
+        ctx.slot_of_token = slot_of_token
+        real = (src >= 0).view(1, -1, 1, 1)
+        return torch.where(real, x[:, src.clamp(min=0)], 0.0).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[:, ctx.slot_of_token], None, None
+
+
 def forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grids: list[Triple],
                    topks: list[int], cube: Triple = (4, 4, 4), gate: torch.Tensor | None = None,
                    sm_scale: float | None = None, *, fine: Callable[..., torch.Tensor],
@@ -248,9 +265,8 @@ def forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grids: lis
         packed = to_cubes3_packed(q, k, v, tuple(grids), cube)  # every sequence, one launch
     else:  # one differentiable gather per tensor for all sequences (padding slots zero)
         src = layout.packed_slot_sources(tuple(grids), cube, q.device).long()
-        real = (src >= 0).view(1, -1, 1, 1)
-        packed = tuple(torch.where(real, x[:, src.clamp(min=0)], 0.0).to(x.dtype)
-                       for x in (q, k, v))
+        slots = layout.packed_token_slots(tuple(grids), cube, q.device)
+        packed = tuple(_PackedGather.apply(x, src, slots) for x in (q, k, v))
     parts, cubes_at, tok_at = [], 0, 0
     for g, t in zip(grids, topks, strict=True):
         n = math.prod(g)

@@ -388,12 +388,12 @@ _block_sparse_attention_train.register_autograd(_backward_train,
                                                 setup_context=_setup_context_train)
 
 
-def _gqa_repeat(q: Any, k: Any, v: Any, q_vbs: Any, layout: str, grad: bool) -> tuple[Any, Any]:
-    """K and V for a GQA/MQA call of one length: repeated to q's heads when the fastest family
-    for the call reads one K/V head per query head (the C++ families: logged once); as they are
-    when its kernels read each query head's KV head in place (the Triton and Gluon families,
-    forward and backward). Cross-attention and q_vbs calls go to the Triton family instead
-    (`_forward_op_for`)."""
+def _gqa_repeat(q: Any, k: Any, v: Any, q_vbs: Any, layout: str) -> tuple[Any, Any]:
+    """K and V for a GQA/MQA call of one length without gradients: repeated to q's heads when
+    the fastest family reads one K/V head per query head (the C++ families, whose kernels then
+    serve it: logged once); as they are when its kernels read each query head's KV head in
+    place (the Triton and Gluon families). Calls that need gradients (the Triton family),
+    cross-attention and q_vbs calls (`_forward_op_for`) always go in place."""
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         return k, v
     axis = 2 if layout == "bshd" else 1 if layout == "bhsd" else None
@@ -401,7 +401,7 @@ def _gqa_repeat(q: Any, k: Any, v: Any, q_vbs: Any, layout: str, grad: bool) -> 
             or k.shape[3 - axis] != q.shape[3 - axis] or k.shape[axis] < 1
             or q.shape[axis] % k.shape[axis]):
         return k, v  # the op's own checks (or its in-place kernels) take the call
-    op = _op_for(q, layout, "triton" if grad else None)
+    op = _op_for(q, layout)
     if getattr(op, "takes_separate_kv", False):
         return k, v
     group = q.shape[axis] // k.shape[axis]
@@ -463,7 +463,8 @@ def block_sparse_attention(
     """
     grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
-    k, v = _gqa_repeat(q, k, v, q_vbs, layout, grad)
+    if not grad:
+        k, v = _gqa_repeat(q, k, v, q_vbs, layout)
     if return_max_prob:
         if grad:
             o, lse, _ = torch.ops.tilegen.block_sparse_attention_train(

@@ -4,12 +4,10 @@
 launches each, ~0.62 ms per tensor on the default workload on the H200). Here one program per
 (64 cube slots, batch) gathers each slot's token row (H*D contiguous elements, or zeros for a
 padding slot) of the three tensors: the bytes once, no separate fill. The slot -> token map is
-`layout.token_slots` inverted (cached per grid, cube and device).
+`layout.packed_slot_sources` (cached per grids, cube and device).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -44,23 +42,10 @@ def _to_cubes3_kernel(Q, K, V, QC, KC, VC, SRC, n_tok, n_slot, ROW: tl.constexpr
     _gather_rows(V, VC, SRC, b, n_tok, n_slot, slot, row, ROW, CHUNK)
 
 
-@functools.lru_cache(maxsize=32)
-def _slot_sources(grid: tuple[int, int, int], cube: tuple[int, int, int],
-                  device: torch.device) -> torch.Tensor:
-    """(NC * vol,) int32: the row-major token of each cube slot, -1 for padding."""
-    slots = layout.token_slots(grid, cube)
-    n_slot = layout.vbs_for_grid(grid, cube).numel() * cube[0] * cube[1] * cube[2]
-    src = torch.full((n_slot,), -1, dtype=torch.int32)
-    src[slots] = torch.arange(slots.numel(), dtype=torch.int32)
-    return src.to(device)
-
-
-def to_cubes3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: tuple[int, int, int],
-              cube: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`layout.to_cubes` of q, k and v (equal shapes, contiguous, on one CUDA device) in one
-    launch; the same outputs (padding slots zero)."""
+def _gather3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, src: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Slot s of each output holds token src[s] of q, k, v (zeros where src < 0), one launch."""
     B, n_tok = q.shape[:2]
-    src = _slot_sources(grid, cube, q.device)
     n_slot = src.numel()
     row = q[0, 0].numel()
     outs = tuple(t.new_empty((B, n_slot, *t.shape[2:])) for t in (q, k, v))
@@ -71,17 +56,16 @@ def to_cubes3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: tuple[int
     return outs  # type: ignore[return-value]
 
 
+def to_cubes3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: tuple[int, int, int],
+              cube: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`layout.to_cubes` of q, k and v (equal shapes, contiguous, on one CUDA device) in one
+    launch; the same outputs (padding slots zero)."""
+    return _gather3(q, k, v, layout.packed_slot_sources((tuple(grid),), tuple(cube), q.device))
+
+
 def to_cubes3_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      grids: tuple[tuple[int, int, int], ...], cube: tuple[int, int, int]
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`to_cubes3` of packed sequences (batch 1, their THW tokens one after another): every
     sequence cube-major, side by side, in one launch."""
-    src = layout.packed_slot_sources(tuple(grids), cube, q.device)
-    n_slot, n_tok = src.numel(), q.shape[1]
-    row = q[0, 0].numel()
-    outs = tuple(t.new_empty((1, n_slot, *t.shape[2:])) for t in (q, k, v))
-    slots = 16
-    _to_cubes3_kernel[(triton.cdiv(n_slot, slots), 1)](
-        q, k, v, *outs, src, n_tok, n_slot, ROW=row, SLOTS=slots,
-        CHUNK=min(1024, triton.next_power_of_2(row)), num_warps=4)
-    return outs  # type: ignore[return-value]
+    return _gather3(q, k, v, layout.packed_slot_sources(tuple(grids), tuple(cube), q.device))

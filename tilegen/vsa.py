@@ -267,33 +267,31 @@ def forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grids: lis
         src = layout.packed_slot_sources(tuple(grids), cube, q.device).long()
         slots = layout.packed_token_slots(tuple(grids), cube, q.device)
         packed = tuple(_PackedGather.apply(x, src, slots) for x in (q, k, v))
-    parts, cubes_at, tok_at = [], 0, 0
+    # per sequence: (grid, its first token, its cube slots, coarse output); the packed LUT rows
+    coarse_outs, rows, counts_of, cubes_at, tok_at = [], [], [], 0, 0
+    vbs_all = []
     for g, t in zip(grids, topks, strict=True):
-        n = math.prod(g)
         vbs = layout.vbs_for_grid(g, cube, device=q.device)
-        rows = slice(cubes_at * vol, (cubes_at + vbs.numel()) * vol)
-        qc, kc, vc = (x[:, rows] for x in packed)
-        co, idx = coarse(qc, kc, vc, vbs, t, vol, scale)
+        slots = slice(cubes_at * vol, (cubes_at + vbs.numel()) * vol)
+        co, idx = coarse(*(x[:, slots] for x in packed), vbs, t, vol, scale)
         if t < width:  # slots past the count are never read: repeat the first id
             idx = torch.cat((idx, idx[..., :1].expand(-1, -1, -1, width - t)), -1)
-        parts.append((g, n, qc, kc, vc, vbs, co, idx + cubes_at, t, tok_at))
+        coarse_outs.append((g, tok_at, slots, co))
+        rows.append(idx + cubes_at)
+        counts_of.append(torch.full(idx.shape[:3], t, dtype=torch.int32, device=q.device))
+        vbs_all.append(vbs)
         cubes_at += vbs.numel()
-        tok_at += n
-    vbs_all = torch.cat([p[5] for p in parts])
-    idx_all = torch.cat([p[7] for p in parts], 2).to(torch.int32).contiguous()
-    counts = None
-    if min(topks) < width:
-        counts = torch.cat([torch.full(p[7].shape[:3], p[8], dtype=torch.int32,
-                                       device=q.device) for p in parts], 2).contiguous()
-    fine_all = fine(*packed, idx_all, vbs_all, counts)
-    outs, at = [], 0
-    for g, n, qc, _, _, _, co, _, _, start in parts:
-        rows = qc.shape[1]
+        tok_at += math.prod(g)
+    counts = torch.cat(counts_of, 2).contiguous() if min(topks) < width else None
+    fine_all = fine(*packed, torch.cat(rows, 2).to(torch.int32).contiguous(),
+                    torch.cat(vbs_all), counts)
+    outs = []
+    for g, start, slots, co in coarse_outs:
         gate_s = gate
         if gate is not None and gate.dim() >= 3 and gate.shape[-3] != 1:  # a token dimension
+            n = math.prod(g)
             gate_s = gate.reshape((1,) * (4 - gate.dim()) + tuple(gate.shape))[:, start:start + n]
-        outs.append(combine(fine_all[:, at:at + rows], co, gate_s, g, cube, differentiable))
-        at += rows
+        outs.append(combine(fine_all[:, slots], co, gate_s, g, cube, differentiable))
     return torch.cat(outs, 1)
 
 

@@ -174,6 +174,34 @@ def test_gradient_through_lse(monkeypatch, path):
         assert s.passed, str(s)
 
 
+def test_unused_outputs_reach_the_backward_as_none(interpreter, monkeypatch):
+    """A loss on o alone hands the backward no dlse (not a zero tensor, which would take the dQ
+    kernels' HAS_DSUM path), and the training forward's fp32 output gets no zero gradient of
+    its size; a loss on lse alone still reaches q and k (do = 0)."""
+    from tilegen.backends.triton.op import BlockSparseAttention
+
+    seen = []
+    real_backward = BlockSparseAttention.backward
+
+    def spy(self, do, *args, **kwargs):
+        seen.append((do, kwargs.get("dlse")))
+        return real_backward(self, do, *args, **kwargs)
+
+    monkeypatch.setattr(BlockSparseAttention, "backward", spy)
+    cap = _case(8, 64, "bf16", "bshd")
+    q, k, v = (cap[x].clone().requires_grad_(True) for x in "qkv")
+    o, lse = block_sparse_attention(q, k, v, cap["topk_idx"], cap["vbs"], cap["counts"],
+                                    return_lse=True)
+    (o.float() * cap["do"].float()).sum().backward()
+    assert len(seen) == 1 and seen[0][1] is None and seen[0][0] is not None
+    q.grad = k.grad = v.grad = None
+    o, lse = block_sparse_attention(q, k, v, cap["topk_idx"], cap["vbs"], cap["counts"],
+                                    return_lse=True)
+    torch.where(torch.isfinite(lse), lse, 0).sum().backward()
+    assert seen[1][1] is not None and not seen[1][0].any()
+    assert q.grad.abs().sum() > 0 and k.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_training_step(interpreter, backend):
     """torch.compile(fullgraph=True) traces forward and backward of a step through the op."""

@@ -92,3 +92,22 @@ def test_selectors_take_kv_heads_per_group():
 def test_gqa_on_the_pytorch_path(pytorch_path_run):
     """The CPU user's default (no interpreter): the same reference check in a fresh process."""
     pytorch_path_run("test_gqa", "test_gqa_forward_and_backward_match_the_reference(4, 2)")
+
+
+@pytest.mark.parametrize("g", [2, 5])
+def test_head_group_sum_matches_torch(interpreter, g):
+    """The Gluon GQA backward's group sum (one Triton launch for dK and dV) against the fp32 sum
+    over each group of query heads: rows past a program's end, g not a power of two. Within
+    one bf16 step (the interpreter's fp32 -> bf16 cast truncates; the GPU rounds)."""
+    from tilegen.backends.triton.group_sum import head_group_sum
+
+    gen = torch.Generator().manual_seed(g)
+    dk, dv = (torch.randn(1, 37, 3 * g, 16, generator=gen).bfloat16() for _ in range(2))
+    got_k, got_v = head_group_sum(dk, dv, 3)
+    for got, x in ((got_k, dk), (got_v, dv)):
+        want = x.float().view(1, 37, 3, g, 16).sum(3)
+        assert got.shape == (1, 37, 3, 16) and got.dtype == x.dtype
+        torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=0)
+        assert not torch.equal(got.float(), x.float().view(1, 37, 3, g, 16)[:, :, :, 0])
+    with pytest.raises(ValueError, match="power-of-two"):
+        head_group_sum(dk[..., :12].contiguous(), dv[..., :12].contiguous(), 3)

@@ -266,17 +266,21 @@ def test_list_of_grids_gradients_match_fp32_autograd(pytorch_path):
     """Gradients through the packed call against each sequence's fp32 oracle on its
     selection."""
     seqs, (q, k, v) = _packed(21)
-    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(q.dtype)
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    video_sparse_attention(*leaves, GRIDS, TOPKS).backward(do)
+    g = torch.Generator().manual_seed(5)
+    do = torch.randn(q.shape, generator=g).to(q.dtype)
+    gate = torch.rand(1, q.shape[1], q.shape[2], 1, generator=g).to(q.dtype)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, gate)]
+    video_sparse_attention(*leaves[:3], GRIDS, TOPKS, gate=leaves[3]).backward(do)
     at = 0
     for (qs, ks, vs), grid, topk in zip(seqs, GRIDS, TOPKS, strict=True):
         n = math.prod(grid)
         _, idx = vsa.forward(qs, ks, vs, grid, topk, fine=vsa_fine, return_selection=True)
-        ref_leaves = [t.detach().float().requires_grad_(True) for t in (qs, ks, vs)]
-        ref, _ = vsa.reference_fp32(*ref_leaves, grid, topk, topk_idx=idx)
+        ref_leaves = [t.detach().float().requires_grad_(True)
+                      for t in (qs, ks, vs, gate[:, at:at + n])]
+        ref, _ = vsa.reference_fp32(*ref_leaves[:3], grid, topk, gate=ref_leaves[3],
+                                    topk_idx=idx)
         ref.backward(do[:, at:at + n].float())
-        for name, a, b in zip("qkv", leaves, ref_leaves, strict=True):
+        for name, a, b in zip(("q", "k", "v", "gate"), leaves, ref_leaves, strict=True):
             res = captures.grad_score(a.grad[:, at:at + n].float(), b.grad)
             assert res.passed, (grid, name, res)
         at += n

@@ -324,6 +324,9 @@ def _setup_context(ctx, inputs, output):
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, topk_idx, vbs, counts, q_vbs)
     ctx.layout, ctx.sm_scale, ctx.return_lse = layout, sm_scale, return_lse
+    # an output without a gradient arrives as None, not as zeros: no dlse (the dQ kernels'
+    # HAS_DSUM path) when the loss does not read lse
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, do, dlse):
@@ -378,6 +381,10 @@ def _setup_context_train(ctx, inputs, output):
     _, lse, o_acc = output
     ctx.save_for_backward(q, k, v, o_acc, lse, topk_idx, vbs, counts, q_vbs)
     ctx.layout, ctx.sm_scale, ctx.return_lse = layout, sm_scale, True
+    # the fp32 o_acc never has a gradient: without this, autograd would fill a zero tensor of
+    # its size (818 MB at the default workload) every step, and a zero dlse would take the dQ
+    # kernels' HAS_DSUM path
+    ctx.set_materialize_grads(False)
 
 
 def _backward_train(ctx, do, dlse, _do_acc):

@@ -113,9 +113,14 @@ def coarse(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, vbs: torch.Tens
            block: int, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 2: the coarse output ``(B, H, NC, D)`` fp32 and the selection ``(B, H, NC, topk)``
     int32 (ids ascending) from cube-major ``qc, kc, vc``. No host sync."""
-    qm = sparsity.pool_cubes(qc, vbs, block)
-    km = sparsity.pool_cubes(kc, vbs, block)
-    vm = sparsity.pool_cubes(vc, vbs, block)
+    return coarse_pooled(*(sparsity.pool_cubes(x, vbs, block) for x in (qc, kc, vc)), topk,
+                         sm_scale)
+
+
+def coarse_pooled(qm: torch.Tensor, km: torch.Tensor, vm: torch.Tensor, topk: int,
+                  sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`coarse` from the pooled cubes ``(B, H, NC, D)`` fp32 (a list of grids pools all its
+    sequences at once and attends per sequence on slices of the small pooled tensors)."""
     raw = qm @ km.transpose(-1, -2)
     # the top-k of the unscaled scores: sparsity.mean_pool_topk's rule (on the GPU its pooling
     # kernel sums in another order, so a near-tie can fall the other way)
@@ -137,18 +142,26 @@ def combine(fine_c: torch.Tensor, coarse_out: torch.Tensor, gate: torch.Tensor |
     """Stages 4 and 5: ``fine + gate * coarse`` in fp32, rounded once to the input dtype, then
     back to THW token order. Runs in cube order, where the coarse output is a broadcast view
     (never materialised per token); a gate with a token dimension is reordered to cubes."""
+    if gate is not None:
+        gate = gate.reshape((1,) * (4 - gate.dim()) + tuple(gate.shape))
+        if gate.shape[1] != 1:  # per token: to cube order (padding slots get 0)
+            gate = layout.to_cubes(gate, grid, cube)[0]
+    out_c = _mix(fine_c, coarse_out, gate, math.prod(cube), differentiable)
+    return layout.from_cubes(out_c, grid, cube)
+
+
+def _mix(fine_c: torch.Tensor, coarse_out: torch.Tensor, gate: torch.Tensor | None, vol: int,
+         differentiable: bool) -> torch.Tensor:
+    """``fine + gate * coarse`` in cube order: ``fine_c`` ``(B, S, H, D)``, ``coarse_out``
+    ``(B, H, S / vol, D)`` fp32, ``gate`` None, ``(Bg, 1, Hg, Dg)`` or cube-ordered
+    ``(Bg, S, Hg, Dg)``; fp32 arithmetic, one rounding to ``fine_c``'s dtype."""
     B, S, H, D = fine_c.shape
-    vol = math.prod(cube)
     nc = S // vol
     fine_v = fine_c.view(B, nc, vol, H, D)
     co = coarse_out.permute(0, 2, 1, 3).unsqueeze(2)  # (B, NC, 1, H, D) fp32
     if gate is not None:
-        gate = gate.reshape((1,) * (4 - gate.dim()) + tuple(gate.shape))
-        if gate.shape[1] != 1:  # per token: to cube order (padding slots get 0)
-            gate = layout.to_cubes(gate, grid, cube)[0].view(gate.shape[0], nc, vol,
-                                                           *gate.shape[2:])
-        else:
-            gate = gate.unsqueeze(2)  # (Bg, 1, 1, Hg, Dg)
+        gate = (gate.view(gate.shape[0], nc, vol, *gate.shape[2:]) if gate.shape[1] != 1
+                else gate.unsqueeze(2))  # (Bg, NC, vol | 1, Hg, Dg)
     if differentiable:
         mixed = fine_v.float() + (co if gate is None else gate.float() * co)
         out_c = mixed.to(fine_c.dtype)
@@ -158,7 +171,7 @@ def combine(fine_c: torch.Tensor, coarse_out: torch.Tensor, gate: torch.Tensor |
             torch.add(fine_v, co, out=out_c)
         else:
             torch.addcmul(fine_v, gate, co, out=out_c)
-    return layout.from_cubes(out_c.view(B, S, H, D), grid, cube)
+    return out_c.view(B, S, H, D)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Triple, topk: int,
@@ -229,70 +242,94 @@ def check_varlen_args(q: Any, k: Any, v: Any, grids: Any, topk: Any, cube: Any, 
     return gs, c, topks
 
 
-class _PackedGather(torch.autograd.Function):
-    """x (1, tokens, H, D) -> its cube slots (1, slots, H, D), slot s holding token src[s] (zeros
-    where src < 0). Every token sits in exactly one slot, so the backward is a gather too
-    (``slot_of_token``), not the scatter-add autograd records for an index (2x slower than the
-    whole step on the H200: bench/NOTES.md)."""
+def _gather_slots(x: torch.Tensor, idx: torch.Tensor, padded: bool) -> torch.Tensor:
+    """``x[:, idx]`` along dim 1; with ``padded``, zeros where ``idx < 0``."""
+    out = x[:, idx.clamp(min=0) if padded else idx]
+    if not padded:
+        return out
+    real = (idx >= 0).view(1, -1, *(1,) * (x.dim() - 2))
+    return torch.where(real, out, 0.0).to(x.dtype)
+
+
+class _SlotGather(torch.autograd.Function):
+    """``out[:, i] = x[:, fwd[i]]`` (zero where ``fwd[i] < 0``) for index maps ``fwd`` and ``bwd``
+    that are each other's inverse on their non-negative entries (tokens to cube slots and back:
+    every element lands in exactly one place). So the backward is the gather by ``bwd``, not
+    the scatter-add autograd records for an index (2x slower than the whole step on the H200:
+    bench/NOTES.md)."""
 
     @staticmethod
-    def forward(ctx, x, src, slot_of_token):
-        ctx.slot_of_token = slot_of_token
-        real = (src >= 0).view(1, -1, 1, 1)
-        return torch.where(real, x[:, src.clamp(min=0)], 0.0).to(x.dtype)
+    def forward(ctx, x, fwd, bwd, fwd_padded, bwd_padded):
+        ctx.bwd, ctx.bwd_padded = bwd, bwd_padded
+        return _gather_slots(x, fwd, fwd_padded)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[:, ctx.slot_of_token], None, None
+        return _gather_slots(grad, ctx.bwd, ctx.bwd_padded), None, None, None, None
+
+
+def _to_slots(x: torch.Tensor, src: torch.Tensor, slot_of: torch.Tensor,
+              differentiable: bool) -> torch.Tensor:
+    """Packed tokens ``(Bx, tokens, ...)`` -> their cube slots (zeros in padding slots)."""
+    if differentiable:
+        return _SlotGather.apply(x, src, slot_of, True, False)
+    return _gather_slots(x, src, True)
+
+
+def _from_slots(x: torch.Tensor, src: torch.Tensor, slot_of: torch.Tensor,
+                differentiable: bool) -> torch.Tensor:
+    """Cube slots -> packed tokens (padding slots dropped)."""
+    if differentiable:
+        return _SlotGather.apply(x, slot_of, src, False, True)
+    return _gather_slots(x, slot_of, False)
 
 
 def forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grids: list[Triple],
                    topks: list[int], cube: Triple = (4, 4, 4), gate: torch.Tensor | None = None,
                    sm_scale: float | None = None, *, fine: Callable[..., torch.Tensor],
                    differentiable: bool = False) -> torch.Tensor:
-    """The pipeline over packed sequences (`check_varlen_args`): reorder and coarse stage per
-    sequence (their own grids and top-k), then **one** fine call over all of them (the cube-major
-    sequences side by side, each row's selected cubes offset to its sequence, counts for the
-    narrower rows), then combine per sequence. ``fine(qc, kc, vc, idx, vbs, counts)`` is the
-    packed fine stage (`tilegen.ops`). No host sync: the offsets come from the grids."""
+    """The pipeline over packed sequences (`check_varlen_args`). Every stage that is per cube
+    runs once over all sequences side by side, cube-major: the reorder (one gather), the
+    pooling, the fine call (each row's selected cubes offset to its sequence, counts for the
+    narrower rows), the combine and the reorder back (one gather). Only the coarse attention
+    runs per sequence, on slices of the small pooled tensors, so autograd never materialises a
+    full-size gradient per slice. ``fine(qc, kc, vc, idx, vbs, counts)`` is the packed fine
+    stage (`tilegen.ops`). No host sync: the offsets come from the grids."""
     vol = math.prod(cube)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     width = max(topks)
+    key = tuple(tuple(g) for g in grids), tuple(cube)
+    src = layout.packed_slot_sources(*key, q.device).long()
+    slot_of = layout.packed_token_slots(*key, q.device)
     if q.is_cuda and not differentiable and q.shape == k.shape == v.shape and all(
             t.is_contiguous() for t in (q, k, v)):
         from tilegen.reorder_gpu import to_cubes3_packed
 
-        packed = to_cubes3_packed(q, k, v, tuple(grids), cube)  # every sequence, one launch
-    else:  # one differentiable gather per tensor for all sequences (padding slots zero)
-        src = layout.packed_slot_sources(tuple(grids), cube, q.device).long()
-        slots = layout.packed_token_slots(tuple(grids), cube, q.device)
-        packed = tuple(_PackedGather.apply(x, src, slots) for x in (q, k, v))
-    # per sequence: (grid, its first token, its cube slots, coarse output); the packed LUT rows
-    coarse_outs, rows, counts_of, cubes_at, tok_at = [], [], [], 0, 0
-    vbs_all = []
-    for g, t in zip(grids, topks, strict=True):
-        vbs = layout.vbs_for_grid(g, cube, device=q.device)
-        slots = slice(cubes_at * vol, (cubes_at + vbs.numel()) * vol)
-        co, idx = coarse(*(x[:, slots] for x in packed), vbs, t, vol, scale)
+        packed = to_cubes3_packed(q, k, v, *key)  # every sequence, one launch
+    else:
+        packed = tuple(_to_slots(x, src, slot_of, differentiable) for x in (q, k, v))
+    vbs_of = [layout.vbs_for_grid(g, cube, device=q.device) for g in grids]
+    vbs_all = torch.cat(vbs_of)
+    pooled = [sparsity.pool_cubes(x, vbs_all, vol) for x in packed]  # (1, H, NC_total, D)
+    coarse_outs, rows, counts_of, at = [], [], [], 0
+    for vbs, t in zip(vbs_of, topks, strict=True):
+        cubes = slice(at, at + vbs.numel())
+        co, idx = coarse_pooled(*(m[:, :, cubes] for m in pooled), t, scale)
         if t < width:  # slots past the count are never read: repeat the first id
             idx = torch.cat((idx, idx[..., :1].expand(-1, -1, -1, width - t)), -1)
-        coarse_outs.append((g, tok_at, slots, co))
-        rows.append(idx + cubes_at)
+        coarse_outs.append(co)
+        rows.append(idx + at)
         counts_of.append(torch.full(idx.shape[:3], t, dtype=torch.int32, device=q.device))
-        vbs_all.append(vbs)
-        cubes_at += vbs.numel()
-        tok_at += math.prod(g)
+        at += vbs.numel()
     counts = torch.cat(counts_of, 2).contiguous() if min(topks) < width else None
-    fine_all = fine(*packed, torch.cat(rows, 2).to(torch.int32).contiguous(),
-                    torch.cat(vbs_all), counts)
-    outs = []
-    for g, start, slots, co in coarse_outs:
-        gate_s = gate
-        if gate is not None and gate.dim() >= 3 and gate.shape[-3] != 1:  # a token dimension
-            n = math.prod(g)
-            gate_s = gate.reshape((1,) * (4 - gate.dim()) + tuple(gate.shape))[:, start:start + n]
-        outs.append(combine(fine_all[:, slots], co, gate_s, g, cube, differentiable))
-    return torch.cat(outs, 1)
+    fine_all = fine(*packed, torch.cat(rows, 2).to(torch.int32).contiguous(), vbs_all, counts)
+    co_all = torch.cat(coarse_outs, 2)
+    if gate is not None:
+        gate = gate.reshape((1,) * (4 - gate.dim()) + tuple(gate.shape))
+        if gate.shape[1] != 1:  # a token dimension: to the cube slots (padding slots get 0)
+            gate = _to_slots(gate, src, slot_of, differentiable)
+    out_c = _mix(fine_all, co_all, gate, vol, differentiable)
+    return _from_slots(out_c, src, slot_of, differentiable)
 
 
 # -- the oracle ------------------------------------------------------------------------------

@@ -491,9 +491,9 @@ class BlockSparseAttention:
                 q, k, v, do, lse, delta, dsum, topk_idx, vbs, maps.inverse, maps.dq_plan, dk,
                 dv, err, scale, dq=dq, triton_dq=launch_dq)
             if gqa_gluon:  # the sum over each group of query heads (accumulated in fp32)
-                g = H // H_kv
-                dk = dk.view(B, S, H_kv, g, -1).sum(3)
-                dv = dv.view(B, S, H_kv, g, -1).sum(3)
+                from tilegen.backends.triton.group_sum import head_group_sum
+
+                dk, dv = head_group_sum(dk, dv, H_kv)
         else:
             if bcfg.dq_atomic:
                 dq_acc = torch.zeros_like(q, dtype=torch.float32)

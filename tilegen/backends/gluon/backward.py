@@ -17,6 +17,8 @@ Knobs (`DEFAULTS`): ``dkdv_stages`` / ``dq_stages`` (ring depths), ``ds_store``,
 ``dkdv_pack`` (the dK/dV kernel streams packed query tiles: partial cubes of one size class
 side by side, `packed_inverse_map` with 8-row classes), ``ds_slots`` (dS^T staging tiles),
 ``dq_k_boxes`` (the dQ kernel loads only the K rows of a KV cube of exactly 32, 16 or 8 keys),
+``dp_early`` (0, 1 or 2: the dK/dV consumer issues dP^T = V dO^T before making P^T, onto
+-delta (1) or from zero beside S^T (2); the template says how they differ),
 ``consumer_regs`` / ``producer_regs`` (setmaxnreg of the consumer warpgroup and the producer),
 ``scratch_bytes`` (the dS^T scratch budget of one launch group; shared by the lanes),
 ``group_streams`` (lanes: head groups on that many streams, each with its share of the
@@ -61,6 +63,7 @@ DEFAULTS: dict[str, Any] = {
     "group_streams": 2,
     "centre": True,
     "debug": "",
+    "dp_early": 1,
 }
 
 
@@ -71,6 +74,8 @@ def resolve(opts: Mapping[str, Any] | None) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown Gluon backward option(s) {unknown}; known: {sorted(DEFAULTS)}")
     out = {**DEFAULTS, **opts}
+    if out["dp_early"] not in (0, 1, 2) or isinstance(out["dp_early"], bool):
+        raise ValueError(f"dp_early must be 0, 1 or 2, got {out['dp_early']!r}")
     lanes = out["group_streams"]
     if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
         raise ValueError(f"group_streams must be an int >= 1, got {lanes!r}")
@@ -247,7 +252,7 @@ class GluonBackward:
             float(sm_scale), STAGES=self.opts["dkdv_stages"], DS_STORE=store, PACKED=packed,
             DS_SLOTS=self.opts["ds_slots"],
             PRODUCER_REGS=self.opts["producer_regs"], DEBUG=self.opts["debug"],
-            num_warps=self.num_warps, maxnreg=self.maxnreg)
+            DP_EARLY=self.opts["dp_early"], num_warps=self.num_warps, maxnreg=self.maxnreg)
 
     def _kv_heads(self, k) -> tuple[int, ...]:
         """The num_kv_heads argument of a GQA source, or none."""
@@ -360,7 +365,8 @@ def signatures(spec: Spec, opts: Mapping[str, Any], has_dsum: bool = False,
         "num_kv_blocks": "i32", "bh_base": "i32", "qk_scale": "fp32", "sm_scale": "fp32"})
     dkdv_c = {"STAGES": opts["dkdv_stages"], "DS_STORE": store, "PACKED": packed,
               "DS_SLOTS": opts["ds_slots"],
-              "PRODUCER_REGS": opts["producer_regs"], "DEBUG": opts["debug"]}
+              "PRODUCER_REGS": opts["producer_regs"], "DEBUG": opts["debug"],
+              "DP_EARLY": opts["dp_early"]}
     boxes = opts["dq_k_boxes"]
     dq = {"ds_desc": td(64, 64), "k_desc": td(64, D), "k_half": td(32, D) if boxes else None,
           "k_quarter": td(16, D) if boxes else None, "k_eighth": td(8, D) if boxes else None,

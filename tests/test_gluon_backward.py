@@ -225,9 +225,11 @@ def test_gluon_backward_refuses_the_cpu(interpreter):
 def test_gluon_backward_builds_for_sm90a_with_wgmma():
     """The sm_90a build, in a process without the interpreter (as `tilegen build` compiles):
     the dK/dV kernel issues S^T and dP^T (8 k-steps each), dV and dK (4 each) as wgmma, the dQ
-    kernel dQ and the row sums (4 each); no local memory, and in the dK/dV kernel at most the
-    three registers ptxas parks around the partial-cube masking (bench/NOTES.md); shared
-    memory for two CTAs per SM. The GQA source (`separate_kv`) builds the same way."""
+    kernel dQ and the row sums (4 each); no local memory, and in the dK/dV kernel only the few
+    values ptxas parks around the partial-cube masking and the producer's staging of the row
+    statistics (`stats_smem`: 8-9 spilled words, measured faster than 5-6 without it:
+    bench/NOTES.md); shared memory for two CTAs per SM. The GQA source (`separate_kv`) builds
+    the same way."""
     code = (
         "import subprocess, tempfile, triton\n"
         "from pathlib import Path\n"
@@ -257,14 +259,14 @@ def test_gluon_backward_builds_for_sm90a_with_wgmma():
     got = {ln.split()[0]: [int(x) for x in ln.split()[1:]] for ln in lines if ln.strip()}
     assert set(got) == {"dkdv", "dq", "dq_dsum", "dkdv_pack", "dkdv_gqa", "dq_gqa"}
     # GQA (K and V read at the group's KV head): the same matmuls and no local memory
-    assert got["dkdv_gqa"][:2] == [24, 0] and got["dkdv_gqa"][2] <= 8, got
+    assert got["dkdv_gqa"][:2] == [24, 0] and got["dkdv_gqa"][2] <= 10, got
     assert got["dq_gqa"][:3] == [8, 0, 0], got
     hgmma, local, stl, shared = got["dkdv"]
-    assert (hgmma, local) == (24, 0) and stl <= 6, got
+    assert (hgmma, local) == (24, 0) and stl <= 10, got
     # packed query tiles: the same matmuls, the producer's box per cube (its 24 registers
     # park a few scalars), the consumer's masks from one threshold per tile
     hgmma, local, stl, shared_pack = got["dkdv_pack"]
-    assert (hgmma, local) == (24, 0) and stl <= 8, got
+    assert (hgmma, local) == (24, 0) and stl <= 10, got
     hgmma, local, stl, shared_dq = got["dq"]
     assert (hgmma, local, stl) == (8, 0, 0), got
     assert got["dq_dsum"][:3] == [8, 0, 0], got  # the dQ kernel of a gradient through lse

@@ -17,6 +17,10 @@ Knobs (`DEFAULTS`): ``dkdv_stages`` / ``dq_stages`` (ring depths), ``ds_store``,
 ``dkdv_pack`` (the dK/dV kernel streams packed query tiles: partial cubes of one size class
 side by side, `packed_inverse_map` with 8-row classes), ``ds_slots`` (dS^T staging tiles),
 ``dq_k_boxes`` (the dQ kernel loads only the K rows of a KV cube of exactly 32, 16 or 8 keys),
+``stats_paired`` (the dK/dV kernel reads each row's lse and delta as one 8-byte pair, built
+per call), ``stats_smem`` (with it, the producer warp stages each tile's pairs in shared
+memory, so the consumer decodes no column offsets), ``acc_zero`` (with ``stats_smem``: S^T
+and dP^T from zero, in flight together, the staged statistics applied after each wait),
 ``dp_early`` (0, 1 or 2: the dK/dV consumer issues dP^T = V dO^T before making P^T, onto
 -delta (1) or from zero beside S^T (2); the template says how they differ),
 ``consumer_regs`` / ``producer_regs`` (setmaxnreg of the consumer warpgroup and the producer),
@@ -64,6 +68,9 @@ DEFAULTS: dict[str, Any] = {
     "centre": True,
     "debug": "",
     "dp_early": 1,
+    "stats_paired": True,
+    "stats_smem": True,
+    "acc_zero": False,
 }
 
 
@@ -76,6 +83,10 @@ def resolve(opts: Mapping[str, Any] | None) -> dict[str, Any]:
     out = {**DEFAULTS, **opts}
     if out["dp_early"] not in (0, 1, 2) or isinstance(out["dp_early"], bool):
         raise ValueError(f"dp_early must be 0, 1 or 2, got {out['dp_early']!r}")
+    if out["acc_zero"] and not out["stats_smem"]:
+        raise ValueError("acc_zero reads the statistics staged by stats_smem: it needs it")
+    if out["stats_smem"] and not out["stats_paired"]:
+        raise ValueError("stats_smem stages the (lse, delta) pairs: it needs stats_paired")
     lanes = out["group_streams"]
     if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
         raise ValueError(f"group_streams must be an int >= 1, got {lanes!r}")
@@ -244,6 +255,8 @@ class GluonBackward:
             tiles = (inverse.tile_start, inverse.tile_meta, inverse.count)
         else:
             (offsets, items), tiles = inverse, (None, None, None)
+        if self.opts["stats_paired"]:  # (lse, delta) of a row in one int64
+            lse, delta = self.paired_stats(lse, delta), None
         self.kernels["dkdv"][(nkv, bh_count if bh_count is not None else B * H)](
             *self._row_descs(q), self._desc(k), self._desc(v), *self._row_descs(do),
             self._desc(dk), self._desc(dv), self._ds_desc(ds) if store else None, offsets,
@@ -252,7 +265,19 @@ class GluonBackward:
             float(sm_scale), STAGES=self.opts["dkdv_stages"], DS_STORE=store, PACKED=packed,
             DS_SLOTS=self.opts["ds_slots"],
             PRODUCER_REGS=self.opts["producer_regs"], DEBUG=self.opts["debug"],
-            DP_EARLY=self.opts["dp_early"], num_warps=self.num_warps, maxnreg=self.maxnreg)
+            DP_EARLY=self.opts["dp_early"], STATS_PAIRED=self.opts["stats_paired"],
+            STATS_SMEM=self.opts["stats_smem"], ACC_ZERO=self.opts["acc_zero"],
+            num_warps=self.num_warps, maxnreg=self.maxnreg)
+
+    @staticmethod
+    def paired_stats(lse, delta):
+        """``(lse, delta)`` fp32 of one shape -> one int64 per row holding both (lse in the low
+        word), for STATS_PAIRED; an int64 tensor is passed through (already paired)."""
+        import torch
+
+        if lse.dtype == torch.int64:
+            return lse
+        return torch.stack((lse, delta), -1).contiguous().view(torch.int64).squeeze(-1)
 
     def _kv_heads(self, k) -> tuple[int, ...]:
         """The num_kv_heads argument of a GQA source, or none."""
@@ -307,6 +332,8 @@ class GluonBackward:
         # with several lanes, group i runs on lane i % lanes (the launch stream, then side
         # streams), each lane with its own scratch: one group's dQ and the next group's dK/dV
         # fill each other's launch tails
+        if self.opts["stats_paired"]:  # once for every group, before the lanes fork
+            lse = self.paired_stats(lse, delta)
         cur = torch.cuda.current_stream(q.device)
         streams = [cur] + [side_stream(q.device, i) for i in range(lanes - 1)]
         for s in streams[1:]:
@@ -360,13 +387,16 @@ def signatures(spec: Spec, opts: Mapping[str, Any], has_dsum: bool = False,
         "tile_meta_ptr": "*i32" if packed else None,
         "tile_count_ptr": "*i32" if packed else None,
         "vbs_ptr": "*i32",
-        "lse_ptr": "*fp32", "delta_ptr": "*fp32", "err_ptr": "*i32", "seq_len": "i32",
+        "lse_ptr": "*i64" if opts["stats_paired"] else "*fp32",
+        "delta_ptr": None if opts["stats_paired"] else "*fp32", "err_ptr": "*i32",
+        "seq_len": "i32",
         "num_heads": "i32", **({"num_kv_heads": "i32"} if separate_kv else {}),
         "num_kv_blocks": "i32", "bh_base": "i32", "qk_scale": "fp32", "sm_scale": "fp32"})
     dkdv_c = {"STAGES": opts["dkdv_stages"], "DS_STORE": store, "PACKED": packed,
               "DS_SLOTS": opts["ds_slots"],
               "PRODUCER_REGS": opts["producer_regs"], "DEBUG": opts["debug"],
-              "DP_EARLY": opts["dp_early"]}
+              "DP_EARLY": opts["dp_early"], "STATS_PAIRED": opts["stats_paired"],
+              "STATS_SMEM": opts["stats_smem"], "ACC_ZERO": opts["acc_zero"]}
     boxes = opts["dq_k_boxes"]
     dq = {"ds_desc": td(64, 64), "k_desc": td(64, D), "k_half": td(32, D) if boxes else None,
           "k_quarter": td(16, D) if boxes else None, "k_eighth": td(8, D) if boxes else None,

@@ -174,6 +174,34 @@ def test_gradient_through_lse(monkeypatch, path):
         assert s.passed, str(s)
 
 
+def test_delta_from_the_rounding_residual(interpreter):
+    """The training forward keeps O's rounding residual in 16 bits (half the fp32 O's bytes):
+    o + residual carries O to ~16 bits, so the backward from (o, o_lo) matches the one from the
+    fp32 O to well inside the gradient rule, where o alone (delta from the rounded O) does not
+    come as close."""
+    from tilegen.backends.triton.op import residual_of
+
+    cap = _case(9, 64, "bf16", "bshd")
+    op = tilegen.load(_spec(64, "bf16", "bshd"), target=None)
+    args = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"], cap["counts"])
+    o, lse, o_acc = op.forward_for_grad(*args, residual=True)
+    assert o_acc.dtype == torch.float32  # the Triton kernels write the fp32 O; callers convert
+    o_lo = residual_of(o, o_acc)
+    assert o_lo.dtype == o.dtype
+    real = cap["real"].expand_as(o)
+    assert torch.allclose((o.float() + o_lo.float())[real], o_acc[real], rtol=2 ** -14,
+                          atol=1e-30)
+    rest = (cap["topk_idx"], cap["vbs"], cap["counts"])
+    fp32 = op.launch_backward(cap["do"], *args[:3], o_acc, lse, *rest)
+    split = op.launch_backward(cap["do"], *args[:3], o, lse, *rest, o_lo=o_lo)
+    rounded = op.launch_backward(cap["do"], *args[:3], o, lse, *rest)
+    for a, b, c in zip(fp32, split, rounded, strict=True):
+        scale = a.float().abs().max()
+        gap = (a.float() - b.float()).abs().max() / scale
+        assert gap <= 2e-3, gap
+        assert gap <= (a.float() - c.float()).abs().max() / scale
+
+
 def test_unused_outputs_reach_the_backward_as_none(interpreter, monkeypatch):
     """A loss on o alone hands the backward no dlse (not a zero tensor, which would take the dQ
     kernels' HAS_DSUM path), and the training forward's fp32 output gets no zero gradient of
@@ -277,7 +305,7 @@ def test_backward_ops_are_registered_with_fakes(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     cap = _case(9, 64, "bf16", "bshd")
     base = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"], cap["counts"])
-    train = torch.ops.tilegen.block_sparse_attention_train.default
+    train = torch.ops.tilegen.block_sparse_attention_for_grad.default
     torch.library.opcheck(train, (*base, "bshd", None),
                           test_utils=("test_schema", "test_faketensor"))
     o, lse, o_acc = train(*base, "bshd", None)

@@ -346,7 +346,8 @@ def test_gluon_family_builds_its_backward_on_hopper_only():
 
 
 def test_forward_for_grad_store_compiles_without_spills():
-    """STORE_O32 (the fp32 O of a gradient call) adds the fp32 stores and leaves the matmuls:
+    """STORE_O32 (the fp32 O of a gradient call, or its rounding residual) adds the stores and
+    leaves the matmuls:
     one TMA store staged in the K ring for a consumer with a ring of its own (the default), 64
     two-element stores per thread and consumer where the ring is shared (share_kv). Every
     variant without it compiles as before (bench/NOTES.md: the winners' SASS)."""
@@ -366,14 +367,15 @@ def test_forward_for_grad_store_compiles_without_spills():
         "    extra = {'share_kv': True, 'num_consumers': 2} if share else {}\n"
         "    cfg = base.replace(options={**dict(base.options), **extra})\n"
         "    opts = R.options_of(cfg); fn = launch.load_kernel(b.render(s, cfg, t))\n"
-        "    for o32 in (False, True):\n"
-        "        sig, consts = launch.signature(opts, 128, 'bf16', store_o32=o32)\n"
+        "    for o32, res in ((False, False), (True, False), (True, True)):\n"
+        "        sig, consts = launch.signature(opts, 128, 'bf16', store_o32=o32, residual=res)\n"
         "        ck = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget('cuda',"
         " 90, 32), options={'num_warps': 4, 'maxnreg': R.maxnreg_for(opts, t)})\n"
         "        p = Path(tempfile.mkdtemp()) / 'k.cubin'; p.write_bytes(ck.asm['cubin'])\n"
         "        sass = subprocess.run([str(cu), '--dump-sass', str(p)], capture_output=True,"
         " text=True, check=True).stdout\n"
-        "        print(int(share), int(o32), R.o32_store_kind(opts), cubin_matrix_ops(p)['HGMMA'],"
+        "        print(int(share), int(o32) + int(res), R.o32_store_kind(opts, res),"
+        " cubin_matrix_ops(p)['HGMMA'],"
         " cubin_resources(p)['local_bytes'], sass.count('STG.'), sass.count('UTMASTG'))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -388,6 +390,11 @@ def test_forward_for_grad_store_compiles_without_spills():
             assert tma1 == tma0 + 1 and stg1 - stg0 < 64
         else:  # 64 x 128 fp32 per consumer: 64 two-element stores per thread
             assert tma1 == tma0 and stg1 - stg0 == 64 * consumers
+    # the rounding residual in 16 bits (STORE_O32 3) where the ring is the consumer's own: one
+    # more bulk store, the same matmuls; a shared ring keeps the fp32 O (kind 1)
+    k2, mma2, local2, stg2, tma2 = got[0, 2]
+    assert k2 == 3 and mma2 == got[0, 0][1] and local2 == 0 and tma2 == got[0, 0][4] + 1
+    assert got[1, 2][0] == 1
 
 
 def test_head_groups_fit_the_budget_and_int32_rows():

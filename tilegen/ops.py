@@ -305,24 +305,26 @@ def _block_sparse_attention_backward(
     layout: str,
     sm_scale: float | None,
     q_vbs: torch.Tensor | None = None,
+    o_lo: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of `tilegen::block_sparse_attention` (the op's backward kernels); dk and
-    dv have k's shape (GQA: summed over each group)."""
+    dv have k's shape (GQA: summed over each group). ``o_lo``: o's rounding residual (the
+    training forward's), for delta."""
     op = _op_for(q, layout, "triton")
     return op.backward(do, q, k, v, o, lse, topk_idx, vbs, counts, sm_scale=sm_scale, dlse=dlse,
-                       q_vbs=op.query_vbs_of(q, k, vbs, q_vbs))
+                       q_vbs=op.query_vbs_of(q, k, vbs, q_vbs), o_lo=o_lo)
 
 
 @_block_sparse_attention_backward.register_fake
 def _block_sparse_attention_backward_fake(do, q, k, v, o, lse, topk_idx, vbs, counts, dlse,
-                                          layout, sm_scale, q_vbs=None):
+                                          layout, sm_scale, q_vbs=None, o_lo=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, topk_idx, vbs, counts, layout, sm_scale, return_lse, q_vbs = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, topk_idx, vbs, counts, q_vbs)
+    ctx.save_for_backward(q, k, v, o, None, lse, topk_idx, vbs, counts, q_vbs)
     ctx.layout, ctx.sm_scale, ctx.return_lse = layout, sm_scale, return_lse
     # an output without a gradient arrives as None, not as zeros: no dlse (the dQ kernels'
     # HAS_DSUM path) when the loss does not read lse
@@ -330,7 +332,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, do, dlse):
-    q, k, v, o, lse, topk_idx, vbs, counts, q_vbs = ctx.saved_tensors
+    q, k, v, o, o_lo, lse, topk_idx, vbs, counts, q_vbs = ctx.saved_tensors
     if not ctx.return_lse:
         # called directly with return_lse=False (the wrapper never does when grad is needed):
         # lse was not computed; run the forward again for it
@@ -340,15 +342,18 @@ def _backward(ctx, do, dlse):
     if do is None:
         do = torch.zeros_like(o)
     dq, dk, dv = torch.ops.tilegen.block_sparse_attention_backward(
-        do, q, k, v, o, lse, topk_idx, vbs, counts, dlse, ctx.layout, ctx.sm_scale, q_vbs)
+        do, q, k, v, o, lse, topk_idx, vbs, counts, dlse, ctx.layout, ctx.sm_scale, q_vbs, o_lo)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _block_sparse_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("tilegen::block_sparse_attention_train", mutates_args=())
-def _block_sparse_attention_train(
+# torch.compile's AOTAutograd cache keys on the traced graph, not on the autograd code below:
+# a change to what these ops save or hand their backward must change an op's name or schema, or
+# a warm cache replays the old backward (the fp32-O version of this op was `..._train`)
+@torch.library.custom_op("tilegen::block_sparse_attention_for_grad", mutates_args=())
+def _block_sparse_attention_for_grad(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -359,13 +364,17 @@ def _block_sparse_attention_train(
     sm_scale: float | None,
     q_vbs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward of a call that needs gradients: (o, lse, o_acc), o_acc the fp32 output the
-    backward's delta is computed from (`BlockSparseAttention.forward_for_grad`)."""
-    return _op_for(q, layout, "triton").forward_for_grad(q, k, v, topk_idx, vbs, counts,
-                                                         sm_scale=sm_scale, q_vbs=q_vbs)
+    """The forward of a call that needs gradients: (o, lse, o_lo), o_lo O's rounding residual
+    in q's dtype, from which with o the backward's delta is computed
+    (`BlockSparseAttention.forward_for_grad` with ``residual``: half the bytes of the fp32 O)."""
+    from tilegen.backends.triton.op import residual_of
+
+    o, lse, o_acc = _op_for(q, layout, "triton").forward_for_grad(
+        q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale, q_vbs=q_vbs, residual=True)
+    return o, lse, residual_of(o, o_acc)
 
 
-@_block_sparse_attention_train.register_fake
+@_block_sparse_attention_for_grad.register_fake
 def _block_sparse_attention_train_fake(q, k, v, topk_idx, vbs, counts, layout, sm_scale,
                                        q_vbs=None):
     if layout == "bshd":
@@ -373,17 +382,16 @@ def _block_sparse_attention_train_fake(q, k, v, topk_idx, vbs, counts, layout, s
     else:
         B, H, S, _ = q.shape
     return (torch.empty_like(q), q.new_empty((B, H, S), dtype=torch.float32),
-            torch.empty_like(q, dtype=torch.float32))
+            torch.empty_like(q))
 
 
 def _setup_context_train(ctx, inputs, output):
     q, k, v, topk_idx, vbs, counts, layout, sm_scale, q_vbs = inputs
-    _, lse, o_acc = output
-    ctx.save_for_backward(q, k, v, o_acc, lse, topk_idx, vbs, counts, q_vbs)
+    o, lse, o_lo = output
+    ctx.save_for_backward(q, k, v, o, o_lo, lse, topk_idx, vbs, counts, q_vbs)
     ctx.layout, ctx.sm_scale, ctx.return_lse = layout, sm_scale, True
-    # the fp32 o_acc never has a gradient: without this, autograd would fill a zero tensor of
-    # its size (818 MB at the default workload) every step, and a zero dlse would take the dQ
-    # kernels' HAS_DSUM path
+    # o_lo never has a gradient: without this, autograd would fill a zero tensor of its size
+    # every step, and a zero dlse would take the dQ kernels' HAS_DSUM path
     ctx.set_materialize_grads(False)
 
 
@@ -391,7 +399,7 @@ def _backward_train(ctx, do, dlse, _do_acc):
     return _backward(ctx, do, dlse)
 
 
-_block_sparse_attention_train.register_autograd(_backward_train,
+_block_sparse_attention_for_grad.register_autograd(_backward_train,
                                                 setup_context=_setup_context_train)
 
 
@@ -465,8 +473,8 @@ def block_sparse_attention(
     so ``torch.compile(fullgraph=True)`` traces forward and backward of models that call it.
     Differentiable in q, k and v (and through lse when returned); topk_idx, vbs and counts get
     no gradient. A call that needs gradients goes through
-    ``torch.ops.tilegen.block_sparse_attention_train``, which also computes lse and keeps the
-    fp32 output for the backward's delta (see `BlockSparseAttention.forward_for_grad`).
+    ``torch.ops.tilegen.block_sparse_attention_for_grad``, which also computes lse and keeps O's
+    rounding residual for the backward's delta (see `BlockSparseAttention.forward_for_grad`).
     """
     grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
@@ -474,7 +482,7 @@ def block_sparse_attention(
         k, v = _gqa_repeat(q, k, v, q_vbs, layout)
     if return_max_prob:
         if grad:
-            o, lse, _ = torch.ops.tilegen.block_sparse_attention_train(
+            o, lse, _ = torch.ops.tilegen.block_sparse_attention_for_grad(
                 q, k, v, topk_idx, vbs, counts, layout, sm_scale, q_vbs)
             _, _, mp, mpc = torch.ops.tilegen.block_sparse_attention_max_prob(
                 q.detach(), k.detach(), v.detach(), topk_idx, vbs, counts, layout, sm_scale,
@@ -484,7 +492,7 @@ def block_sparse_attention(
                 q, k, v, topk_idx, vbs, counts, layout, sm_scale, return_lse, q_vbs)
         return AttentionOutput(o, lse if return_lse else None, mp, mpc)
     if grad:
-        o, lse, _ = torch.ops.tilegen.block_sparse_attention_train(q, k, v, topk_idx, vbs,
+        o, lse, _ = torch.ops.tilegen.block_sparse_attention_for_grad(q, k, v, topk_idx, vbs,
                                                                    counts, layout, sm_scale,
                                                                    q_vbs)
     else:

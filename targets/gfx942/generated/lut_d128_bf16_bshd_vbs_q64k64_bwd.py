@@ -4,6 +4,7 @@
 Three kernels, launched in this order (FlashAttention-2's split, no atomics):
 
 - `tilegen_bsa_bwd_preprocess`: delta = rowsum(dO * O) in fp32, (B, H, S); grid (S // BLOCK_M, B*H).
+  O is the fp32 O, or (HAS_O_LO) O in the input dtype plus its rounding residual O_LO.
 - `tilegen_bsa_bwd_dq`: dQ per BLOCK_M slice of a query cube, walking the cube's LUT row like the
   forward (counts, guarded indices, vbs masking with HAS_VBS); grid (query cubes * 64 // BLOCK_M, B*H).
   With DQ_PACK it walks the row in packed key tiles instead (DQ_OFFSETS .. DQ_TCOUNT, None
@@ -42,8 +43,9 @@ def _round_bf16(x):
 
 @triton.jit
 def tilegen_bsa_bwd_preprocess(
-    O, DO, DELTA, VBS,
+    O, O_LO, DO, DELTA, VBS,
     seq_len, num_heads,
+    HAS_O_LO: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -65,6 +67,8 @@ def tilegen_bsa_bwd_preprocess(
     else:
         q_valid = tl.arange(0, BLOCK_M) >= 0
     o = tl.load(O + base + offs_m[:, None] * row + offs_d[None, :]).to(tl.float32)
+    if HAS_O_LO:  # O in 16 bits and its rounding residual: O to ~16 bits
+        o += tl.load(O_LO + base + offs_m[:, None] * row + offs_d[None, :]).to(tl.float32)
     do = tl.load(DO + base + offs_m[:, None] * row + offs_d[None, :]).to(tl.float32)
     delta = tl.where(q_valid, tl.sum(o * do, 1), 0.0)
     tl.store(DELTA + bh * seq_len + offs_m, delta)

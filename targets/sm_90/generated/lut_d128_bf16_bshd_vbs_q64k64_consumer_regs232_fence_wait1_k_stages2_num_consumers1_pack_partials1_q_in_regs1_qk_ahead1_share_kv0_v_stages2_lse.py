@@ -207,7 +207,8 @@ def _epilogue(acc, m_i, l_i, bad, q_smem, k_smem, o_desc, vbs_ptr, lse_ptr, mp_p
               STORE_MAX_PROB: gl.constexpr, STORE_O32: gl.constexpr):
     """Normalise, zero padded query rows, NaN for a row with a bad value; O through TMA (and
     with STORE_O32 in fp32 to o32_out: 1 by `gl.store` to a pointer, 2 by a TMA store from
-    ``k_smem``, the consumer's own K ring, idle once the last S = Q K^T is done)."""
+    ``k_smem``, the consumer's own K ring, idle once the last S = Q K^T is done; 3 the same
+    for O's rounding residual in the input dtype)."""
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     o = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, ROW_O), 1)
     if ZERO_PAD_ROWS:
@@ -223,9 +224,14 @@ def _epilogue(acc, m_i, l_i, bad, q_smem, k_smem, o_desc, vbs_ptr, lse_ptr, mp_p
         # 8-byte stores would not
         o32_smem = k_smem._reinterpret(gl.float32, [BLOCK, HEAD_DIM], O32_SMEM)
         o32_smem.store(o)
+    elif STORE_O32 == 3:
+        # O's rounding residual o - o16 in 16 bits, in one K slot: o16 + residual carries O to
+        # ~16 bits for delta in half the bytes of the fp32 O
+        o32_smem = k_smem.index(0)
+        o32_smem.store((o - o.to(DTYPE).to(gl.float32)).to(DTYPE))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [q_row0, col], q_smem)
-    if STORE_O32 == 2:
+    if STORE_O32 >= 2:
         tma.async_copy_shared_to_global(o32_out, [q_row0, col], o32_smem)
     elif STORE_O32 == 1:
         rows_o = gl.arange(0, BLOCK, layout=ROW_O)
@@ -556,9 +562,10 @@ def tilegen_gluon_lut_ws(q_desc, k_full, k_half, k_quarter, k_eighth, v_full, v_
     tmask_ptr is, without STORE_MAX_PROB mp_ptr and mpc_ptr are, and without STORE_O32 (the
     fp32 O of a call that needs gradients) o32_out is. STORE_O32 1: o32_out is an fp32 pointer;
     2: an fp32 TMA descriptor over the (B*S, H*D) view, (BLOCK, HEAD_DIM) boxes in O32_SMEM
-    (one consumer per K ring and K_STAGES >= 2: the tile borrows the ring)."""
-    gl.static_assert((STORE_O32 != 2) | ((not SHARE_KV) & (K_STAGES >= 2)),
-                     "STORE_O32 2 stages the fp32 O in a K ring of its own consumer, 2+ slots")
+    (one consumer per K ring and K_STAGES >= 2: the tile borrows the ring); 3: as 2 for O's
+    rounding residual in the input dtype, a descriptor like o_desc, staged in one K slot."""
+    gl.static_assert((STORE_O32 < 2) | ((not SHARE_KV) & (K_STAGES >= 2)),
+                     "STORE_O32 2 and 3 stage O in a K ring of its own consumer, 2+ slots")
     pid_q = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // num_heads

@@ -58,6 +58,10 @@ COL_S = gl.constexpr(gl.SliceLayout(0, S_LAYOUT))
 ROW_O = gl.constexpr(gl.SliceLayout(1, O_LAYOUT))
 COL_O = gl.constexpr(gl.SliceLayout(0, O_LAYOUT))
 TILE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+# a query tile's 64 columns in the one-warp producer, and their (lse, delta) pairs staged for
+# the consumer (STATS_SMEM)
+PRODUCER_COLS = gl.constexpr(gl.BlockedLayout([2], [32], [1], [0]))
+STATS_SMEM_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 # the width-8 matmul that sums the rows of dS in the dQ kernel: its accumulator and its B
 # operand (a column of ones)
 SUM_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -139,8 +143,10 @@ def _load_query_tile(descs, buf, bar, items_ptr, tile_start_ptr, tile_meta_ptr, 
 @gluon.jit
 def _dkdv_producer(q_descs, do_descs, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar,
                    q_ready, do_ready, empty, items_ptr, tile_start_ptr, tile_meta_ptr, first,
-                   n_tiles, row0, kv_row, col, STAGES: gl.constexpr, PACKED: gl.constexpr):
-    """One warp: K and V of the cube once, then the Q and dO tiles of its query cubes."""
+                   n_tiles, row0, kv_row, col, STAGES: gl.constexpr, PACKED: gl.constexpr,
+                   lse_ptr, stat_row0, stats_smem, STATS_SMEM: gl.constexpr):
+    """One warp: K and V of the cube once, then the Q and dO tiles of its query cubes (with
+    STATS_SMEM also each tile's (lse, delta) pairs, stored before Q's arrival)."""
     if n_tiles > 0:
         mbarrier.expect(kv_bar, 2 * TILE_BYTES)
         tma.async_copy_global_to_shared(k_desc, [kv_row, col], kv_bar, k_smem)
@@ -148,6 +154,10 @@ def _dkdv_producer(q_descs, do_descs, k_desc, v_desc, k_smem, v_smem, q_smem, do
     for j in range(0, n_tiles):
         s = j % STAGES
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+        if STATS_SMEM:
+            offs = _tile_offsets(items_ptr, tile_start_ptr, tile_meta_ptr, first + j,
+                                 gl.arange(0, BLOCK, layout=PRODUCER_COLS), PACKED)
+            stats_smem.index(s).store(gl.load(lse_ptr + stat_row0 + offs))
         _load_query_tile(q_descs, q_smem.index(s), q_ready.index(s), items_ptr, tile_start_ptr,
                          tile_meta_ptr, first + j, row0, col, PACKED)
         _load_query_tile(do_descs, do_smem.index(s), do_ready.index(s), items_ptr,
@@ -155,31 +165,47 @@ def _dkdv_producer(q_descs, do_descs, k_desc, v_desc, k_smem, v_smem, q_smem, do
 
 
 @gluon.jit
-def _query_tile(items_ptr, tile_start_ptr, tile_meta_ptr, vbs_ptr, slot, cols,
-                PACKED: gl.constexpr):
-    """Query tile `slot`: the offset of each column's row in its (b, h) slice of lse and delta,
-    and the tile's real columns, a prefix (a packed tile holds cubes of exactly 2**lg rows:
-    `pack_tiles` with exact classes)."""
+def _tile_offsets(items_ptr, tile_start_ptr, tile_meta_ptr, slot, cols, PACKED: gl.constexpr):
+    """Query tile `slot`: the offset of each column's row in its (b, h) slice of lse and delta
+    (a packed tile holds cubes of exactly 2**lg rows: `pack_tiles` with exact classes)."""
     if PACKED:
         meta = gl.load(tile_meta_ptr + slot)
         lg = meta & 0xFF
         start = gl.load(tile_start_ptr + slot)
         if lg == 6:
-            qc = gl.load(items_ptr + start)
-            offs = qc * BLOCK + cols
-            n_real = gl.load(vbs_ptr + qc)
+            offs = gl.load(items_ptr + start) * BLOCK + cols
         else:
             # cube i of the tile holds columns i * 2**lg ..; a tile's last cubes may be missing
             item = cols >> lg
-            n_items = meta >> 8
-            cube = gl.load(items_ptr + start + item, mask=item < n_items, other=0)
+            cube = gl.load(items_ptr + start + item, mask=item < (meta >> 8), other=0)
             offs = cube * BLOCK + (cols & ((1 << lg) - 1))
-            n_real = n_items << lg
     else:
-        qc = gl.load(items_ptr + slot)
-        offs = qc * BLOCK + cols
-        n_real = gl.load(vbs_ptr + qc)
-    return offs, n_real
+        offs = gl.load(items_ptr + slot) * BLOCK + cols
+    return offs
+
+
+@gluon.jit
+def _tile_real(items_ptr, tile_start_ptr, tile_meta_ptr, vbs_ptr, slot, PACKED: gl.constexpr):
+    """Query tile `slot`'s real columns, a prefix."""
+    if PACKED:
+        meta = gl.load(tile_meta_ptr + slot)
+        lg = meta & 0xFF
+        if lg == 6:
+            n_real = gl.load(vbs_ptr + gl.load(items_ptr + gl.load(tile_start_ptr + slot)))
+        else:
+            n_real = (meta >> 8) << lg
+    else:
+        n_real = gl.load(vbs_ptr + gl.load(items_ptr + slot))
+    return n_real
+
+
+@gluon.jit
+def _staged_stat(stats, WORD: gl.constexpr):
+    """Word WORD (0: lse, 1: delta) of each column's (lse, delta) pair staged by the producer."""
+    both = stats.load(COL_S)
+    if WORD == 1:
+        both = both >> 32
+    return both.to(gl.int32).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -187,7 +213,9 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do
                    dk_desc, dv_desc, ds_desc, items_ptr, tile_start_ptr, tile_meta_ptr, vbs_ptr,
                    lse_ptr, delta_ptr, err_ptr, first, pair0, n_tiles, kv_cube, kv_row, col,
                    stat_row0, qk_scale, sm_scale, STAGES: gl.constexpr, DS_STORE: gl.constexpr,
-                   PACKED: gl.constexpr, DS_SLOTS: gl.constexpr, DEBUG: gl.constexpr):
+                   PACKED: gl.constexpr, DS_SLOTS: gl.constexpr, DEBUG: gl.constexpr,
+                   DP_EARLY: gl.constexpr, STATS_PAIRED: gl.constexpr,
+                   stats_smem, STATS_SMEM: gl.constexpr, ACC_ZERO: gl.constexpr):
     dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, O_LAYOUT)
     dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, O_LAYOUT)
     zero_s = gl.zeros([BLOCK, BLOCK], gl.float32, S_LAYOUT)
@@ -200,25 +228,82 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do
     for j in range(0, n_tiles):
         s = j % STAGES
         phase = (j // STAGES) & 1
-        offs, n_real = _query_tile(items_ptr, tile_start_ptr, tile_meta_ptr, vbs_ptr, first + j,
-                                   cols, PACKED)
-        stat = stat_row0 + offs
+        n_real = _tile_real(items_ptr, tile_start_ptr, tile_meta_ptr, vbs_ptr, first + j,
+                            PACKED)
+        if not STATS_SMEM:
+            stat = stat_row0 + _tile_offsets(items_ptr, tile_start_ptr, tile_meta_ptr,
+                                             first + j, cols, PACKED)
         # the matmuls accumulate onto the row statistics, so no register holds them long:
         # S^T - lse / qk_scale, then dP^T - delta
-        lse = gl.load(lse_ptr + stat)
-        mbarrier.wait(q_ready.index(s), phase)
-        s_t = warpgroup_mma(k_smem, q_smem.index(s).permute((1, 0)),
-                            zero_s - gl.expand_dims(lse * inv_scale, 0))
-        p_t = _exp2(s_t * qk_scale)
+        if STATS_SMEM:
+            if not ACC_ZERO:
+                # the producer staged the tile's (lse, delta) pairs with its Q (complete on
+                # q_ready, whose arrival follows the producer's store)
+                mbarrier.wait(q_ready.index(s), phase)
+                both = stats_smem.index(s).load(COL_S)
+                lse = both.to(gl.int32).to(gl.float32, bitcast=True)
+                delta = (both >> 32).to(gl.int32).to(gl.float32, bitcast=True)
+        elif STATS_PAIRED:
+            # a row's lse and delta side by side (`GluonBackward.run`): one 8-byte load and one
+            # address per column instead of two
+            both = gl.load(lse_ptr + stat)
+            lse = both.to(gl.int32).to(gl.float32, bitcast=True)
+            delta = (both >> 32).to(gl.int32).to(gl.float32, bitcast=True)
+        else:
+            lse = gl.load(lse_ptr + stat)
+        if ACC_ZERO:
+            # both score matmuls from zero, in flight together; the statistics staged by the
+            # producer are read after each wait, so no register holds them across it
+            mbarrier.wait(q_ready.index(s), phase)
+            s_tok = warpgroup_mma(k_smem, q_smem.index(s).permute((1, 0)), zero_s,
+                                  use_acc=False, is_async=True)
+            mbarrier.wait(do_ready.index(s), phase)
+            dp_tok = warpgroup_mma(v_smem, do_smem.index(s).permute((1, 0)), zero_s,
+                                   use_acc=False, is_async=True)
+            s_t = warpgroup_mma_wait(1, deps=[s_tok])
+            lse = _staged_stat(stats_smem.index(s), 0)
+            p_t = _exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
+        elif DP_EARLY:
+            # dP^T does not wait for P^T: the tensor core runs it while exp2 makes P^T. With
+            # 1 it accumulates onto -delta, whose set-up ptxas orders after S^T's end (a wgmma
+            # whose accumulator is written while another is in flight is serialized); with 2
+            # it starts from zero, in flight beside S^T, and delta is subtracted after
+            if not STATS_PAIRED:
+                delta = gl.load(delta_ptr + stat)
+            if not STATS_SMEM:
+                mbarrier.wait(q_ready.index(s), phase)
+            s_tok = warpgroup_mma(k_smem, q_smem.index(s).permute((1, 0)),
+                                  zero_s - gl.expand_dims(lse * inv_scale, 0), is_async=True)
+            mbarrier.wait(do_ready.index(s), phase)
+            if DP_EARLY == 2:
+                dp_tok = warpgroup_mma(v_smem, do_smem.index(s).permute((1, 0)), zero_s,
+                                       use_acc=False, is_async=True)
+            else:
+                dp_tok = warpgroup_mma(v_smem, do_smem.index(s).permute((1, 0)),
+                                       zero_s - gl.expand_dims(delta, 0), is_async=True)
+            s_t = warpgroup_mma_wait(1, deps=[s_tok])
+        else:
+            if not STATS_SMEM:
+                mbarrier.wait(q_ready.index(s), phase)
+            s_t = warpgroup_mma(k_smem, q_smem.index(s).permute((1, 0)),
+                                zero_s - gl.expand_dims(lse * inv_scale, 0))
+        if not ACC_ZERO:
+            p_t = _exp2(s_t * qk_scale)
         if n_real < BLOCK:
             p_t = gl.where(gl.expand_dims(cols < n_real, 0), p_t, 0.0)
         p_op = gl.convert_layout(p_t.to(DTYPE), A_LAYOUT)
-        delta = gl.load(delta_ptr + stat)
-        mbarrier.wait(do_ready.index(s), phase)
-        dp_tok = warpgroup_mma(v_smem, do_smem.index(s).permute((1, 0)),
-                               zero_s - gl.expand_dims(delta, 0), is_async=True)
+        if (not DP_EARLY) and (not ACC_ZERO):
+            if not STATS_PAIRED:
+                delta = gl.load(delta_ptr + stat)
+            mbarrier.wait(do_ready.index(s), phase)
+            dp_tok = warpgroup_mma(v_smem, do_smem.index(s).permute((1, 0)),
+                                   zero_s - gl.expand_dims(delta, 0), is_async=True)
         dv_tok = warpgroup_mma(p_op, do_smem.index(s), dv, is_async=True)
         dp_t = warpgroup_mma_wait(1, deps=[dp_tok])
+        if ACC_ZERO:
+            dp_t = dp_t - gl.expand_dims(_staged_stat(stats_smem.index(s), 1), 0)
+        elif DP_EARLY == 2:
+            dp_t = dp_t - gl.expand_dims(delta, 0)
         ds_t = p_t * dp_t
         if n_real < BLOCK:  # dP^T of a padded row may be inf (garbage dO): 0 * inf is NaN
             ds_t = gl.where(gl.expand_dims(cols < n_real, 0), ds_t, 0.0)
@@ -269,7 +354,9 @@ def tilegen_gluon_bwd_dkdv(q_desc, q_half, q_quarter, q_eighth, k_desc, v_desc, 
                      delta_ptr, err_ptr, seq_len, num_heads, num_kv_blocks, bh_base, qk_scale,
                      sm_scale, STAGES: gl.constexpr, DS_STORE: gl.constexpr,
                      PACKED: gl.constexpr, DS_SLOTS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr, DEBUG: gl.constexpr):
+                     PRODUCER_REGS: gl.constexpr, DEBUG: gl.constexpr,
+                     DP_EARLY: gl.constexpr, STATS_PAIRED: gl.constexpr,
+                     STATS_SMEM: gl.constexpr, ACC_ZERO: gl.constexpr):
     """Grid (KV cubes, a group of b*h from bh_base), in list order: CTAs that run together
     share a head and neighbouring KV cubes, whose query lists overlap, so Q and dO tiles are
     L2 hits (launching the longest lists first measured 1.5-3 ms slower: bench/NOTES.md). The
@@ -278,7 +365,9 @@ def tilegen_gluon_bwd_dkdv(q_desc, q_half, q_quarter, q_eighth, k_desc, v_desc, 
     tile of one cube, PACKED (`packed_inverse_map`) the cube has tile_count[.] tiles at those
     slots, tile t's cubes from items[tile_start[t]], tile_meta[t] = lg | n << 8 (n cubes of
     2**lg rows; the half/quarter/eighth descriptors are None unpacked, and so are the tile
-    pointers). Without DS_STORE ds_desc is None; with it tile slot p of the inverse map is stored
+    pointers). With STATS_PAIRED lse_ptr holds each row's (lse, delta) as one int64 (two fp32
+    side by side) and delta_ptr is None; STATS_SMEM (with STATS_PAIRED) has the producer stage
+    each tile's pairs in shared memory for the consumer. Without DS_STORE ds_desc is None; with it tile slot p of the inverse map is stored
     at rows (p - p0) * BLOCK of DS, p0 the group's first. DEBUG is "" (the kernel), or a timing
     experiment that leaves out one step of the dS^T store (results are garbage): "no_ds_wait",
     "no_ds_smem", "no_ds_tma"."""
@@ -305,6 +394,10 @@ def tilegen_gluon_bwd_dkdv(q_desc, q_half, q_quarter, q_eighth, k_desc, v_desc, 
         ds_smem = gl.allocate_shared_memory(DTYPE, [DS_SLOTS, BLOCK, BLOCK], ds_desc.layout)
     else:
         ds_smem = k_smem  # not touched
+    if STATS_SMEM:
+        stats_smem = gl.allocate_shared_memory(gl.int64, [STAGES, BLOCK], STATS_SMEM_LAYOUT)
+    else:
+        stats_smem = k_smem  # not touched
     kv_bar = _bar_ring(1, 1).index(0)
     q_ready = _bar_ring(STAGES, 1)
     do_ready = _bar_ring(STAGES, 1)
@@ -321,12 +414,13 @@ def tilegen_gluon_bwd_dkdv(q_desc, q_half, q_quarter, q_eighth, k_desc, v_desc, 
             k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready, empty, dk_desc,
             dv_desc, ds_desc, items_ptr, tile_start_ptr, tile_meta_ptr, vbs_ptr, lse_ptr,
             delta_ptr, err_ptr, first, first - pair_base, n_tiles, kv_cube, kv_row, col,
-            stat_row0, qk_scale, sm_scale, STAGES, DS_STORE, PACKED, DS_SLOTS, DEBUG)),
+            stat_row0, qk_scale, sm_scale, STAGES, DS_STORE, PACKED, DS_SLOTS, DEBUG,
+            DP_EARLY, STATS_PAIRED, stats_smem, STATS_SMEM, ACC_ZERO)),
         (_dkdv_producer, (
             (q_desc, q_half, q_quarter, q_eighth), (do_desc, do_half, do_quarter, do_eighth),
             k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
             items_ptr, tile_start_ptr, tile_meta_ptr, first, n_tiles, row0, kv_row, col, STAGES,
-            PACKED)),
+            PACKED, lse_ptr, stat_row0, stats_smem, STATS_SMEM)),
     ], [1], [PRODUCER_REGS])
 
 

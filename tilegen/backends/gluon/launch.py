@@ -127,9 +127,14 @@ class GluonLaunch:
         return bshd_descriptor(t, rows)
 
     def _o32(self, o32):
-        """The kernel's o32_out: None, the fp32 tensor, or its TMA descriptor (`o32_store_kind`)."""
+        """The kernel's o32_out: None, the fp32 tensor, or the TMA descriptor of the fp32 O or
+        (in the input dtype) of its rounding residual (`o32_store_kind`)."""
+        import torch
+
         if o32 is None or _render.o32_store_kind(self.cfg) == 1:
             return o32
+        if o32.dtype != torch.float32:
+            return bshd_descriptor(o32, 64)
         return bshd_descriptor(o32, 64, o32_layout())
 
     def __call__(self, q, k, v, topk_idx, vbs, counts, o, lse, err, sm_scale: float,
@@ -179,7 +184,8 @@ class GluonLaunch:
             *sep[0], lse if lse is not None else bufs["meta"], *mp, self._o32(o32),
             S, *sep[1], H, *sep[2], nq, topk, float(sm_scale) * LOG2E,
             **_render.constexprs(self.cfg, zero_pad_rows=bool(zero_pad_rows) and (
-                nkv == nq or self.separate_kv), store_o32=o32 is not None),
+                nkv == nq or self.separate_kv), store_o32=o32 is not None,
+                residual=o32 is not None and str(o32.dtype) != "torch.float32"),
             num_warps=self.num_warps, maxnreg=self.maxnreg,
         )
 
@@ -188,7 +194,7 @@ class GluonLaunch:
 
 
 def signature(opts: dict, head_dim: int, dtype: str, store_o32: bool = False,
-              separate_kv: bool = False) -> tuple[dict, dict]:
+              separate_kv: bool = False, residual: bool = False) -> tuple[dict, dict]:
     """Kernel signature strings for triton.compile (no tensors needed), and the constexpr
     values: the knobs (`render.constexprs`) and the None of each parameter the options leave
     unused (the packed-cube descriptors, tmask_ptr, mp_ptr, mpc_ptr and o32_out). A source of
@@ -216,8 +222,10 @@ def signature(opts: dict, head_dim: int, dtype: str, store_o32: bool = False,
         args[name] = "*fp32" if opts["store_max_prob"] else None
     if not store_o32:
         args["o32_out"] = None
-    elif _render.o32_store_kind(opts) == 1:
+    elif _render.o32_store_kind(opts, residual) == 1:
         args["o32_out"] = "*fp32"
+    elif _render.o32_store_kind(opts, residual) == 3:  # the residual, like o_desc
+        args["o32_out"] = td(64)
     else:
         args["o32_out"] = f"tensordesc<fp32[64, {head_dim}],{o32_layout()!r}>"
     args["seq_len"] = "i32"
@@ -228,7 +236,7 @@ def signature(opts: dict, head_dim: int, dtype: str, store_o32: bool = False,
         args["num_kv_heads"] = "i32"
     args.update({"num_q_blocks": "i32", "topk": "i32", "qk_scale": "fp32"})
     consts: dict = {name: None for name, kind in args.items() if kind is None}
-    consts.update(_render.constexprs(opts, store_o32=store_o32))
+    consts.update(_render.constexprs(opts, store_o32=store_o32, residual=residual))
     sig = {name: kind or "constexpr" for name, kind in args.items()}
     sig.update({name: "constexpr" for name in _render.constexprs(opts)})
     return sig, consts

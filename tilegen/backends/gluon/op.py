@@ -131,12 +131,14 @@ class GluonBlockSparseAttention:
     def forward_for_grad(self, q, k, v, topk_idx, vbs, counts=None, *,
                          shapes: Shapes | None = None, sm_scale: float | None = None,
                          max_prob_out=None, errors: DeviceErrorFlag | None = None,
-                         q_vbs: torch.Tensor | None = None,
+                         q_vbs: torch.Tensor | None = None, residual: bool = False,
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The forward of a call that needs gradients, as the Triton family's
         (`BlockSparseAttention.forward_for_grad`, which hands its calls here on a wgmma target):
         (o, lse, o32), o32 being O before its rounding (fp32, written by the same launch:
-        STORE_O32) for the backward's delta. ``errors`` is the error word to set (default:
+        STORE_O32) for the backward's delta, or with ``residual`` O's rounding residual
+        ``o32 - o`` in q's dtype where the config stores O by TMA (`o32_store_kind` 3; fp32
+        otherwise: the caller checks the dtype). ``errors`` is the error word to set (default:
         this op's). ``q_vbs``: the resolved rows of a call of separate K/V (`query_vbs`)."""
         if shapes is None:
             shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
@@ -145,13 +147,16 @@ class GluonBlockSparseAttention:
         flag = errors or self.errors
         flag.raise_pending(q.device)
         o = torch.empty_like(q)
-        o32 = torch.empty_like(q, dtype=torch.float32)
+        launch = self._launch_for(True, max_prob_out is not None, q_vbs is not None)
+        from tilegen.backends.gluon.render import o32_store_kind
+
+        by_tma = o32_store_kind(launch.cfg, True) == 3
+        o32 = torch.empty_like(q, dtype=q.dtype if residual and by_tma else torch.float32)
         lse = torch.empty((shapes.batch, shapes.heads, shapes.seq_len), dtype=torch.float32,
                           device=q.device)
         scale = sm_scale if sm_scale is not None else self.spec.sm_scale
-        self._launch_for(True, max_prob_out is not None, q_vbs is not None)(
-            q, k, v, topk_idx, vbs, counts, o, lse, flag.buffer(q.device), scale,
-            max_prob_out=max_prob_out, o32=o32, q_vbs=q_vbs)
+        launch(q, k, v, topk_idx, vbs, counts, o, lse, flag.buffer(q.device), scale,
+               max_prob_out=max_prob_out, o32=o32, q_vbs=q_vbs)
         flag.after_launch(q.device)
         return o, lse, o32
 

@@ -233,22 +233,26 @@ CONSTEXPR_NAMES: dict[str, str] = {
 }
 
 
-def o32_store_kind(opts: Mapping[str, Any]) -> int:
-    """How a forward for gradients writes its fp32 O (STORE_O32): 2, a TMA store staged in the
-    consumer's own K ring, where the consumer has one of 2+ slots; else 1, `gl.store` from the
-    MMA layout (SHARE_KV: the ring is shared with the other consumer)."""
-    return 2 if not opts["share_kv"] and opts["k_stages"] >= 2 else 1
+def o32_store_kind(opts: Mapping[str, Any], residual: bool = False) -> int:
+    """How a forward for gradients writes O for the backward's delta (STORE_O32): 2, the fp32
+    O by a TMA store staged in the consumer's own K ring, where the consumer has one of 2+
+    slots (3 with ``residual``: O's rounding residual in the input dtype instead, half the
+    bytes); else 1, the fp32 O by `gl.store` from the MMA layout (SHARE_KV: the ring is shared
+    with the other consumer), with or without ``residual``."""
+    if opts["share_kv"] or opts["k_stages"] < 2:
+        return 1
+    return 3 if residual else 2
 
 
 def constexprs(opts: Mapping[str, Any], zero_pad_rows: bool = False,
-               store_o32: bool = False) -> dict[str, Any]:
+               store_o32: bool = False, residual: bool = False) -> dict[str, Any]:
     """The kernel's constexpr parameters for the resolved options `opts` (`options_of`), in the
     kernel's order; ``zero_pad_rows`` writes zeros into padded query rows (ZERO_PAD_ROWS),
-    ``store_o32`` O in fp32 as well (STORE_O32 as `o32_store_kind`, 0 without: the forward of a
-    call that needs gradients)."""
+    ``store_o32`` O for delta as well (STORE_O32 as `o32_store_kind`, 0 without: the forward of
+    a call that needs gradients)."""
     return {**{name: opts[knob] for knob, name in CONSTEXPR_NAMES.items()},
             "ZERO_PAD_ROWS": bool(zero_pad_rows),
-            "STORE_O32": o32_store_kind(opts) if store_o32 else 0}
+            "STORE_O32": o32_store_kind(opts, residual) if store_o32 else 0}
 
 
 def options_of(cfg: KernelConfig) -> dict[str, Any]:

@@ -111,8 +111,9 @@ def backward_signatures(spec: Spec, bwd: BackwardConfig | None = None,
     dkdv_pack = i32 if bwd is not None and bwd.dkdv_pack else "constexpr"
     ptrs, scalars, flags = cursor_signature(spec)
     return {
-        "preprocess": {"O": f32, "DO": elem, "DELTA": f32, ("Q_VBS" if sep else "VBS"): i32,
-                       "seq_len": "i32", "num_heads": "i32", "BLOCK_M": "constexpr"},
+        "preprocess": {"O": f32, "O_LO": "constexpr", "DO": elem, "DELTA": f32,
+                       ("Q_VBS" if sep else "VBS"): i32, "seq_len": "i32", "num_heads": "i32",
+                       "HAS_O_LO": "constexpr", "BLOCK_M": "constexpr"},
         "dq": {"Q": elem, "K": elem, "V": elem, "DO": elem, "LSE": f32, "DELTA": f32,
                "DSUM": f32, **ptrs, "VBS": i32, **_separate(sep, "Q_VBS", i32), "DQ": elem,
                "ERR": i32, **{name: dq_pack for name in BACKWARD_PACKED["dq"]},
@@ -152,6 +153,8 @@ def compile_triton_backward(spec: Spec, cfg: KernelConfig, target: Target, out_d
                       "INTERP_BF16": cfg.interp_bf16}
         if kernel == "dkdv":
             consts = {"ATOMIC_DQ": bwd.dq_atomic, **consts, "INTERP_BF16": cfg.interp_bf16}
+        if kernel == "preprocess":  # from the fp32 O (`forward_for_grad`)
+            consts = {"O_LO": None, "HAS_O_LO": False, **consts}
         # the packed tiles' pointers a config without packing leaves unused
         consts.update({name: None for name in BACKWARD_PACKED.get(kernel, ())
                        if sig[name] == "constexpr"})

@@ -70,6 +70,14 @@ def note_once(message: str, level: int = logging.INFO) -> None:
         log.log(level, message)
 
 
+def residual_of(o: torch.Tensor, o_acc: torch.Tensor) -> torch.Tensor:
+    """O's rounding residual in o's dtype from `forward_for_grad`'s third output (the residual
+    itself, or the fp32 O): o + residual carries O to ~16 bits for the backward's delta."""
+    if o_acc.dtype == o.dtype:
+        return o_acc
+    return (o_acc - o.to(torch.float32)).to(o.dtype)
+
+
 class _Attention(torch.autograd.Function):
     """Forward launch saving (o, lse) and the backward kernels: o and lse are differentiable
     outputs (a gradient of lse folds into delta); topk_idx, vbs and counts get none.
@@ -81,19 +89,20 @@ class _Attention(torch.autograd.Function):
                 q_vbs=None):
         o, lse, o_acc = op.forward_for_grad(q, k, v, topk_idx, vbs, counts, shapes=shapes,
                                             sm_scale=sm_scale, max_prob_out=max_prob_out,
-                                            q_vbs=q_vbs)
-        ctx.save_for_backward(q, k, v, o_acc, lse, topk_idx, vbs, counts, q_vbs)
+                                            q_vbs=q_vbs, residual=True)
+        o_lo = residual_of(o, o_acc)
+        ctx.save_for_backward(q, k, v, o, o_lo, lse, topk_idx, vbs, counts, q_vbs)
         ctx.op, ctx.sm_scale = op, sm_scale
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, topk_idx, vbs, counts, q_vbs = ctx.saved_tensors
+        q, k, v, o, o_lo, lse, topk_idx, vbs, counts, q_vbs = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
         dq, dk, dv = ctx.op.backward(do, q, k, v, o, lse, topk_idx, vbs, counts,
-                                     sm_scale=ctx.sm_scale, dlse=dlse, q_vbs=q_vbs)
+                                     sm_scale=ctx.sm_scale, dlse=dlse, q_vbs=q_vbs, o_lo=o_lo)
         return None, dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -233,7 +242,7 @@ class BlockSparseAttention:
     def forward_for_grad(self, q, k, v, topk_idx, vbs, counts=None, *,
                          shapes: Shapes | None = None, sm_scale: float | None = None,
                          max_prob_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                         q_vbs: torch.Tensor | None = None,
+                         q_vbs: torch.Tensor | None = None, residual: bool = False,
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The forward of a call that needs gradients: (o, lse, o_acc), o_acc being o before
         its rounding to the input dtype (fp32), which the backward's delta = rowsum(dO * O)
@@ -244,7 +253,11 @@ class BlockSparseAttention:
         the store on the output pointer's dtype); o is its rounding. On a GPU with wgmma the
         launch is the tuned Gluon forward's instead (`grad_forward`), which writes o, lse and
         the fp32 O in one pass. ``max_prob_out`` (see `launch`) is filled by the same launch.
-        ``q_vbs``: a call of separate K/V (`query_vbs`), which this op's own kernel runs."""
+        ``q_vbs``: a call of separate K/V (`query_vbs`), which this op's own kernel runs.
+        ``residual`` asks for O's rounding residual ``o_acc - o`` in q's dtype instead, half the
+        bytes (the Gluon forward writes it in the same launch where its config stores O by TMA;
+        the backward takes it as ``o_lo`` beside o): the third output may still be the fp32 O,
+        so callers pass it through `residual_of`."""
         if shapes is None:
             shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
                                      check_values=False, q_vbs=q_vbs, separate_kv=True)
@@ -257,6 +270,8 @@ class BlockSparseAttention:
         if fast is not None and (getattr(fast, "takes_separate_kv", False)
                                  or not shapes.separate_kv):
             extra = {"q_vbs": q_vbs} if shapes.separate_kv else {}
+            if residual:
+                extra["residual"] = True
             return fast.forward_for_grad(q, k, v, topk_idx, vbs, counts, shapes=shapes,
                                          sm_scale=sm_scale, max_prob_out=max_prob_out,
                                          errors=self.errors, **extra)
@@ -299,9 +314,11 @@ class BlockSparseAttention:
                  o: torch.Tensor, lse: torch.Tensor, topk_idx: torch.Tensor, vbs: torch.Tensor,
                  counts: torch.Tensor | None = None, *, sm_scale: float | None = None,
                  dlse: torch.Tensor | None = None, q_vbs: torch.Tensor | None = None,
+                 o_lo: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(dq, dk, dv) given dO (and optionally d lse), from the forward's o and base-2 lse.
-        ``o`` is best the fp32 ``o_acc`` of `forward_for_grad` (any float dtype is taken).
+        ``o`` is best the fp32 ``o_acc`` of `forward_for_grad` (any float dtype is taken), or o
+        in q's dtype with ``o_lo`` its rounding residual (`residual_of`).
         ``q_vbs``: as the forward's (`query_vbs`; K/V of their own shape), dk and dv then have
         k's shape (GQA: summed over each group).
 
@@ -316,7 +333,7 @@ class BlockSparseAttention:
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         self.errors.raise_pending(q.device)
         return self.launch_backward(do, q, k, v, o, lse, topk_idx, vbs, counts,
-                                    sm_scale=sm_scale, dlse=dlse, q_vbs=q_vbs)
+                                    sm_scale=sm_scale, dlse=dlse, q_vbs=q_vbs, o_lo=o_lo)
 
     @property
     def backward_config(self) -> BackwardConfig:
@@ -381,8 +398,9 @@ class BlockSparseAttention:
                         sm_scale: float | None = None, dlse: torch.Tensor | None = None,
                         inverse: BackwardMaps | tuple[torch.Tensor, torch.Tensor] | None = None,
                         config: BackwardConfig | None = None,
-                        q_vbs: torch.Tensor | None = None):
-        """Launch preprocess, dQ and dK/dV with no input checks; returns (dq, dk, dv).
+                        q_vbs: torch.Tensor | None = None, o_lo: torch.Tensor | None = None):
+        """Launch preprocess, dQ and dK/dV with no input checks; returns (dq, dk, dv). ``o``:
+        the fp32 O, or O in q's dtype with ``o_lo`` its rounding residual (`backward`).
         ``inverse`` passes prebuilt maps (`backward_maps` for the config, or for a config
         without packing an `inverse_map`), e.g. shared by the layers of a step.
 
@@ -432,7 +450,8 @@ class BlockSparseAttention:
         delta = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
         consts, opts = bcfg.kernel_launch("preprocess")
         kernels["preprocess"][(S // consts["BLOCK_M"], B * H)](
-            o, do, delta, q_vbs if separate else vbs, S, H, **consts, **opts)
+            o, o_lo, do, delta, q_vbs if separate else vbs, S, H, HAS_O_LO=o_lo is not None,
+            **consts, **opts)
         dsum = None
         if dlse is not None:  # d lse_2 / d s = log2(e) * P: fold it into delta
             dsum = (dlse.to(torch.float32) * LOG2E).contiguous()  # = sum_j dS_ij: the centring

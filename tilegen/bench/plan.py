@@ -39,7 +39,7 @@ BACKWARD_ROWS: dict[str, tuple[float | None, str]] = {
                 "block_sparse_attention(q, k, v, idx, vbs) with requires_grad q/k/v, then "
                 "torch.autograd.grad(o, (q, k, v), dO); grads scored"),
     "fwd (grad)": (1.0, "block_sparse_attention(q, k, v, idx, vbs) with requires_grad q/k/v, "
-                        "the forward alone (what autograd saves: lse and the fp32 O)"),
+                        "the forward alone (what autograd saves: lse and O's rounding residual)"),
     "reference fwd+bwd": (1.0 + BACKWARD_FLOPS_FACTOR,
                           "the reference training step: tilegen.load(spec, backend='triton') "
                           "with grad_forward_family='triton' and BackwardConfig() (the Triton "

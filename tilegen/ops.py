@@ -375,8 +375,8 @@ def _block_sparse_attention_for_grad(
 
 
 @_block_sparse_attention_for_grad.register_fake
-def _block_sparse_attention_train_fake(q, k, v, topk_idx, vbs, counts, layout, sm_scale,
-                                       q_vbs=None):
+def _block_sparse_attention_for_grad_fake(q, k, v, topk_idx, vbs, counts, layout, sm_scale,
+                                          q_vbs=None):
     if layout == "bshd":
         B, S, H, _ = q.shape
     else:
@@ -385,7 +385,7 @@ def _block_sparse_attention_train_fake(q, k, v, topk_idx, vbs, counts, layout, s
             torch.empty_like(q))
 
 
-def _setup_context_train(ctx, inputs, output):
+def _setup_context_for_grad(ctx, inputs, output):
     q, k, v, topk_idx, vbs, counts, layout, sm_scale, q_vbs = inputs
     o, lse, o_lo = output
     ctx.save_for_backward(q, k, v, o, o_lo, lse, topk_idx, vbs, counts, q_vbs)
@@ -395,12 +395,12 @@ def _setup_context_train(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward_train(ctx, do, dlse, _do_acc):
+def _backward_for_grad(ctx, do, dlse, _do_lo):
     return _backward(ctx, do, dlse)
 
 
-_block_sparse_attention_for_grad.register_autograd(_backward_train,
-                                                setup_context=_setup_context_train)
+_block_sparse_attention_for_grad.register_autograd(_backward_for_grad,
+                                                   setup_context=_setup_context_for_grad)
 
 
 def _gqa_repeat(q: Any, k: Any, v: Any, q_vbs: Any, layout: str) -> tuple[Any, Any]:

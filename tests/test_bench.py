@@ -81,18 +81,28 @@ def test_workload_spec_overrides_only_the_workload():
 
 def test_plan_lists_variants_and_topks(tmp_path):
     plan = bench.make_plan(Spec(), sweep=True, backends=["gluon", "cuda"],
-                           json_path=tmp_path / "r.json")
-    assert [v.label for v in plan.variants] == ["reference", "default", "gluon", "cuda", "flex",
-                                                "sdpa-cudnn", "sdpa-flash"]
-    assert [v.kind for v in plan.variants].count("tilegen") == 4
+                           json_path=tmp_path / "r.json", quant=["int8_fp8"])
+    assert [v.label for v in plan.variants] == ["reference", "default", "quant-int8_fp8",
+                                                "gluon", "cuda", "flex", "sdpa-cudnn",
+                                                "sdpa-flash"]
+    assert [v.kind for v in plan.variants].count("tilegen") == 5
     assert plan.topks == list(bench.SWEEP_TOPK)
     assert plan.plot_path == tmp_path / "r.png"
     text = plan.describe()
     for word in ("312 (50.0%)", "31 (95.0%)", "flex", "sdpa-cudnn", "gluon", "fp32 oracle",
                  "4 * D"):
         assert word in text
-    bare = bench.make_plan(Spec(), flex=False, dense=False, config=reference_config())
+    bare = bench.make_plan(Spec(), flex=False, dense=False, config=reference_config(),
+                           quant=())
     assert [v.label for v in bare.variants] == ["reference", "config"]
+    # "auto": the modes a family computes on the GPU the bench runs on (none here)
+    auto = bench.make_plan(Spec(), flex=False, dense=False)
+    assert auto.quant_auto and "--quant auto" in auto.describe()
+    assert bench.quant_modes_for(Spec()) == []
+    with pytest.raises(ValueError, match="not 8-bit modes"):
+        bench.make_plan(Spec(), quant=["int4"])
+    with pytest.raises(ValueError, match="the 8-bit rows come from --quant"):
+        bench.make_plan(Spec(quant="int8_fp8"))
 
 
 def test_plan_rejects_bad_combinations(tmp_path):

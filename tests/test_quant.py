@@ -144,7 +144,7 @@ def test_modes_are_checked():
         quant.quantize(q, k, v, vbs, "fp8")
 
 
-def test_spec_quant_is_validated_refused_by_every_family_and_keeps_the_old_hashes():
+def test_spec_quant_is_validated_refused_where_no_kernel_and_keeps_the_old_hashes():
     import tilegen
     from tilegen import backends
     from tilegen.spec import Spec
@@ -157,11 +157,17 @@ def test_spec_quant_is_validated_refused_by_every_family_and_keeps_the_old_hashe
     assert Spec.from_json(spec.to_json()) == spec
     with pytest.raises(ValueError, match="Spec.quant='fp8' is not allowed"):
         Spec(quant="fp8")
+    # the Gluon family computes int8_fp8 on Hopper (tests/test_gluon_quant.py); every other
+    # family and target refuses it by name, and no family has an "int8" kernel
+    assert backends.with_quant("int8_fp8") == ["gluon"] and not backends.with_quant("int8")
     for name in backends.names():
-        target = get_target("gfx942" if name == "hip" else "sm_90")
-        problems = backends.get(name).spec_violations(spec, target)
-        assert problems and "quant='int8_fp8'" in problems[0], name
-    with pytest.raises(ValueError, match="no kernel family implements the 8-bit recipe"):
+        for tname in (("gfx942",) if name == "hip" else ("sm_90", "sm_100a")):
+            target = get_target(tname)
+            if name not in target.backends or (name, tname) == ("gluon", "sm_90"):
+                continue
+            problems = backends.get(name).spec_violations(spec, target)
+            assert problems and "quant='int8_fp8'" in problems[0], (name, tname)
+    with pytest.raises(ValueError, match="no kernel family implements this 8-bit recipe"):
         tilegen.load(Spec(quant="int8", grid=(4, 4, 8), num_heads=2, head_dim=64, topk=2))
 
 

@@ -273,6 +273,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1
 
 
+def _quant_modes(text: str) -> str | list[str]:
+    """--quant: "auto", "none" (no 8-bit rows) or a comma-separated list of modes."""
+    if text in ("auto", "none"):
+        return "auto" if text == "auto" else []
+    return [m for m in text.split(",") if m]
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from tilegen import bench
 
@@ -288,7 +295,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sweep=args.sweep, grid=args.grid, heads=args.heads, backends=args.backends or (),
         flex=not args.no_flex, dense=not args.no_dense, json_path=args.json,
         plot_path=args.plot, warmup_ms=args.warmup, rep_ms=args.rep, backward=args.backward,
-        encoding=args.encoding, window=args.window)
+        encoding=args.encoding, window=args.window, quant=_quant_modes(args.quant))
     if args.dry_run:
         print(plan.describe())
         return 0
@@ -414,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
                    "block_sparse_attention, its forward alone, the reference step (Triton "
                    "forward and backward), the backward kernels, the inverse map, FlexAttention "
                    "fwd+bwd; gradients scored against the fp32 reference")
+    p.add_argument("--quant", default="auto", metavar="MODE[,MODE...]",
+                   help="8-bit rows beside the bf16 ones (quant-<mode>: tilegen.load(spec with "
+                   "quant=mode), scored by the quantized rule with its margins): auto (every "
+                   "mode a kernel family computes; default), none, or modes such as int8_fp8")
     p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer")
     p.add_argument("--no-dense", action="store_true", help="skip the dense SDPA peers")
     p.add_argument("--json", default="bench_results.json",

@@ -72,7 +72,8 @@ def resolve_config(spec: Spec, target: Target | None, backend: str | None = None
         _, name, res = best
         _note_once(res.message)
         return name, res.config, "winner"
-    name = backend or "triton"
+    # an 8-bit spec has no Triton kernel: the first family that computes it
+    name = backend or ("triton" if spec.quant == "none" or not names else names[0])
     for res in misses:
         if res.status == "stale" or name in res.message:
             _note_once(res.message, logging.WARNING)
@@ -125,10 +126,16 @@ def load(spec: Spec | None = None, config: KernelConfig | None = None, *,
                          f"{list(backends.names())}")
     if spec.quant != "none":
         # every device, the CPU too: a bf16 op must never stand in for an 8-bit spec
-        if not backends.with_quant(spec.quant):
-            raise ValueError(f"Spec.quant={spec.quant!r}: no kernel family implements the 8-bit "
+        having = backends.with_quant(spec.quant)
+        if not having:
+            raise ValueError(f"Spec.quant={spec.quant!r}: no kernel family implements this 8-bit "
                              "recipe yet (issue #19); tilegen.quant.emulate computes it in "
                              "PyTorch")
+        if backend is None:
+            backend = having[0]
+        elif backend not in having:
+            raise ValueError(f"backend={backend!r} has no quant={spec.quant!r} kernel; families "
+                             f"with it: {having}")
     return load_kernel_set(spec, config, target=target, backend=backend)
 
 

@@ -45,7 +45,7 @@ import triton.language as tl
 from tilegen.spec import QUANT_MODES  # "none", "int8" (INT8 Q·K, bf16 P·V), "int8_fp8"
 
 __all__ = ["QUANT_MODES", "QuantizedInputs", "quantize", "quantize_torch", "quantize_triton",
-           "emulate",
+           "emulate", "QuantReference", "quant_reference",
            "E4M3_MAX", "INT8_MAX", "P_SCALE", "V_HEADROOM", "SAMPLE_CUBES"]
 
 #: largest finite e4m3fn value (a property of the format, not of any device)
@@ -222,7 +222,8 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tenso
 
 
 def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
-                    mode: str = "int8_fp8", block: int = 64) -> QuantizedInputs:
+                    mode: str = "int8_fp8", block: int = 64, *,
+                    num_warps: int = 4) -> QuantizedInputs:
     """The Triton pre-pass (what `quantize` runs on a GPU; the tests run it under the
     interpreter on CPU tensors)."""
     _check_mode(mode)
@@ -247,7 +248,7 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
         v8t if fp8 else q8, v_scale if fp8 else q_scale, v_mean if fp8 else q_scale,
         S, H, n, n_sample, FP8_V=fp8, HEAD_DIM=D, BLOCK=block,
         SAMPLE=triton.next_power_of_2(SAMPLE_CUBES), E4M3=E4M3_MAX, HEADROOM=V_HEADROOM,
-        num_warps=4)
+        num_warps=num_warps)
     return QuantizedInputs(mode, q8, q_scale, k8, k_scale, k_mean, v8t, v_scale, v_mean)
 
 
@@ -320,3 +321,51 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.T
                 o = o * qi.v_scale[b, h].cpu() + torch.where(seen, qi.v_mean[b, h].cpu(), 0.0)
             out[b, :, h] = torch.where(row_ok, o, 0.0).reshape(S, D)
     return out
+
+
+# -- the gate: the quantized rule on a subset of heads -------------------------------------------
+@dataclass(frozen=True)
+class QuantReference:
+    """What an 8-bit output is scored against on one capture (the bench's quant rows and the
+    tuner's gate): on ``heads``, the fp32 oracle and the recipe's emulation fed the pre-pass's
+    own output for those heads (the pre-pass works per head, so a subset quantizes as in the
+    whole call). CPU tensors, BSHD."""
+
+    mode: str
+    heads: list[int]
+    o_oracle: torch.Tensor
+    o_emul: torch.Tensor
+    vbs: torch.Tensor
+
+    def score(self, o: torch.Tensor):
+        """`tilegen.captures.quant_score` of the op's whole output ``o`` (BSHD) on the heads."""
+        from tilegen.captures import quant_score
+
+        mine = o[:, :, self.heads].float().cpu()
+        return quant_score(mine, self.o_oracle.to(o.dtype), self.o_emul, self.o_oracle,
+                           vbs=self.vbs)
+
+
+def quant_reference(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    topk_idx: torch.Tensor, vbs: torch.Tensor, counts: torch.Tensor | None,
+                    heads: list[int], *, sm_scale: float | None = None,
+                    block: int = 64) -> QuantReference:
+    """The `QuantReference` of one capture (BSHD q, k, v; the LUT and counts that compute its
+    attention) on `heads`: the oracle on q's device, the pre-pass (`quantize`) there too, the
+    emulation on the CPU."""
+    from tilegen.reference import attention_fp32
+
+    _check_mode(mode)
+    sel = [int(h) for h in heads]
+    q, k, v = (t[:, :, sel].contiguous() for t in (q, k, v))
+    idx = topk_idx[:, sel].contiguous()
+    cnt = None if counts is None else counts[:, sel].contiguous()
+    o32, _ = attention_fp32(q, k, v, idx, vbs, cnt, block=block, sm_scale=sm_scale)
+    qi = quantize(q, k, v, vbs, mode, block)
+    qi_cpu = QuantizedInputs(**{f: (getattr(qi, f).cpu() if isinstance(getattr(qi, f),
+                                                                       torch.Tensor)
+                                    else getattr(qi, f)) for f in qi.__dataclass_fields__})
+    o_emul = emulate(q.cpu(), k.cpu(), v.cpu(), idx.cpu(), vbs.cpu(),
+                     None if cnt is None else cnt.cpu(), mode=mode, sm_scale=sm_scale,
+                     block=block, quantized=qi_cpu)
+    return QuantReference(mode, sel, o32.cpu(), o_emul, vbs.cpu())

@@ -36,9 +36,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 BLOCK = gl.constexpr(64)
 HEAD_DIM = gl.constexpr(128)
-K_STAGES = gl.constexpr(4)
-V_STAGES = gl.constexpr(2)
 P_SCALE = gl.constexpr(448.0)
+LOG2_P_SCALE = gl.constexpr(math.log2(448.0))
 KV_BYTES = gl.constexpr(64 * 128)  # one 8-bit tile: K (64 x 128) or V^T (128 x 64)
 # S = Q8 K8^T accumulates in int32 (8-bit wgmma: K = 32 per instruction); P.V in fp32
 S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -63,6 +62,8 @@ def _exp2(x):
 def _producer(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
               v_ready, v_empty, sidx_ptr, meta_ptr, row, q_row0, kv_row0, col, vt_row0, topk):
     """Q once, then K of tile j and V of tile j-1 (the cube id read from the plan for each)."""
+    K_STAGES: gl.constexpr = k_smem.shape[0]
+    V_STAGES: gl.constexpr = v_smem.shape[0]
     n_tiles = gl.load(meta_ptr + row * 2)
     sidx_row = sidx_ptr + row.to(gl.int64) * topk
     if n_tiles > 0:
@@ -117,39 +118,71 @@ def _scores(s_int, sq, sk, fill, FAST_CVT: gl.constexpr):
 
 
 @gluon.jit
+def _scores_folded(s_int, sk, fill, FAST_CVT: gl.constexpr):
+    """FOLD: the scores in K-scaled units, s' = s_int * sk_j, with the keys past the fill at
+    -inf, as one FFMA per element (the mask is a per-column bias). The row scale sq_i > 0
+    commutes with the row max, so it is applied once, inside the exp2's FFMA."""
+    cols = gl.arange(0, BLOCK, layout=COL_S)
+    bias = gl.where(cols < fill, 0.0, float("-inf"))
+    return _to_f32(s_int, FAST_CVT) * gl.expand_dims(sk, 0) + gl.expand_dims(bias, 0)
+
+
+@gluon.jit
+def _p_folded(s, sq, m):
+    """FOLD: P x P_SCALE = exp2(sq (s' - m') + log2 P_SCALE), one FFMA and the MUFU."""
+    c = LOG2_P_SCALE - sq * m
+    return _exp2(s * gl.expand_dims(sq, 1) + gl.expand_dims(c, 1))
+
+
+@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc,
               sidx_ptr, tinfo_ptr, meta_ptr, vbs_ptr, qsc_ptr, ksc_ptr, vsc_ptr, vmean_ptr,
               row, q_row0, col, sc_off, q_cube, vd_off, topk, qk_scale,
               FAST_CVT: gl.constexpr, PREFETCH: gl.constexpr, TWO_LEVEL: gl.constexpr,
-              REG_P: gl.constexpr):
+              REG_P: gl.constexpr, FOLD: gl.constexpr, ACC_FMA: gl.constexpr):
+    K_STAGES: gl.constexpr = k_smem.shape[0]
+    V_STAGES: gl.constexpr = v_smem.shape[0]
     n_tiles = gl.load(meta_ptr + row * 2)
     sidx_row = sidx_ptr + row.to(gl.int64) * topk
     tinfo_row = tinfo_ptr + row.to(gl.int64) * (topk + 1)
     rows_s = gl.arange(0, BLOCK, layout=ROW_S)
     sq = gl.load(qsc_ptr + sc_off + q_cube * BLOCK + rows_s) * qk_scale
+    if FOLD:  # a padded row's scale is 0: any positive one keeps its (discarded) values finite
+        sq = gl.where(sq > 0.0, sq, qk_scale)
     acc = gl.zeros([BLOCK, HEAD_DIM], gl.float32, O_LAYOUT)
     zero_o = gl.zeros([BLOCK, HEAD_DIM], gl.float32, O_LAYOUT)
     zero_s = gl.zeros([BLOCK, BLOCK], gl.int32, S_LAYOUT)
     m_i = gl.full([BLOCK], float("-inf"), gl.float32, ROW_S)
     l_i = gl.full([BLOCK], 0.0, gl.float32, ROW_S)
+    # ACC_FMA: O is rescaled one tile late, so that the rescale and the two-level add are one
+    # FFMA: acc = acc * alpha_{j-1} + pv_{j-1}
+    alpha_prev = gl.full([BLOCK], 1.0, gl.float32, ROW_O)
     if n_tiles > 0:
         mbarrier.wait(q_bar, 0)
         mbarrier.wait(k_ready.index(0), 0)
         s_int = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False)
         mbarrier.arrive(k_empty.index(0), count=1)
         sk, fill = _tile_meta(sidx_row, tinfo_row, ksc_ptr, sc_off, 0, n_tiles)
-        s = _scores(s_int, sq, sk, fill, FAST_CVT)
+        if FOLD:
+            s = _scores_folded(s_int, sk, fill, FAST_CVT)
+        else:
+            s = _scores(s_int, sq, sk, fill, FAST_CVT)
         if PREFETCH:  # the next tile's scales and fill, a whole iteration ahead
             sk_next, fill_next = _tile_meta(sidx_row, tinfo_row, ksc_ptr, sc_off, 1, n_tiles)
         m_i = gl.max(s, 1)
-        p = _exp2(s - gl.expand_dims(m_i, 1))
-        l_i = gl.sum(p, 1)
+        if FOLD:
+            p8 = _p_folded(s, sq, m_i)
+            l_i = gl.sum(p8, 1)
+        else:
+            p = _exp2(s - gl.expand_dims(m_i, 1))
+            l_i = gl.sum(p, 1)
+            p8 = p * P_SCALE
         # P goes through shared memory (two slots): the wait of an async wgmma cannot keep
         # 8-bit register operands alive
         if REG_P:
-            p_op = gl.convert_layout((p * P_SCALE).to(gl.float8e4nv), P_LAYOUT)
+            p_op = gl.convert_layout(p8.to(gl.float8e4nv), P_LAYOUT)
         else:
-            p_smem.index(0).store((p * P_SCALE).to(gl.float8e4nv))
+            p_smem.index(0).store(p8.to(gl.float8e4nv))
             fence_async_shared()
         for j in range(1, n_tiles):
             ks = j % K_STAGES
@@ -188,25 +221,37 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, k_empty, v_ready, 
             mbarrier.arrive(k_empty.index(ks), count=1)
             if not PREFETCH:
                 sk, fill = _tile_meta(sidx_row, tinfo_row, ksc_ptr, sc_off, j, n_tiles)
-            s = _scores(s_int, sq, sk, fill, FAST_CVT)
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            alpha = _exp2(m_i - m_new)
-            p = _exp2(s - gl.expand_dims(m_new, 1))
-            l_i = l_i * alpha + gl.sum(p, 1)
+            if FOLD:
+                s = _scores_folded(s_int, sk, fill, FAST_CVT)
+                m_new = gl.maximum(m_i, gl.max(s, 1))
+                alpha = _exp2((m_i - m_new) * sq)
+                p8 = _p_folded(s, sq, m_new)
+                l_i = l_i * alpha + gl.sum(p8, 1)
+            else:
+                s = _scores(s_int, sq, sk, fill, FAST_CVT)
+                m_new = gl.maximum(m_i, gl.max(s, 1))
+                alpha = _exp2(m_i - m_new)
+                p = _exp2(s - gl.expand_dims(m_new, 1))
+                l_i = l_i * alpha + gl.sum(p, 1)
+                p8 = p * P_SCALE
             m_i = m_new
             alpha_o = gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
             if REG_P:
-                p_op = gl.convert_layout((p * P_SCALE).to(gl.float8e4nv), P_LAYOUT)
+                p_op = gl.convert_layout(p8.to(gl.float8e4nv), P_LAYOUT)
                 acc = acc * alpha_o
             else:
                 # slot j % 2 was read by the P.V of tile j - 2, waited for last iteration
-                p_smem.index(j % 2).store((p * P_SCALE).to(gl.float8e4nv))
+                p_smem.index(j % 2).store(p8.to(gl.float8e4nv))
                 fence_async_shared()
                 pv = warpgroup_mma_wait(0, deps=[pv_tok])
                 mbarrier.arrive(v_empty.index(vs), count=1)
-                if TWO_LEVEL:
-                    pv = acc + pv
-                acc = pv * alpha_o
+                if ACC_FMA:
+                    acc = acc * gl.expand_dims(alpha_prev, 1) + pv
+                    alpha_prev = gl.convert_layout(alpha, ROW_O)
+                else:
+                    if TWO_LEVEL:
+                        pv = acc + pv
+                    acc = pv * alpha_o
         jv = n_tiles - 1
         vs = jv % V_STAGES
         mbarrier.wait(v_ready.index(vs), (jv // V_STAGES) & 1)
@@ -214,23 +259,30 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, k_empty, v_ready, 
             p_last = p_op
         else:
             p_last = p_smem.index(jv % 2)
-        if TWO_LEVEL:
+        if ACC_FMA:
+            pv = warpgroup_mma(p_last, v_smem.index(vs).permute((1, 0)), zero_o, use_acc=False)
+            acc = acc * gl.expand_dims(alpha_prev, 1) + pv
+        elif TWO_LEVEL:
             acc = acc + warpgroup_mma(p_last, v_smem.index(vs).permute((1, 0)), zero_o,
                                       use_acc=False)
         else:
             acc = warpgroup_mma(p_last, v_smem.index(vs).permute((1, 0)), acc)
         mbarrier.arrive(v_empty.index(vs), count=1)
     _epilogue(acc, l_i, n_tiles, k_smem, o_desc, vsc_ptr, vmean_ptr, vbs_ptr, vd_off, q_cube,
-              q_row0, col)
+              q_row0, col, FOLD)
 
 
 @gluon.jit
 def _epilogue(acc, l_i, n_tiles, k_smem, o_desc, vsc_ptr, vmean_ptr, vbs_ptr, vd_off, q_cube,
-              q_row0, col):
-    """o = acc / l x v_scale / P_SCALE + v_mean; padded rows 0; a bad row NaN; TMA store."""
+              q_row0, col, L_SCALED: gl.constexpr = False):
+    """o = acc / l x v_scale / P_SCALE + v_mean; padded rows 0; a bad row NaN; TMA store.
+    L_SCALED: l summed P x P_SCALE, so P_SCALE is in it already."""
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     cols_o = gl.arange(0, HEAD_DIM, layout=COL_O)
-    v_scale = gl.load(vsc_ptr + vd_off + cols_o) * (1.0 / P_SCALE)
+    if L_SCALED:
+        v_scale = gl.load(vsc_ptr + vd_off + cols_o)
+    else:
+        v_scale = gl.load(vsc_ptr + vd_off + cols_o) * (1.0 / P_SCALE)
     v_mean = gl.load(vmean_ptr + vd_off + cols_o)
     o = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, ROW_O), 1)
     seen = gl.expand_dims(gl.convert_layout(l_i > 0.0, ROW_O), 1)  # v̄ only with weights
@@ -266,6 +318,8 @@ def _pair_consumer(q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, k_empty, v_re
     rescale of O per 128 keys, the two P.V of the step before chained into one fp32 accumulator
     (two-level). An odd last tile pairs with itself, fully masked (its slot is waited for and
     released once)."""
+    K_STAGES: gl.constexpr = k_smem.shape[0]
+    V_STAGES: gl.constexpr = v_smem.shape[0]
     n_tiles = gl.load(meta_ptr + row * 2)
     sidx_row = sidx_ptr + row.to(gl.int64) * topk
     tinfo_row = tinfo_ptr + row.to(gl.int64) * (topk + 1)
@@ -371,7 +425,9 @@ def _pair_consumer(q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, k_empty, v_re
 def int8_fp8_kernel(q_desc, k_desc, vt_desc, o_desc, sidx_ptr, tinfo_ptr, meta_ptr, vbs_ptr,
                     qsc_ptr, ksc_ptr, vsc_ptr, vmean_ptr, seq_len, num_heads, num_q_blocks,
                     topk, qk_scale, FAST_CVT: gl.constexpr, PREFETCH: gl.constexpr,
-                    TWO_LEVEL: gl.constexpr, REG_P: gl.constexpr, PAIR: gl.constexpr):
+                    TWO_LEVEL: gl.constexpr, REG_P: gl.constexpr, PAIR: gl.constexpr,
+                    FOLD: gl.constexpr, ACC_FMA: gl.constexpr,
+                    K_STAGES: gl.constexpr = 4, V_STAGES: gl.constexpr = 2):
     q_cube = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // num_heads
@@ -415,7 +471,8 @@ def int8_fp8_kernel(q_desc, k_desc, vt_desc, o_desc, sidx_ptr, tinfo_ptr, meta_p
             (_consumer, (q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, k_empty, v_ready,
                          v_empty, o_desc, sidx_ptr, tinfo_ptr, meta_ptr, vbs_ptr, qsc_ptr,
                          ksc_ptr, vsc_ptr, vmean_ptr, row, q_row0, col, sc_off, q_cube, vd_off,
-                         topk, qk_scale, FAST_CVT, PREFETCH, TWO_LEVEL, REG_P)),
+                         topk, qk_scale, FAST_CVT, PREFETCH, TWO_LEVEL, REG_P, FOLD,
+                         ACC_FMA)),
             (_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
                          k_empty, v_ready, v_empty, sidx_ptr, meta_ptr, row, q_row0, row0, col,
                          bh * HEAD_DIM, topk)),
@@ -436,7 +493,8 @@ def _layouts():
 #: the variants measured (bench/NOTES.md, issue #19): the scales a tile ahead (PREFETCH), the
 #: int32 -> fp32 conversion without I2F (FAST_CVT), P.V onto O directly (TWO_LEVEL False: fails
 #: by precision), P from registers with a synchronous P.V (REG_P)
-_BASE = dict(FAST_CVT=False, PREFETCH=True, TWO_LEVEL=True, REG_P=False, PAIR=False)
+_BASE = dict(FAST_CVT=False, PREFETCH=True, TWO_LEVEL=True, REG_P=False, PAIR=False,
+             FOLD=False, ACC_FMA=False, K_STAGES=4, V_STAGES=2)
 VARIANTS = {
     "v1": ({**_BASE, "PREFETCH": False}, 128),
     "prefetch": (_BASE, 128),
@@ -445,6 +503,19 @@ VARIANTS = {
     "regP": ({**_BASE, "FAST_CVT": True, "REG_P": True}, 128),
     "pair": ({**_BASE, "PAIR": True}, 128),
     "pair+cvt": ({**_BASE, "PAIR": True, "FAST_CVT": True}, 128),
+    # session 13: the scales, the mask and P's 448 folded into two FFMAs per score (FOLD), and
+    # O's rescale one tile late so that it and the two-level add are one FFMA (ACC_FMA)
+    "fold": ({**_BASE, "FOLD": True}, 128),
+    "fma": ({**_BASE, "ACC_FMA": True}, 128),
+    "fold+fma": ({**_BASE, "FOLD": True, "ACC_FMA": True}, 128),
+    "fold+fma+cvt": ({**_BASE, "FOLD": True, "ACC_FMA": True, "FAST_CVT": True}, 128),
+    # deeper rings (8 KB a tile: two CTAs a SM still fit): the producer issues K_j only once
+    # V_{j-1}'s slot is free, so the V ring bounds how far ahead both are loaded
+    "fold+fma_k4v4": ({**_BASE, "FOLD": True, "ACC_FMA": True, "V_STAGES": 4}, 128),
+    "fold+fma_k6v4": ({**_BASE, "FOLD": True, "ACC_FMA": True, "K_STAGES": 6,
+                       "V_STAGES": 4}, 128),
+    "fold+fma_k5v5": ({**_BASE, "FOLD": True, "ACC_FMA": True, "K_STAGES": 5,
+                       "V_STAGES": 5}, 128),
 }
 
 
@@ -510,7 +581,42 @@ def compile_offline(variant: str):
 
     return {"variant": variant, "matrix_ops": cubin_matrix_ops(cubin),
             "resources": cubin_resources(cubin), "shared": ck.metadata.shared,
-            "STL": sass.count("STL"), "LDL": sass.count("LDL"), "I2F": sass.count("I2F")}
+            "STL": sass.count("STL"), "LDL": sass.count("LDL"), "I2F": sass.count("I2F"),
+            "loop": main_loop_counts(sass)}
+
+
+def main_loop_counts(sass: str) -> dict:
+    """The instructions of the innermost loop that holds the P.V matmul (QGMMA): the smallest
+    [target, branch] range of a backward BRA that contains one. Returns the total and the
+    opcodes that make it up (the per-tile, per-thread issue count of bench/NOTES.md)."""
+    import re
+
+    ins = []  # (address, opcode, text)
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(3), m.group(4)))
+    best = None
+    for addr, op, rest in ins:
+        if not op.startswith("BRA"):
+            continue
+        t = re.search(r"0x([0-9a-f]+)", rest)
+        if not t or int(t.group(1), 16) >= addr:
+            continue
+        lo = int(t.group(1), 16)
+        body = [o for a, o, _ in ins if lo <= a <= addr]
+        if any(o.startswith("QGMMA") or o.startswith("HGMMA") for o in body):
+            if best is None or len(body) < len(best):
+                best = body
+    if best is None:
+        return {}
+    body = [o for o in best if o != "NOP"]
+    hist: dict[str, int] = {}
+    for o in body:
+        key = o.split(".")[0] if not o.startswith("STS") else o
+        hist[key] = hist.get(key, 0) + 1
+    top = dict(sorted(hist.items(), key=lambda kv: -kv[1])[:14])
+    return {"instructions": len(body), "top": top}
 
 
 def main() -> int:
@@ -518,9 +624,16 @@ def main() -> int:
     ap.add_argument("--offline", action="store_true")
     ap.add_argument("--out", default="int8_fp8.json")
     ap.add_argument("--small-only", action="store_true")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="comma-separated names of VARIANTS to check and time")
+    ap.add_argument("--with-prepass", default="prefetch",
+                    help="the variant timed with the pre-pass in the call")
+    ap.add_argument("--prepass-warps", default="4",
+                    help="comma-separated num_warps of the pre-pass to time")
     args = ap.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
     if args.offline:
-        for variant in VARIANTS:
+        for variant in variants:
             print(compile_offline(variant), flush=True)
         return 0
     from triton.testing import do_bench
@@ -539,7 +652,7 @@ def main() -> int:
         call_cpu = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"])
         q, k, v, idx, vbs = (t.to(dev) for t in call_cpu)
         qi = quant.quantize(q, k, v, vbs, "int8_fp8")
-        outs = {name: run(qi, vbs, idx, None, 128 ** -0.5, name) for name in VARIANTS}
+        outs = {name: run(qi, vbs, idx, None, 128 ** -0.5, name) for name in variants}
         torch.cuda.synchronize()
         o32, _ = attention_fp32(*call_cpu)
         qi_cpu = type(qi)(**{f: (getattr(qi, f).cpu() if isinstance(getattr(qi, f),
@@ -576,12 +689,15 @@ def main() -> int:
         t["bf16_gluon_winner"] = do_bench(lambda: win(q, k, v, idx, vbs), rep=300)
         t["bf16_gluon_unpacked"] = do_bench(lambda: op_u(q, k, v, idx, vbs), rep=300)
         out["bf16_configs"] = [cfg.name, unpacked.name]
-        for name in VARIANTS:
+        for name in variants:
             t[f"int8_fp8_{name}"] = do_bench(
                 lambda n=name: run(qi, vbs, idx, None, 128 ** -0.5, n), rep=300)
-        t["prepass"] = do_bench(lambda: quant.quantize(q, k, v, vbs, "int8_fp8"), rep=300)
-        t["int8_fp8_with_prepass"] = do_bench(lambda: run(
-            quant.quantize(q, k, v, vbs, "int8_fp8"), vbs, idx, None, 128 ** -0.5), rep=300)
+        for nw in (int(w) for w in args.prepass_warps.split(",")):
+            t[f"prepass_w{nw}"] = do_bench(lambda nw=nw: quant.quantize_triton(
+                q, k, v, vbs, "int8_fp8", num_warps=nw), rep=300)
+        wp = args.with_prepass
+        t[f"int8_fp8_{wp}_with_prepass"] = do_bench(lambda: run(
+            quant.quantize(q, k, v, vbs, "int8_fp8"), vbs, idx, None, 128 ** -0.5, wp), rep=300)
         t["bf16_op_again"] = do_bench(lambda: block_sparse_attention(q, k, v, idx, vbs), rep=300)
         for name, ms in t.items():
             print(f"{name}: {ms:.3f} ms", flush=True)

@@ -100,8 +100,9 @@ class Backend(ABC):
         """The target's default config for this backend, fitted to the spec."""
         return cfgmod.default_config(target, spec, backend=self.name)
 
-    def tunable(self, target: Target) -> dict[str, tuple[Any, ...]]:
-        """The search space of this backend on `target` (targets/<t>/target.toml)."""
+    def tunable(self, target: Target, spec: Spec | None = None) -> dict[str, tuple[Any, ...]]:
+        """The search space of this backend on `target` (targets/<t>/target.toml) for `spec`
+        (a family whose kernels differ by spec, e.g. the 8-bit one, picks its table by it)."""
         return target.tunable_for(self.name)
 
     # -- source, toolchain, identity ---------------------------------------------------------

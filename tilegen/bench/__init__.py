@@ -10,6 +10,12 @@ Variants (all on the same q, k, v, topk_idx, vbs of each capture):
   ``--config`` variant; also timed through ``tilegen.ops.block_sparse_attention``
   (``ms_custom_op``).
 - one row per kernel family asked for with ``--backends``: ``tilegen.load(spec, backend=name)``.
+- ``quant-<mode>`` (``--quant``; default: every 8-bit mode a family computes on this GPU,
+  `quant_modes_for`): ``tilegen.load(spec.replace(quant=mode))``, its pre-pass included in
+  ``ms_op``, scored by the quantized rule (`captures.quant_score`, ``rule`` "quantized") against
+  the fp32 oracle and `tilegen.quant.emulate` (check 4) on the oracle's heads, padded query rows
+  left out; the row carries the rule's margins (``cos``, ``rel_l1``, ``min_head_cos``,
+  ``emul_max_ratio``, ``emul_mean_ratio``).
 - ``flex`` (peer): ``torch.nn.attention.flex_attention`` compiled with ``torch.compile``, with a
   BlockMask built from the LUT (`flex_block_mask`: full cubes as full blocks, partial cubes as
   partial blocks whose ``mask_mod`` hides the padding past ``vbs``), 64x64 kernel blocks.
@@ -109,6 +115,7 @@ from tilegen.bench.plan import (  # noqa: F401
     parse_backends,
     parse_grid,
     parse_int_list,
+    quant_modes_for,
     real_key_flops,
     slot_flops,
     sweep_topks,

@@ -241,6 +241,17 @@ class Plan:
     warmup_ms: int = DEFAULT_WARMUP_MS
     rep_ms: int = DEFAULT_REP_MS
     backward_variants: list[Variant] = field(default_factory=list)  # empty: no --backward
+    #: --quant auto: the 8-bit rows are those of the GPU the bench runs on (`resolve_quant`)
+    quant_auto: bool = False
+
+    def resolve_quant(self) -> None:
+        """With --quant auto, add a row for each 8-bit mode a family computes on this GPU,
+        after the bf16 rows of tilegen (so a dry run touches no GPU)."""
+        if not self.quant_auto:
+            return
+        self.quant_auto = False
+        at = max(i for i, v in enumerate(self.variants) if v.kind == "tilegen") + 1
+        self.variants[at:at] = [quant_variant(m) for m in quant_modes_for(self.spec)]
 
     @property
     def backward(self) -> bool:
@@ -273,6 +284,9 @@ class Plan:
         lines.append(f"  variants ({len(self.variants)}):")
         for v in self.variants:
             lines.append(f"    {v.label:18s} {v.kind:8s} {v.calls}")
+        if self.quant_auto:
+            lines.append("    + a quant-<mode> row for each 8-bit mode a kernel family computes "
+                         "on the GPU the bench runs on (--quant auto)")
         lines.append("  check: reference variant vs the fp32 oracle on a subset of heads "
                      "(outlier head included)")
         if self.backward:
@@ -297,6 +311,41 @@ class Plan:
         return "\n".join(lines)
 
 
+def quant_variant(mode: str) -> Variant:
+    return Variant(f"quant-{mode}", "tilegen", "auto",
+                   f"tilegen.load(spec.replace(quant={mode!r})): op(..., return_lse=False), "
+                   "pre-pass included; quantized rule vs the fp32 oracle and "
+                   "tilegen.quant.emulate (check 4), launch")
+
+
+def quant_modes_for(spec: Spec, quant: Sequence[str] | str = "auto") -> list[str]:
+    """The 8-bit modes a bench of `spec` adds rows for: "auto" is every mode a kernel family
+    computes on this machine's GPU (`tilegen.backends.with_quant`, the family's spec rules on the
+    detected target; none without a GPU tilegen has a target for); an explicit list is checked
+    against `Spec.quant`'s modes and runs wherever it is asked (a row that cannot run fails)."""
+    from tilegen import backends
+    from tilegen.spec import QUANT_MODES
+    from tilegen.targets import detect_target
+
+    if spec.quant != "none":
+        raise ValueError(f"the bench's spec has quant={spec.quant!r}; the 8-bit rows come from "
+                         "--quant beside the bf16 ones: give a spec with quant 'none'")
+    if quant == "auto":
+        target = detect_target()
+        if target is None:
+            return []
+        return [m for m in QUANT_MODES[1:] if any(
+            name in target.backends
+            and not backends.get(name).spec_violations(spec.replace(quant=m), target)
+            for name in backends.with_quant(m))]
+    modes = [quant] if isinstance(quant, str) else list(quant)
+    bad = [m for m in modes if m not in QUANT_MODES[1:]]
+    if bad:
+        raise ValueError(f"--quant {bad}: not 8-bit modes; allowed values: "
+                         f"{list(QUANT_MODES[1:])}, auto or none")
+    return modes
+
+
 def default_plot_path(json_path: str | Path) -> Path:
     return Path(json_path).with_suffix(".png")
 
@@ -308,11 +357,13 @@ def make_plan(spec: Spec, captures_dir: str = "synthetic", *, seeds: int = 1,
               json_path: str | Path = "bench_results.json", plot_path: str | Path | None = None,
               warmup_ms: int = DEFAULT_WARMUP_MS, rep_ms: int = DEFAULT_REP_MS,
               backward: bool = False, encoding: str | None = None,
-              window: Sequence[int] | None = None) -> Plan:
+              window: Sequence[int] | None = None, quant: Sequence[str] | str = "auto") -> Plan:
     """Check the options and list what will run (no GPU needed). `encoding` / `window` bench
     another encoding (`encoding_spec`); for mask and sliding_tile a "lut" row runs the LUT op
     on the same pattern (`tilegen.encodings.reference_lut`), and FlexAttention's BlockMask is
-    built from that pattern too."""
+    built from that pattern too. `quant`: the 8-bit modes to bench beside the bf16 rows
+    (``quant-<mode>`` rows, `tilegen.load(spec.replace(quant=mode))`, scored by the quantized
+    rule), "auto" for every mode a kernel family computes (`quant_modes_for`), () for none."""
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
     if warmup_ms < 1 or rep_ms < 1:
@@ -340,6 +391,12 @@ def make_plan(spec: Spec, captures_dir: str = "synthetic", *, seeds: int = 1,
         variants.append(Variant("lut", "tilegen", "auto",
                                 "tilegen.load(LUT spec): op(q, k, v, idx, vbs, counts, "
                                 "return_lse=False) on the same pattern, launch"))
+    quant_auto = quant == "auto"
+    if quant_auto:
+        if spec.quant != "none":
+            quant_modes_for(spec, ())  # the same error as an explicit list
+    else:
+        variants += [quant_variant(m) for m in quant_modes_for(spec, quant)]
     for name in backends:
         variants.append(Variant(name, "tilegen", name,
                                 f"tilegen.load(spec, backend={name!r}): op(..., "
@@ -367,6 +424,7 @@ def make_plan(spec: Spec, captures_dir: str = "synthetic", *, seeds: int = 1,
     return Plan(spec=spec, captures=captures_dir, seeds=seeds, topks=topks, dropped_topks=dropped,
                 variants=variants, config=config, json_path=json_path,
                 plot_path=Path(plot_path) if plot_path else default_plot_path(json_path),
-                warmup_ms=warmup_ms, rep_ms=rep_ms, backward_variants=backward_variants)
+                warmup_ms=warmup_ms, rep_ms=rep_ms, backward_variants=backward_variants,
+                quant_auto=quant_auto)
 
 

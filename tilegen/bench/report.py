@@ -55,6 +55,12 @@ class Row:
     max_abs: float | None = None
     mean_abs: float | None = None
     score: str | None = None
+    #: "bf16" (contract's rule) or "quantized" (the 8-bit rows: `captures.quant_score`)
+    rule: str | None = None
+    cos: float | None = None
+    rel_l1: float | None = None
+    emul_max_ratio: float | None = None
+    emul_mean_ratio: float | None = None
     heads_checked: list[int] | None = None
     error: str | None = None
     note: str | None = None
@@ -66,7 +72,14 @@ class Row:
     def set_score(self, s: captures.Score, against: str) -> None:
         self.passed, self.scored_against, self.finite = s.passed, against, s.finite
         self.min_head_cos, self.max_abs, self.mean_abs = s.min_head_cos, s.max_abs, s.mean_abs
-        self.score = str(s)
+        self.score, self.rule = str(s), "bf16"
+
+    def set_quant_score(self, s: captures.QuantScore, against: str) -> None:
+        """The quantized rule's result and its margins (an 8-bit row)."""
+        self.passed, self.scored_against, self.finite = s.passed, against, s.finite
+        self.min_head_cos, self.cos, self.rel_l1 = s.min_head_cos, s.cos, s.rel_l1
+        self.emul_max_ratio, self.emul_mean_ratio = s.emul_max_ratio, s.emul_mean_ratio
+        self.score, self.rule = str(s), "quantized"
 
     def set_flops(self, flops: float, flops_slots: float) -> None:
         self.flops, self.flops_slots = flops, flops_slots

@@ -137,6 +137,14 @@ def _run_point(plan: Plan, point: Point, device: str, timer: Callable, loader: C
                 if variant.label == "lut":
                     out = _run_tilegen(plan, variant, lut_spec(spec, idx.shape[-1]), lut_args,
                                        loader, timer, row, device)
+                elif variant.label.startswith("quant-"):
+                    mode = variant.label.removeprefix("quant-")
+                    out = _run_tilegen(plan, variant, spec.replace(quant=mode), args, loader,
+                                       timer, row, device)
+                    _quant_score(spec, cap, lut_args, out, mode, row)
+                    del out
+                    finish(row)
+                    continue
                 else:
                     out = _run_tilegen(plan, variant, spec, args, loader, timer, row, device)
                 if variant.label == "reference":
@@ -201,6 +209,8 @@ def _run_tilegen(plan: Plan, variant: Variant, spec: Spec, args: tuple, loader: 
         op = loader(spec, reference_config(spec))
     elif variant.label in ("default", "config", "lut"):
         op = loader(spec, plan.config)
+    elif variant.label.startswith("quant-"):
+        op = loader(spec)  # the 8-bit spec's own family and config
     else:
         op = loader(spec, backend=variant.backend)
     row.backend = getattr(op, "backend", variant.backend)
@@ -263,6 +273,23 @@ def _time_custom_op(spec: Spec, args: tuple, timer: Callable, row: Row) -> None:
         row.add_note(f"block_sparse_attention failed: {type(exc).__name__}: {exc}")
 
 
+def _quant_score(spec: Spec, cap: dict, args: tuple, o_variant: torch.Tensor, mode: str,
+                 row: Row) -> None:
+    """An 8-bit row against the fp32 oracle and the recipe's emulation (check 4) on the
+    oracle's subset of heads (`tilegen.quant.quant_reference`), padded query rows left out."""
+    from tilegen import quant
+
+    if spec.layout != "bshd":
+        raise ValueError("the 8-bit rows score BSHD tensors (the 8-bit kernel's layout)")
+    heads = oracle_heads(spec.num_heads, cap.get("outlier_heads") or ())
+    row.heads_checked = heads
+    counts = args[5] if len(args) > 5 else None
+    ref = quant.quant_reference(mode, *args[:5], counts, heads, sm_scale=spec.sm_scale,
+                                block=spec.block_kv)
+    row.set_quant_score(ref.score(o_variant),
+                        f"fp32 oracle and tilegen.quant.emulate, heads {heads}")
+
+
 def _oracle_row(spec: Spec, cap: dict, args: tuple, o_variant: torch.Tensor, row: Row) -> Row:
     """The reference variant against the fp32 oracle on a subset of heads (outlier included);
     the oracle's output is rounded to the op's dtype first, as the kernel's output is."""
@@ -295,6 +322,8 @@ def run_bench(plan: Plan, *, command: str | None = None, device: str = "cuda",
     if device == "cuda" and not torch.cuda.is_available():
         print(NO_GPU_MESSAGE, file=sys.stderr)
         return 2
+    if device.startswith("cuda"):
+        plan.resolve_quant()
     env = environment()
     print(f"tilegen bench on {env['device']}: torch {env['torch']}, triton {env['triton']}, "
           f"tilegen {env['tilegen']}", file=file, flush=True)

@@ -155,7 +155,7 @@ class SearchSpace:
 
         base = backends.get(backend).default_config(spec, target)
         types = {**_field_types(), **{k: type(v) for k, v in base.options}}
-        ranges: dict[str, Sequence[Value]] = dict(backends.get(backend).tunable(target))
+        ranges: dict[str, Sequence[Value]] = dict(backends.get(backend).tunable(target, spec))
         ranges.update(overrides or {})
         launch = [make_dim(n, ranges[n], types) for n in LAUNCH_FIELDS if n in ranges]
         render = [make_dim(n, ranges[n], types) for n in sorted(ranges)

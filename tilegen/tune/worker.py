@@ -189,6 +189,8 @@ class _WorkerState:
             encodings.validate(self.spec, *encodings.call_args(self.spec, cap), check_values=True)
         except (TypeError, ValueError) as exc:
             raise WorkerSetupError(f"capture {name} does not fit the spec: {exc}") from exc
+        if self.spec.quant != "none":
+            return self._quant_reference(name, cap)
         # every encoding's yardstick is the LUT reference on the equivalent LUT (the capture's
         # own for lut and mask, the windows' for sliding_tile)
         idx, counts = encodings.reference_lut(self.spec, cap)
@@ -228,6 +230,19 @@ class _WorkerState:
                     "ones, so no trial runs (fix the reference kernel first)")
             self.notes.append(f"{text} (--oracle-check report: not enforced)")
         return o, "reference variant", str(s)
+
+    def _quant_reference(self, name: str, cap: dict) -> tuple[Any, str, str]:
+        """An 8-bit spec's gate: the quantized rule (`tilegen.captures.quant_score`, check 4
+        included) against the fp32 oracle and the recipe's emulation on the oracle's heads
+        (`tilegen.quant.quant_reference`), computed once per capture."""
+        from tilegen import bench, encodings, quant
+
+        idx, counts = encodings.reference_lut(self.spec, cap)
+        heads = bench.oracle_heads(self.spec.num_heads, cap.get("outlier_heads") or ())
+        ref = quant.quant_reference(self.spec.quant, cap["q"], cap["k"], cap["v"], idx,
+                                    cap["vbs"], counts, heads, sm_scale=self.spec.sm_scale,
+                                    block=self.spec.block_kv)
+        return ref, "fp32 oracle and tilegen.quant.emulate", f"heads {heads}"
 
     def _gate_gradients(self, op: Any, name: str, cap: dict, ref: Any
                         ) -> tuple[dict[str, Any], Callable[[], Any]]:
@@ -282,6 +297,13 @@ class _WorkerState:
                 self._sync()
                 if i == 0:
                     res.compile_s = time.perf_counter() - tc  # first call: JIT compile + run
+                if self.spec.quant != "none":  # the quantized rule (`_quant_reference`)
+                    qs = ref.score(o)
+                    del o
+                    rows.append({"capture": name, "passed": qs.passed, "finite": qs.finite,
+                                 "min_head_cos": qs.min_head_cos, "max_abs": None,
+                                 "mean_abs": None, "score": str(qs)})
+                    continue
                 s = captures.score(o, ref, layout=self.spec.layout)
                 del o
                 rows.append({"capture": name, "passed": s.passed, "finite": s.finite,

@@ -86,3 +86,27 @@ def compile_gluon(spec: Spec, cfg: KernelConfig, target: Target, source: Source,
     path = cache.atomic_write(out_dir / f"{stem}.cubin", compiled.asm["cubin"])
     cache.atomic_write(out_dir / f"{stem}.ptx", compiled.asm["ptx"])
     return _artifact(compiled, path, source, target, cfg.name)
+
+
+def compile_gluon_quant(spec: Spec, cfg: KernelConfig, target: Target, source: Source,
+                        out_dir: Path) -> Artifact:
+    """Compile the 8-bit Gluon kernel (`tilegen.backends.gluon.quant`) for `target`: its
+    Artifact counts IGMMA and QGMMA in the SASS."""
+    from tilegen.backends.gluon import quant
+
+    _require_compiled_mode()
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        compiled = quant.compile_offline(source, quant.options_of(cfg), spec.head_dim,
+                                         spec.dtype, target)
+    except Exception as exc:  # triton raises several exception types for bad kernels
+        raise CompileError(f"8-bit Gluon compile failed for {target.name} {cfg.name}: "
+                           f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"gluon_{source.name.removesuffix('.py')}"
+    path = cache.atomic_write(out_dir / f"{stem}.cubin", compiled.asm["cubin"])
+    cache.atomic_write(out_dir / f"{stem}.ptx", compiled.asm["ptx"])
+    return _artifact(compiled, path, source, target, cfg.name)

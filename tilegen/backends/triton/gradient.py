@@ -60,7 +60,7 @@ class TritonBackwardBackend(Backend):
             return [str(exc)]
         return bwd.violations(spec)
 
-    def tunable(self, target: Target) -> dict[str, tuple[Any, ...]]:
+    def tunable(self, target: Target, spec: Spec | None = None) -> dict[str, tuple[Any, ...]]:
         """``[tunable.triton_bwd]`` of the target (never the forward's common table)."""
         own = target.tunable_by_backend.get(self.name)
         if own is None:

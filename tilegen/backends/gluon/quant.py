@@ -1,0 +1,406 @@
+"""The Gluon family's 8-bit kernel (issue #19): INT8 Q.K^T and e4m3 P.V on Hopper's wgmma
+(IGMMA, QGMMA), rendered from templates/gluon/lut_ws_quant.py.j2, for ``Spec(quant="int8_fp8")``.
+
+The op quantizes q, k and v with `tilegen.quant.quantize` (one launch, no host sync), plans the
+tiles with the Gluon pre-pass (LUT rows or sliding-tile windows, no packed partial cubes), then
+runs the kernel. A model that keeps its K/V quantized passes the pre-pass's output instead
+(`GluonQuantAttention.from_quantized`). Forward only: a call that needs gradients is refused.
+
+The knobs (`KernelConfig.options`, over `DEFAULTS`; constexpr parameters of the kernel):
+
+    k_stages        K_STAGES: K ring depth (at least 2: O is staged in two of its slots)
+    v_stages        V_STAGES: V^T ring depth
+    store_lse       STORE_LSE: write the base-2 log-sum-exp
+    consumer_regs   the consumer warpgroup's registers (the launch's maxnreg leaves it them)
+    producer_regs   PRODUCER_REGS: the producer warp's setmaxnreg
+
+Rendering needs no torch or triton, so it works anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from tilegen.backends.gluon import render as _render
+from tilegen.config import KernelConfig
+from tilegen.render import Source, render, spec_basename
+from tilegen.spec import Spec
+from tilegen.targets import Target
+
+TEMPLATE = "gluon/lut_ws_quant.py.j2"
+KERNEL_NAME = "tilegen_gluon_lut_ws_quant"
+#: the quant modes this kernel computes; "int8" (INT8 Q.K, bf16 P.V) has no kernel yet
+QUANT_KERNELS = ("int8_fp8",)
+#: the knobs, with their defaults (session 13's measured best on the H200: bench/NOTES.md)
+DEFAULTS: dict[str, Any] = {
+    "k_stages": 4,
+    "v_stages": 2,
+    "store_lse": False,
+    "consumer_regs": 232,
+    "producer_regs": 24,
+}
+CONSTEXPR_NAMES: dict[str, str] = {
+    "k_stages": "K_STAGES",
+    "v_stages": "V_STAGES",
+    "store_lse": "STORE_LSE",
+    "producer_regs": "PRODUCER_REGS",
+}
+#: log2 of P's e4m3 scale (`tilegen.quant.P_SCALE`, e4m3's largest value 448)
+LOG2_P_SCALE = math.log2(448.0)
+
+
+def resolve(cfg: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`cfg` over the defaults; unknown keys are an error (the bf16 kernel's knobs included:
+    a config of one kernel must not pass silently as the other's)."""
+    cfg = dict(cfg or {})
+    unknown = sorted(set(cfg) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown 8-bit Gluon config key(s) {unknown}; known: "
+                         f"{sorted(DEFAULTS)}")
+    return {**DEFAULTS, **cfg}
+
+
+def options_of(cfg: KernelConfig) -> dict[str, Any]:
+    return resolve({**dict(cfg.options), "store_lse": cfg.store_lse})
+
+
+def _slots(opts: Mapping[str, Any]) -> dict[str, Any]:
+    """The resolved options as `render.maxnreg_for` reads them (one consumer a CTA)."""
+    return {**opts, "num_consumers": 1}
+
+
+def smem_bytes(opts: Mapping[str, Any], block: int = 64, head_dim: int = 128) -> int:
+    tile = block * head_dim  # one 8-bit tile: K, V^T or Q
+    rings = opts["k_stages"] + opts["v_stages"]
+    return (tile * (1 + rings) + 2 * block * block + 8 * (1 + 2 * rings)
+            + _render.COMPILER_SMEM_SLACK)
+
+
+def spec_problem(spec: Spec, target: Target | None) -> str | None:
+    """Why the 8-bit kernel cannot compute `spec` on `target` with any config, or None."""
+    if spec.quant not in QUANT_KERNELS:
+        return (f"quant={spec.quant!r}: the Gluon family's 8-bit kernel computes "
+                f"{list(QUANT_KERNELS)} (INT8 Q.K, e4m3 P.V); INT8 Q.K with bf16 P.V has no "
+                "kernel yet")
+    why = _render.spec_problem(spec)
+    if why:
+        return why
+    if target is not None and _render.mma_kind(spec, target) != "wgmma":
+        return (f"quant={spec.quant!r} on {target.name}: the 8-bit Gluon kernel is written for "
+                "Hopper's wgmma (IGMMA for int8, QGMMA for e4m3); Blackwell's tcgen05 kinds "
+                "i8 and f8f6f4 have no consumer yet")
+    return None
+
+
+def check(spec: Spec, opts: Mapping[str, Any], target: Target | None = None) -> str | None:
+    """Why this spec/config cannot be rendered or launched, or None."""
+    why = spec_problem(spec, target)
+    if why:
+        return why
+    if opts["k_stages"] < 2:
+        return "k_stages must be at least 2: the 8-bit kernel stages O in two K slots"
+    if opts["v_stages"] < 1:
+        return "v_stages must be at least 1"
+    if target is not None:
+        smem = smem_bytes(opts, 64, spec.head_dim)
+        if smem > target.max_shared_bytes:
+            return f"shared memory {smem} B over {target.max_shared_bytes}"
+        slots = _slots(opts)
+        threads = _render.launch_warps(slots, target) * target.warp_size
+        reg = _render.maxnreg_for(slots, target)
+        if reg * threads > target.registers_per_sm or reg > target.max_registers_per_thread:
+            return "consumer_regs do not fit the register file"
+    return None
+
+
+def default_config(spec: Spec) -> KernelConfig:
+    """The 8-bit kernel's default where the target has no [default.gluon_quant]: one 64x64
+    consumer of 4 warps, `DEFAULTS`."""
+    opts = {k: v for k, v in DEFAULTS.items() if k != "store_lse"}
+    return KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=1, options=opts)
+
+
+def render_quant(spec: Spec, cfg: KernelConfig, target: Target) -> Source:
+    opts = options_of(cfg)
+    why = check(spec, opts)
+    if why:
+        raise ValueError(why)
+    if _render.mma_kind(spec, target) != "wgmma":
+        raise ValueError(spec_problem(spec, target) or "the 8-bit kernel needs wgmma")
+    name = f"{spec_basename(spec)}_{spec.quant}_{cfg.render_name}.py"
+    return render(TEMPLATE, "triton", spec, cfg.render_options(), name, KERNEL_NAME, target,
+                  block=spec.block_kv, head_dim=spec.head_dim, quant=spec.quant,
+                  gl_dtype=_render.GL_DTYPES[spec.dtype], arch=target.arch,
+                  log2_p_scale=repr(LOG2_P_SCALE))
+
+
+def constexprs(opts: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: opts[knob] for knob, name in CONSTEXPR_NAMES.items()}
+
+
+# ------------------------------------------------------------------------------------ launch
+def _layouts(head_dim: int, dtype: str) -> dict[str, Any]:
+    from triton.experimental.gluon import language as gl
+
+    return {"qk": gl.NVMMASharedLayout.get_default_for([64, head_dim], gl.int8),
+            "vt": gl.NVMMASharedLayout.get_default_for([head_dim, 64], gl.float8e4nv),
+            "o": gl.NVMMASharedLayout.get_default_for(
+                [64, head_dim], gl.bfloat16 if dtype == "bf16" else gl.float16)}
+
+
+class QuantLaunch:
+    """One rendered 8-bit variant, launchable on CUDA tensors of a wgmma target. Called as
+    `tilegen.backends.gluon.launch.GluonLaunch` is, plus ``quantized`` (the pre-pass's
+    output, else it runs here)."""
+
+    def __init__(self, source: Source, opts: dict[str, Any], spec: Spec,
+                 target: Target) -> None:
+        from tilegen.backends.gluon.launch import load_kernel
+
+        self.source = source
+        self.cfg = opts
+        self.spec = spec
+        self.kernel = load_kernel(source, KERNEL_NAME)
+        self.maxnreg = _render.maxnreg_for(_slots(opts), target)
+        self.num_warps = target.fact("warps_per_warpgroup")
+        self._bufs: dict = {}
+        self._layouts = _layouts(spec.head_dim, spec.dtype)
+
+    def _buffers(self, device, rows: int, topk: int):
+        from tilegen.backends.gluon.prepass import prepass_buffers
+
+        key = (str(device), rows, topk)
+        b = self._bufs.get(key)
+        if b is None:
+            b = self._bufs[key] = prepass_buffers(device, rows, topk)
+        return b
+
+    def __call__(self, q, k, v, topk_idx, vbs, counts, o, lse, err, sm_scale: float,
+                 max_prob_out=None, windows=None, cube_grid=None, topk: int = 0,
+                 quantized=None) -> None:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        from tilegen import quant
+        from tilegen.backends.gluon.prepass import run_prepass, run_window_prepass
+        from tilegen.reference import LOG2E
+
+        qi = quantized if quantized is not None else quant.quantize(q, k, v, vbs,
+                                                                    self.spec.quant)
+        B, S, H, D = qi.q8.shape
+        nq, nkv = S // 64, vbs.shape[0]
+        if windows is None:
+            topk = topk_idx.shape[3]
+        rows = B * H * nq
+        bufs = self._buffers(qi.q8.device, rows, topk)
+        if windows is not None:
+            run_window_prepass(windows, vbs, bufs, rows, H, nq, cube_grid, topk, err, pack=False)
+        else:
+            run_prepass(topk_idx, vbs, counts, bufs, rows, nkv, topk, err, pack=False)
+        lay = self._layouts
+
+        def desc(t, box, layout):
+            r, c = t.shape
+            return TensorDescriptor(t, [r, c], [c, 1], box, layout)
+
+        self.kernel[(nq, B * H)](
+            desc(qi.q8.view(B * S, H * D), [64, D], lay["qk"]),
+            desc(qi.k8.view(B * S, H * D), [64, D], lay["qk"]),
+            desc(qi.v8t.view(B * H * D, S), [D, 64], lay["vt"]),
+            desc(o.view(B * S, H * D), [64, D], lay["o"]),
+            bufs["sidx"], bufs["tinfo"], bufs["meta"], vbs,
+            lse if lse is not None else bufs["meta"], qi.q_scale, qi.k_scale, qi.v_scale,
+            qi.v_mean, S, H, nq, topk, float(sm_scale) * LOG2E, **constexprs(self.cfg),
+            num_warps=self.num_warps, maxnreg=self.maxnreg)
+
+
+def signature(opts: Mapping[str, Any], head_dim: int, dtype: str) -> tuple[dict, dict]:
+    """Kernel signature strings for triton.compile (no tensors needed) and the constexprs."""
+    lay = _layouts(head_dim, dtype)
+
+    def td(dt, box, layout):
+        return f"tensordesc<{dt}[{box[0]}, {box[1]}],{layout!r}>"
+
+    sig = {"q_desc": td("i8", [64, head_dim], lay["qk"]),
+           "k_desc": td("i8", [64, head_dim], lay["qk"]),
+           "vt_desc": td("fp8e4nv", [head_dim, 64], lay["vt"]),
+           "o_desc": td(dtype, [64, head_dim], lay["o"]),
+           "sidx_ptr": "*i32", "tinfo_ptr": "*i32", "meta_ptr": "*i32", "vbs_ptr": "*i32",
+           "lse_ptr": "*fp32", "qsc_ptr": "*fp32", "ksc_ptr": "*fp32", "vsc_ptr": "*fp32",
+           "vmean_ptr": "*fp32", "seq_len": "i32", "num_heads": "i32", "num_q_blocks": "i32",
+           "topk": "i32", "qk_scale": "fp32"}
+    consts = constexprs(opts)
+    sig.update({name: "constexpr" for name in consts})
+    return sig, consts
+
+
+def compile_offline(source: Source, opts: Mapping[str, Any], head_dim: int, dtype: str,
+                    target: Target):
+    """Compile for the target here (no GPU needed): Triton's CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from tilegen.backends.gluon.launch import load_kernel
+
+    fn = load_kernel(source, KERNEL_NAME)
+    sig, consts = signature(opts, head_dim, dtype)
+    return triton.compile(GluonASTSource(fn, sig, consts),
+                          target=GPUTarget(target.triton_backend, target.triton_arch,
+                                           target.warp_size),
+                          options={"num_warps": target.fact("warps_per_warpgroup"),
+                                   "maxnreg": _render.maxnreg_for(_slots(opts), target)})
+
+
+# ---------------------------------------------------------------------------------------- op
+def _no_grad_error() -> ValueError:
+    return ValueError("the 8-bit kernels compute the forward only (no backward): train with "
+                      "Spec(quant='none'), or call under torch.no_grad() / with inputs that do "
+                      "not require grad")
+
+
+class _QuantOp:
+    """What the 8-bit ops change of the bf16 Gluon ops (mixed in before them)."""
+
+    #: K/V of q's shape only (the kernel addresses K/V by q's rows and heads)
+    takes_separate_kv = False
+    provides_max_prob = False
+
+    def __init__(self, spec: Spec, config: KernelConfig, target: Target | None,
+                 config_source: str = "explicit") -> None:
+        if target is None:
+            raise ValueError(f"quant={spec.quant!r}: the 8-bit kernel needs a target with "
+                             "Hopper's wgmma (sm_90): run on such a GPU, or pass "
+                             "target='sm_90' to build it here")
+        super().__init__(spec, config, target, config_source)  # type: ignore[call-arg]
+
+    def _launch_for(self, store_lse: bool, store_max_prob: bool = False,
+                    separate_kv: bool = False):
+        if store_max_prob or separate_kv:
+            raise ValueError("the 8-bit kernel writes neither max_prob nor reads separate K/V")
+        key = (store_lse, False, False)
+        run = self._launches.get(key)
+        if run is None:
+            cfg = self.config.replace(store_lse=store_lse)
+            run = QuantLaunch(render_quant(self.spec, cfg, self.target), options_of(cfg),
+                              self.spec, self.target)
+            self._launches[key] = run
+        return run
+
+    def _call(self, q, k, v, vbs, cubes, shapes, plan, sm_scale, return_lse, return_max_prob,
+              check_values, grad_kwargs=None):
+        import torch
+
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise _no_grad_error()
+        if return_max_prob:
+            raise ValueError("return_max_prob: the 8-bit kernel does not write the softmax "
+                             "signal; use Spec(quant='none')")
+        return super()._call(q, k, v, vbs, cubes, shapes, plan, sm_scale, return_lse,  # type: ignore[misc]
+                             False, check_values, grad_kwargs)
+
+    def forward_for_grad(self, *args, **kwargs):
+        raise _no_grad_error()
+
+
+def _check_quantized(spec: Spec, qi, vbs) -> None:
+    """The pre-quantized inputs' own shapes and mode (the op's call checks q, k, v otherwise)."""
+    if qi.mode != spec.quant:
+        raise ValueError(f"quantized inputs of mode {qi.mode!r}; this op computes "
+                         f"quant={spec.quant!r}")
+    if qi.v8t is None or qi.k8.shape != qi.q8.shape:
+        raise ValueError("quantized inputs: k8 must have q8's shape and v8t must be set "
+                         "(tilegen.quant.quantize(q, k, v, vbs, 'int8_fp8'))")
+    B, S, H, D = qi.q8.shape
+    if D != spec.head_dim or S % 64 or vbs.shape != (S // 64,):
+        raise ValueError(f"quantized inputs of shape {tuple(qi.q8.shape)} and vbs "
+                         f"{tuple(vbs.shape)}: want head_dim {spec.head_dim} and one vbs entry "
+                         "per 64-token cube")
+
+
+def _from_quantized(op, qi, vbs, plan: dict, *, sm_scale, return_lse: bool):
+    import torch
+
+    _check_quantized(op.spec, qi, vbs)
+    B, S, H, D = qi.q8.shape
+    dtype = torch.bfloat16 if op.spec.dtype == "bf16" else torch.float16
+    dev = qi.q8.device
+    o = torch.empty((B, S, H, D), dtype=dtype, device=dev)
+    lse = torch.empty((B, H, S), dtype=torch.float32, device=dev) if return_lse else None
+    op.errors.raise_pending(dev)
+    scale = sm_scale if sm_scale is not None else op.spec.sm_scale
+    plan = {"topk_idx": None, "counts": None, **plan}
+    op._launch_for(return_lse)(None, None, None, plan.pop("topk_idx"), vbs, plan.pop("counts"),
+                              o, lse, op.errors.buffer(dev), scale, quantized=qi, **plan)
+    op.errors.after_launch(dev)
+    return (o, lse) if return_lse else o
+
+
+def _lut_op():
+    from tilegen.backends.gluon.op import GluonBlockSparseAttention
+
+    class GluonQuantAttention(_QuantOp, GluonBlockSparseAttention):
+        """The 8-bit op, LUT encoding: ``o, lse = op(q, k, v, topk_idx, vbs, counts=None)`` with
+        bf16/fp16 q, k, v of one shape (quantized here), o in q's dtype. Forward only."""
+
+        def __repr__(self) -> str:
+            return "Quant" + super().__repr__()
+
+        def __call__(self, q, k, v, topk_idx, vbs, counts=None, *, sm_scale=None,
+                     return_lse: bool = True, return_max_prob: bool = False,
+                     check_values: bool = False, q_vbs=None):
+            if q_vbs is not None or k.shape != q.shape or v.shape != q.shape:
+                raise ValueError(f"the 8-bit kernel takes q, k and v of one shape (got "
+                                 f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+                                 f"{', and q_vbs' if q_vbs is not None else ''})")
+            return super().__call__(q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale,
+                                    return_lse=return_lse, return_max_prob=return_max_prob,
+                                    check_values=check_values)
+
+        def from_quantized(self, quantized, topk_idx, vbs, counts=None, *, sm_scale=None,
+                           return_lse: bool = True):
+            """The kernel on inputs already quantized by the recipe (`tilegen.quant.quantize`,
+            or a model's own K/V kept in its format across steps): ``quantized`` is a
+            `tilegen.quant.QuantizedInputs`. Index values are checked on the GPU, as in a
+            call; shapes here."""
+            B, S, H, _ = quantized.q8.shape
+            if topk_idx.dim() != 4 or tuple(topk_idx.shape[:3]) != (B, H, S // 64):
+                raise ValueError(f"topk_idx of shape {tuple(topk_idx.shape)}: want "
+                                 f"({B}, {H}, {S // 64}, topk)")
+            return _from_quantized(self, quantized, vbs,
+                                   {"topk_idx": topk_idx, "counts": counts},
+                                   sm_scale=sm_scale, return_lse=return_lse)
+
+    return GluonQuantAttention
+
+
+def _window_op():
+    from tilegen.backends.gluon.op import GluonSlidingTileAttention
+
+    class GluonQuantSlidingTileAttention(_QuantOp, GluonSlidingTileAttention):
+        """The 8-bit op, sliding-tile encoding: ``o, lse = op(q, k, v, vbs)``. Forward only."""
+
+        def __repr__(self) -> str:
+            return "Quant" + super().__repr__()
+
+        def from_quantized(self, quantized, vbs, *, sm_scale=None, return_lse: bool = True):
+            """As `GluonQuantAttention.from_quantized`, with the windows from the spec."""
+            import math
+
+            B, S, H, _ = quantized.q8.shape
+            if S // 64 != self.spec.num_cubes:
+                raise ValueError(f"quantized inputs hold {S // 64} cubes; the spec's grid "
+                                 f"{self.spec.grid} has {self.spec.num_cubes}")
+            plan = dict(windows=self.windows(quantized.q8.device, H),
+                        cube_grid=self.spec.cube_grid,
+                        topk=max(math.prod(w) for w in self.spec.windows))
+            return _from_quantized(self, quantized, vbs, plan, sm_scale=sm_scale,
+                                   return_lse=return_lse)
+
+    return GluonQuantSlidingTileAttention
+
+
+def make_op(spec: Spec, cfg: KernelConfig, target: Target | None, config_source: str):
+    cls = _window_op() if spec.encoding == "sliding_tile" else _lut_op()
+    return cls(spec, cfg, target, config_source)

@@ -70,7 +70,8 @@ log = logging.getLogger("tilegen")
 
 DEFAULT_SPARSITY = 0.875  # seed 003 / the default spec: 78 of 624 cubes kept
 SELECTORS = ("mean_pool",)
-#: quant= values: Spec.quant's; only "none" runs today (the 8-bit kernels are issue #19's)
+#: quant= values: Spec.quant's; only "none" runs in the processor today (issue #19's 8-bit op is
+#: not routed here yet)
 QUANT_MODES = QUANT_SPEC_MODES
 _STATE_ATTR = "_tilegen_block_sparse"
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -386,7 +387,7 @@ def enable_block_sparse(
             timestep costs one host sync per transformer call, so leave this empty under CUDA
             graphs.
         quant: ``"none"``; the 8-bit variants (``"int8"``, ``"int8_fp8"``: `tilegen.quant`'s
-            recipes) are refused until tilegen's 8-bit kernels ship.
+            recipes) are refused: the processor does not route to the 8-bit op yet.
         plan: a `SparsityPlan` (or its JSON file) from `calibrate`: its layers' sparsity and
             dense layers, unioned with ``dense_layers``; refused for another transformer config.
         cube: the cube shape in latent tokens, 64 tokens (the kernels' block); default (4, 4, 4),
@@ -402,8 +403,9 @@ def enable_block_sparse(
         raise ValueError(f"quant={quant!r} is not allowed; allowed values: {list(QUANT_MODES)}")
     if quant != "none":
         raise NotImplementedError(
-            f"quant={quant!r} needs tilegen's 8-bit attention kernels (the quantization issue, "
-            "#19), which this tilegen does not have yet; use quant='none'")
+            f"quant={quant!r}: the processor does not route to the 8-bit kernel yet (issue "
+            "#19: tilegen.load(Spec(quant='int8_fp8')) is a forward-only op for Hopper, not yet "
+            "a torch.library op the compiled processor can call); use quant='none'")
     if plan is not None and not isinstance(plan, SparsityPlan):
         plan = SparsityPlan.load(plan)
     if plan is not None and cube is not None and tuple(cube) != tuple(plan.cube):

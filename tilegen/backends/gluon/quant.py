@@ -270,9 +270,14 @@ class _QuantOp:
     def __init__(self, spec: Spec, config: KernelConfig, target: Target | None,
                  config_source: str = "explicit") -> None:
         if target is None:
+            from tilegen.targets import TARGET_NAMES, get_target
+
+            having = [n for n in TARGET_NAMES
+                      if spec_problem(spec, get_target(n)) is None
+                      and "gluon" in get_target(n).backends]
             raise ValueError(f"quant={spec.quant!r}: the 8-bit kernel needs a target with "
-                             "Hopper's wgmma (sm_90): run on such a GPU, or pass "
-                             "target='sm_90' to build it here")
+                             f"Hopper's wgmma ({having}): run on such a GPU, or pass one as "
+                             "target= to build it here")
         super().__init__(spec, config, target, config_source)  # type: ignore[call-arg]
 
     def _launch_for(self, store_lse: bool, store_max_prob: bool = False,

@@ -185,3 +185,18 @@ def test_emulation_rows_without_keys_are_zero_and_modes_must_match():
         quant.emulate(*call, mode="int8", quantized=qi)
     with pytest.raises(ValueError, match="needs o_emul"):
         captures.quant_score(o, o32, o_oracle=o32)
+
+
+def test_the_gate_on_a_subset_of_heads_takes_the_recipe_and_fails_a_broken_output():
+    """`quant.quant_reference` (the bench rows' and the tuner's gate): the emulation of the whole
+    call, restricted to the gate's heads, passes; the same output with one cube's rows swapped for
+    another's fails."""
+    cap = _capture(0)
+    call = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"])
+    ref = quant.quant_reference("int8_fp8", *call, None, [0, 1])
+    o = quant.emulate(*call, mode="int8_fp8").to(torch.bfloat16)  # the whole call, every head
+    s = ref.score(o)
+    assert s.passed and s.emul_max_ratio is not None and s.emul_max_ratio <= 1.1, s
+    broken = o.clone()
+    broken[:, :64, 1] = o[:, 64:128, 1]  # head 1's first query cube holds its second's output
+    assert not ref.score(broken).passed

@@ -213,6 +213,18 @@ class QuantLaunch:
             lse if lse is not None else bufs["meta"], qi.q_scale, qi.k_scale, qi.v_scale,
             qi.v_mean, S, H, nq, topk, float(sm_scale) * LOG2E, **constexprs(self.cfg),
             num_warps=self.num_warps, maxnreg=self.maxnreg)
+        if lse is not None:
+            add_smoothing_to_lse(lse, qi, float(sm_scale) * LOG2E)
+
+
+def add_smoothing_to_lse(lse, qi, qk_scale: float) -> None:
+    """The kernel's logits are of the smoothed keys k - k̄ (softmax is invariant to k̄, the
+    log-sum-exp is not): add each row's q̂_i . k̄ (q̂ = q8 * q_scale, the logits' own q) back,
+    in base 2, so that lse is that of q.k as every family's."""
+    import torch
+
+    qk_bar = torch.einsum("bshd,bhd->bhs", qi.q8.float(), qi.k_mean) * qi.q_scale
+    lse.add_(qk_bar, alpha=qk_scale)
 
 
 def signature(opts: Mapping[str, Any], head_dim: int, dtype: str) -> tuple[dict, dict]:

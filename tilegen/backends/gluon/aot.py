@@ -64,19 +64,16 @@ def compile_gluon_backward(spec: Spec, target: Target, source: Source, out_dir: 
     return out
 
 
-def compile_gluon(spec: Spec, cfg: KernelConfig, target: Target, source: Source,
-                  out_dir: Path) -> Artifact:
-    """Compile the Gluon source for `target` into `out_dir`; return its Artifact (registers,
-    shared memory, spills, and the HGMMA count in the SASS)."""
-
+def _compile_forward(build, what: str, cfg: KernelConfig, target: Target, source: Source,
+                     out_dir: Path) -> Artifact:
+    """Run ``build()`` (a forward kernel's offline compile) outside interpreter mode, write its
+    cubin and ptx into `out_dir`, return its Artifact."""
     _require_compiled_mode()
-    opts = options_of(cfg)
     saved = os.environ.pop("TRITON_INTERPRET", None)
     try:
-        compiled = compile_offline(source, opts, spec.head_dim, spec.dtype, target,
-                                   separate_kv=cfg.separate_kv)
+        compiled = build()
     except Exception as exc:  # triton raises several exception types for bad kernels
-        raise CompileError(f"Gluon compile failed for {target.name} {cfg.name}: "
+        raise CompileError(f"{what} compile failed for {target.name} {cfg.name}: "
                            f"{type(exc).__name__}: {exc}") from exc
     finally:
         if saved is not None:
@@ -86,6 +83,16 @@ def compile_gluon(spec: Spec, cfg: KernelConfig, target: Target, source: Source,
     path = cache.atomic_write(out_dir / f"{stem}.cubin", compiled.asm["cubin"])
     cache.atomic_write(out_dir / f"{stem}.ptx", compiled.asm["ptx"])
     return _artifact(compiled, path, source, target, cfg.name)
+
+
+def compile_gluon(spec: Spec, cfg: KernelConfig, target: Target, source: Source,
+                  out_dir: Path) -> Artifact:
+    """Compile the Gluon source for `target` into `out_dir`; return its Artifact (registers,
+    shared memory, spills, and the HGMMA count in the SASS)."""
+    return _compile_forward(
+        lambda: compile_offline(source, options_of(cfg), spec.head_dim, spec.dtype, target,
+                                separate_kv=cfg.separate_kv),
+        "Gluon", cfg, target, source, out_dir)
 
 
 def compile_gluon_quant(spec: Spec, cfg: KernelConfig, target: Target, source: Source,
@@ -94,19 +101,7 @@ def compile_gluon_quant(spec: Spec, cfg: KernelConfig, target: Target, source: S
     Artifact counts IGMMA and QGMMA in the SASS."""
     from tilegen.backends.gluon import quant
 
-    _require_compiled_mode()
-    saved = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        compiled = quant.compile_offline(source, quant.options_of(cfg), spec.head_dim,
-                                         spec.dtype, target)
-    except Exception as exc:  # triton raises several exception types for bad kernels
-        raise CompileError(f"8-bit Gluon compile failed for {target.name} {cfg.name}: "
-                           f"{type(exc).__name__}: {exc}") from exc
-    finally:
-        if saved is not None:
-            os.environ["TRITON_INTERPRET"] = saved
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"gluon_{source.name.removesuffix('.py')}"
-    path = cache.atomic_write(out_dir / f"{stem}.cubin", compiled.asm["cubin"])
-    cache.atomic_write(out_dir / f"{stem}.ptx", compiled.asm["ptx"])
-    return _artifact(compiled, path, source, target, cfg.name)
+    return _compile_forward(
+        lambda: quant.compile_offline(source, quant.options_of(cfg), spec.head_dim, spec.dtype,
+                                      target),
+        "8-bit Gluon", cfg, target, source, out_dir)

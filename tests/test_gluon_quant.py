@@ -103,3 +103,82 @@ def test_the_op_refuses_what_it_cannot_compute_before_it_runs():
     int8_only = quant.quantize_torch(q.detach(), k, v, vbs, "int8")
     with pytest.raises(ValueError, match="mode 'int8'"):
         op.from_quantized(int8_only, idx, vbs)
+
+
+def _halves_attention(q, k, v, bufs, scale):
+    """Attention over the 8-bit kernel's plan, read as its producer and consumer read it: each
+    tile two 32-key halves from their first key row, keys past each half's fill masked."""
+    from tilegen.backends.gluon.prepass import HALF_FILL_SHIFT
+
+    B, S, H, D = q.shape
+    nq = S // 64
+    plan, meta = bufs["plan"], bufs["meta"]
+    o = torch.zeros(B, S, H, D)
+    for b in range(B):
+        for h in range(H):
+            for qc in range(nq):
+                row = (b * H + h) * nq + qc
+                n_tiles = int(meta[row, 0])
+                assert n_tiles >= 0
+                keys, mask = [], []
+                for e in plan[row, :2 * n_tiles].tolist():
+                    first, fill = e & ((1 << HALF_FILL_SHIFT) - 1), e >> HALF_FILL_SHIFT
+                    assert first % 32 == 0 and first + 32 <= S and 0 <= fill <= 32
+                    keys.append(torch.arange(first, first + 32))
+                    mask.append(torch.arange(32) < fill)
+                if not keys:
+                    continue
+                keys, mask = torch.cat(keys), torch.cat(mask)
+                rows = slice(qc * 64, (qc + 1) * 64)
+                s = q[b, rows, h] @ k[b, keys, h].T * scale
+                s[:, ~mask] = float("-inf")
+                o[b, rows, h] = torch.softmax(s, -1) @ v[b, keys, h]
+    return o
+
+
+@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("sizes", [(64, 32, 16, 8), (64, 33, 20, 8, 1, 16, 32, 63)])
+def test_the_8bit_plan_in_halves_gives_the_rows_attention(interpreter, pack, sizes):
+    """The 8-bit kernel's pre-pass (32-key halves; small cubes two to a tile with pack) plans
+    exactly each row's attention, with counts and odd numbers of small cubes."""
+    from tests.test_gluon_backend import _lut, _row_attention
+    from tilegen.backends.gluon.prepass import halves_buffers, run_halves_prepass
+
+    gen = torch.Generator().manual_seed(len(sizes) + 2 * pack)
+    B, H, nq, D, topk = 1, 2, 12, 16, 7
+    q, k, v = (torch.randn(B, nq * 64, H, D, generator=gen) for _ in range(3))
+    order = torch.randperm(nq, generator=gen).tolist()
+    vbs = torch.tensor([sizes[i % len(sizes)] for i in order], dtype=torch.int32)
+    idx = _lut(gen, B, H, nq, topk)
+    counts = torch.randint(0, topk + 1, (B, H, nq), dtype=torch.int32, generator=gen)
+    for cnt in (None, counts):
+        bufs = halves_buffers("cpu", B * H * nq, topk)
+        err = torch.zeros(1, dtype=torch.int32)
+        run_halves_prepass(idx, vbs, cnt, bufs, B * H * nq, nq, topk, err, pack=pack)
+        assert int(err) == 0
+        got = _halves_attention(q, k, v, bufs, D ** -0.5)
+        want = _row_attention(q, k, v, idx, vbs, cnt, D ** -0.5)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        lens = (cnt if cnt is not None else torch.full(idx.shape[:3], topk)).reshape(-1)
+        want_tiles = []
+        for r, n in zip(idx.reshape(-1, topk).tolist(), lens.tolist(), strict=True):
+            n_small = sum(int(vbs[c]) <= 32 for c in r[:n])
+            want_tiles.append(n - n_small + (n_small + 1) // 2 if pack else n)
+        assert bufs["meta"][:, 0].tolist() == want_tiles
+
+
+def test_the_8bit_plan_flags_bad_rows(interpreter):
+    """A bad index marks its row (n_tiles -1) and the error word, as the bf16 plan does."""
+    from tests.test_gluon_backend import _lut
+    from tilegen.backends.gluon.prepass import halves_buffers, run_halves_prepass
+
+    gen = torch.Generator().manual_seed(5)
+    B, H, nq, topk = 1, 1, 6, 3
+    idx = _lut(gen, B, H, nq, topk)
+    idx[0, 0, 2, 1] = nq  # out of range
+    vbs = torch.full((nq,), 64, dtype=torch.int32)
+    bufs = halves_buffers("cpu", nq, topk)
+    err = torch.zeros(1, dtype=torch.int32)
+    run_halves_prepass(idx, vbs, None, bufs, nq, nq, topk, err)
+    assert int(err) & 1
+    assert bufs["meta"][:, 0].tolist() == [3, 3, -1, 3, 3, 3]

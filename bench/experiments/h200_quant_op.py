@@ -5,6 +5,8 @@ the bf16 default op in the same process, pre-pass included and without it (`from
 
     PYTHONPATH=$PWD python3 bench/experiments/h200_quant_op.py --out $OUT/quant_op.json
     ... --small-only       (checks at small shapes only)
+    ... --variants 'qk_ahead=1;pack_halves=0'   (more 8-bit configs, checked and timed beside
+                                                 the default: ';' between them, ',' between knobs)
 
 The table is printed last; every row is also in the JSON.
 """
@@ -31,6 +33,35 @@ def _cpu(qi):
                            else getattr(qi, f)) for f in qi.__dataclass_fields__})
 
 
+VARIANT: dict = {}  # the 8-bit config options under check (--variants), over the default's
+
+
+def load8(spec: Spec):
+    """The 8-bit op with the options of `VARIANT` over the default config (the default op
+    when empty)."""
+    if not VARIANT or spec.quant == "none":
+        return tilegen.load(spec)
+    from tilegen import backends
+    from tilegen.targets import get_target
+
+    b = backends.get("gluon")
+    target = get_target("sm_90")
+    cfg = b.default_config(spec.kernel_spec, target)
+    cfg = cfg.replace(options={**dict(cfg.options), **VARIANT})
+    return tilegen.load(spec, cfg, backend="gluon")
+
+
+def parse_variants(text: str) -> list[dict]:
+    out = []
+    for part in filter(None, text.split(";")):
+        opts = {}
+        for kv in part.split(","):
+            key, val = kv.split("=")
+            opts[key.strip()] = int(val) if key.strip().endswith("stages") else bool(int(val))
+        out.append(opts)
+    return out
+
+
 def check_case(name: str, spec: Spec, seed: int, out: list, counts_fn=None, sorted_idx=False):
     """One capture: the op's o against the fp32 oracle and the emulation (check 4)."""
     cap = captures.synthesize_for(spec.replace(quant="none"), seed=seed)
@@ -40,7 +71,7 @@ def check_case(name: str, spec: Spec, seed: int, out: list, counts_fn=None, sort
     if counts_fn is not None:
         counts = counts_fn(cap)
     q, k, v, vbs = cap["q"], cap["k"], cap["v"], cap["vbs"]
-    op = tilegen.load(spec)
+    op = load8(spec)
     args = [t.to(DEV) for t in encodings.call_args(spec, cap)]
     kw = {}
     if counts is not None and spec.encoding == "lut":
@@ -55,7 +86,8 @@ def check_case(name: str, spec: Spec, seed: int, out: list, counts_fn=None, sort
     real = (torch.arange(64)[None, :] < vbs[:, None]).reshape(-1)
     lse_err = (lse.cpu()[..., real] - lse32[..., real]).abs()  # both base 2
     lse_err = lse_err[torch.isfinite(lse_err)].max().item() if lse_err.numel() else 0.0
-    row = {"case": name, "spec": spec.short_hash, "encoding": spec.encoding, "seed": seed,
+    row = {"case": name, "variant": dict(VARIANT), "spec": spec.short_hash,
+           "encoding": spec.encoding, "seed": seed,
            "grid": list(spec.grid), "heads": spec.num_heads, "topk": spec.topk,
            "score": str(s), "passed": bool(s.passed), "lse_max_abs_base2": lse_err,
            "op": repr(op), "first_call_s": time.perf_counter() - t0}
@@ -70,7 +102,7 @@ def check_bad_index(out: list):
     spec = Spec(quant="int8_fp8", grid=(8, 12, 16), num_heads=2, topk=6)
     cap = captures.synthesize_for(spec.replace(quant="none"), seed=3)
     cap["topk_idx"][0, 1, 2, 4] = 10_000  # one bad index: row (h=1, q_cube=2)
-    op = tilegen.load(spec)
+    op = load8(spec)
     o, _ = op(*[t.to(DEV) for t in encodings.call_args(spec, cap)])
     try:
         op.check()
@@ -79,7 +111,8 @@ def check_bad_index(out: list):
         raised = str(exc)
     nan_rows = torch.isnan(o.cpu()[0, :, 1]).any(-1).view(-1, 64).any(-1).nonzero().view(-1)
     others_finite = bool(torch.isfinite(o.cpu()[0, :, 0]).all())
-    row = {"case": "bad_index", "raised": raised[:200], "nan_cubes_of_head_1": nan_rows.tolist(),
+    row = {"case": "bad_index", "variant": dict(VARIANT), "raised": raised[:200],
+           "nan_cubes_of_head_1": nan_rows.tolist(),
            "head_0_finite": others_finite,
            "passed": bool(raised) and nan_rows.tolist() == [2] and others_finite}
     out.append(row)
@@ -111,9 +144,9 @@ def checks(small_only: bool) -> list:
 def _time_one(spec: Spec, do_bench, block_sparse_attention) -> dict:
     cap = captures.synthesize_for(spec, seed=0, device=DEV)
     q, k, v, idx, vbs = (cap[n] for n in ("q", "k", "v", "topk_idx", "vbs"))
-    op8 = tilegen.load(spec.replace(quant="int8_fp8"))
+    op8 = load8(spec.replace(quant="int8_fp8"))
     qi = quant.quantize(q, k, v, vbs, "int8_fp8")
-    t = {"topk": spec.topk, "heads": spec.num_heads, "op8": repr(op8)}
+    t = {"topk": spec.topk, "heads": spec.num_heads, "op8": repr(op8), "variant": dict(VARIANT)}
     t["bf16_op_ms"] = do_bench(lambda: block_sparse_attention(q, k, v, idx, vbs), rep=400)
     t["int8_fp8_op_ms"] = do_bench(lambda: op8(q, k, v, idx, vbs, return_lse=False), rep=400)
     t["int8_fp8_from_quantized_ms"] = do_bench(
@@ -144,6 +177,8 @@ def main() -> int:
     ap.add_argument("--small-only", action="store_true")
     ap.add_argument("--topks", default="78,31,187")
     ap.add_argument("--heads", type=int, default=40)
+    ap.add_argument("--variants", default="")
+    ap.add_argument("--variant-topks", default="78")
     args = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "tilegen": tilegen.__version__}
@@ -152,11 +187,21 @@ def main() -> int:
     if not args.small_only:
         res["timing"] = timing([int(x) for x in args.topks.split(",")], args.heads)
     Path(args.out).write_text(json.dumps(res, indent=2))
+    for opts in parse_variants(args.variants):
+        VARIANT.clear()
+        VARIANT.update(opts)
+        res["checks"] += checks(True)
+        if not args.small_only:
+            res["timing"] += timing([int(x) for x in args.variant_topks.split(",")], args.heads)
+        Path(args.out).write_text(json.dumps(res, indent=2))
+    VARIANT.clear()
     print(f"\nchecks passed: {sum(r['passed'] for r in res['checks'])}/{len(res['checks'])}")
     for r in res["checks"]:
-        print(f"  {r['case']:16s} {'PASS' if r['passed'] else 'FAIL'} {r.get('score', '')}")
+        print(f"  {r['case']:16s} {r.get('variant') or 'default'} "
+              f"{'PASS' if r['passed'] else 'FAIL'} {r.get('score', '')}")
     for t in res.get("timing", []):
-        print(f"TOPK {t['topk']:4d}: bf16 {min(t['bf16_op_ms'], t['bf16_op_again_ms']):.3f} ms, "
+        bf16 = min(t["bf16_op_ms"], t["bf16_op_again_ms"])
+        print(f"{t.get('variant') or 'default'} TOPK {t['topk']:4d}: bf16 {bf16:.3f} ms, "
               f"int8_fp8 {t['int8_fp8_op_ms']:.3f} ms (kernel+plan "
               f"{t['int8_fp8_from_quantized_ms']:.3f}, pre-pass {t['prepass_ms']:.3f}): "
               f"{t['speedup']:.2f}x")

@@ -20,6 +20,14 @@ One program per LUT row (b, h, query cube). For its first n = counts[row] (or TO
              (8-row granules keep the 128-byte swizzle atom aligned) and never straddles tiles
 * emits sidx (sorted cube ids), tinfo[t] = first sidx index of tile t | fill(t) << 16 with the
   sentinel tinfo[n_tiles] = n, and meta = (n_tiles or -1, number of one-cube tiles).
+
+The 8-bit kernel's plan (`_quant_lut_prepass`, `_quant_window_prepass`: the same checks, another
+packing) cuts each 64-key tile into two 32-key halves, since its V^T tile cannot take boxes
+narrower than 32 keys: plan[row, 2t + h] = the first key row of half h of tile t (within the
+batch) | its fill << 25. A cube of more than 32 tokens fills a tile of its own (halves at keys 0
+and 32 of the cube, fills min(vbs, 32) and vbs - 32); with pack, cubes of at most 32 tokens
+share tiles two by two, after the big ones (an odd last one's partner half repeats its keys
+with fill 0). meta = (n_tiles or -1, number of one-cube tiles).
 """
 
 from __future__ import annotations
@@ -130,6 +138,60 @@ def _plan_row(cube, v, live, err, row, SIDX, TINFO, META, ERR, TOPK, PACK: tl.co
     tl.store(META + row * 2, tl.where(bad, -1, n_tiles))
     tl.store(META + row * 2 + 1, n_big)
     tl.atomic_or(ERR, err, mask=bad)
+
+
+#: bits of a half-tile plan entry below its fill (key rows per batch stay under 2**25)
+HALF_FILL_SHIFT = 25
+_FILL_SHIFT = tl.constexpr(HALF_FILL_SHIFT)
+
+
+@triton.jit
+def _plan_halves(cube, v, live, err, row, PLAN, META, ERR, TOPK, PACK: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """The 8-bit kernel's tiles of one row in 32-key halves (see the module docstring)."""
+    HALF: tl.constexpr = BLOCK // 2
+    if PACK:
+        small = live & (v <= HALF)
+    else:
+        small = live & (v < 0)
+    big = live & ~small
+    n_big = tl.sum(big.to(tl.int32), 0)
+    n_small = tl.sum(small.to(tl.int32), 0)
+    k_big = tl.cumsum(big.to(tl.int32), 0) - 1
+    k_small = tl.cumsum(small.to(tl.int32), 0) - 1
+    n_tiles = n_big + (n_small + 1) // 2
+    slot = tl.where(big, 2 * k_big, 2 * n_big + k_small)
+    base = cube * BLOCK
+    fill0 = tl.where(big, tl.minimum(v, HALF), v)
+    plan_row = PLAN + row * (2 * TOPK)
+    tl.store(plan_row + slot, base | (fill0 << _FILL_SHIFT), mask=live)
+    fill1 = tl.maximum(v - HALF, 0)
+    tl.store(plan_row + slot + 1, (base + HALF) | (fill1 << _FILL_SHIFT), mask=big)
+    # an odd last small cube: its partner half repeats its keys, all masked
+    lone = small & (k_small == n_small - 1) & (n_small % 2 == 1)
+    tl.store(plan_row + slot + 1, base, mask=lone)
+    bad = err != 0
+    tl.store(META + row * 2, tl.where(bad, -1, n_tiles))
+    tl.store(META + row * 2 + 1, n_big)
+    tl.atomic_or(ERR, err, mask=bad)
+
+
+@triton.jit
+def _quant_lut_prepass(LUT, COUNTS, VBS, PLAN, META, ERR, NKV, TOPK, HAS_COUNTS: tl.constexpr,
+                       PACK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cube, v, live, err = row_entries(LUT, COUNTS, VBS, row, True, NKV, TOPK, HAS_COUNTS,
+                                      BLOCK_T, BLOCK)
+    _plan_halves(cube, v, live, err, row, PLAN, META, ERR, TOPK, PACK, BLOCK)
+
+
+@triton.jit
+def _quant_window_prepass(WINDOWS, VBS, PLAN, META, ERR, TOPK, num_heads, nq, GT, GH, GW,
+                          PACK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cube, v, live, err = _window_entries(WINDOWS, VBS, row, num_heads, nq, GT, GH, GW, BLOCK_T,
+                                         BLOCK)
+    _plan_halves(cube, v, live, err, row, PLAN, META, ERR, TOPK, PACK, BLOCK)
 
 
 @triton.jit
@@ -301,4 +363,44 @@ def run_pair_prepass(idx, vbs, counts, bufs: dict, pairs: int, nq: int, nkv: int
         bufs["tmask"], bufs["meta"], err, nkv, topk, nq,
         HAS_COUNTS=counts is not None, PACK=pack, BLOCK_T=block_t, BLOCK=block,
         num_warps=num_warps,
+    )
+
+
+def halves_buffers(device, rows: int, topk: int) -> dict:
+    """The 8-bit kernel's plan: plan (two half-tile entries per tile, `_plan_halves`) and meta
+    (n_tiles or -1, one-cube tiles)."""
+    import torch
+
+    return {
+        "plan": torch.empty((rows, 2 * topk), device=device, dtype=torch.int32),
+        "meta": torch.empty((rows, 2), device=device, dtype=torch.int32),
+    }
+
+
+def _check_key_rows(seq_len: int) -> None:
+    if seq_len >= 1 << HALF_FILL_SHIFT:
+        raise ValueError(f"sequence of {seq_len} tokens: the 8-bit kernel's plan addresses "
+                         f"fewer than {1 << HALF_FILL_SHIFT} key rows a batch")
+
+
+def run_halves_prepass(idx, vbs, counts, bufs: dict, rows: int, nkv: int, topk: int, err,
+                       pack: bool = True, block: int = 64) -> None:
+    _check_key_rows(nkv * block)
+    block_t = max(16, triton.next_power_of_2(topk))
+    _quant_lut_prepass[(rows,)](
+        idx, counts if counts is not None else bufs["meta"], vbs, bufs["plan"], bufs["meta"],
+        err, nkv, topk, HAS_COUNTS=counts is not None, PACK=pack, BLOCK_T=block_t, BLOCK=block,
+        num_warps=1 if block_t <= 128 else 4,
+    )
+
+
+def run_halves_window_prepass(windows, vbs, bufs: dict, rows: int, heads: int, nq: int,
+                              cube_grid: tuple[int, int, int], topk: int, err,
+                              pack: bool = True, block: int = 64) -> None:
+    """`run_window_prepass`'s windows, planned in halves for the 8-bit kernel."""
+    _check_key_rows(nq * block)
+    block_t = max(16, triton.next_power_of_2(topk))
+    _quant_window_prepass[(rows,)](
+        windows, vbs, bufs["plan"], bufs["meta"], err, topk, heads, nq, *cube_grid, PACK=pack,
+        BLOCK_T=block_t, BLOCK=block, num_warps=1 if block_t <= 128 else 4,
     )

@@ -2,7 +2,7 @@
 (IGMMA, QGMMA), rendered from templates/gluon/lut_ws_quant.py.j2, for ``Spec(quant="int8_fp8")``.
 
 The op quantizes q, k and v with `tilegen.quant.quantize` (one launch, no host sync), plans the
-tiles with the Gluon pre-pass (LUT rows or sliding-tile windows, no packed partial cubes), then
+tiles in 32-key halves (`prepass._plan_halves`: LUT rows or sliding-tile windows), then
 runs the kernel. A model that keeps its K/V quantized passes the pre-pass's output instead
 (`GluonQuantAttention.from_quantized`). Forward only: a call that needs gradients is refused.
 
@@ -10,6 +10,9 @@ The knobs (`KernelConfig.options`, over `DEFAULTS`; constexpr parameters of the 
 
     k_stages        K_STAGES: K ring depth (at least 2: O is staged in two of its slots)
     v_stages        V_STAGES: V^T ring depth
+    qk_ahead        QK_AHEAD: S of tile j+1 issued before the softmax of tile j (one more S
+                    accumulator live), not after it
+    pack_halves     the pre-pass packs cubes of at most 32 tokens two to a tile
     store_lse       STORE_LSE: write the base-2 log-sum-exp
     consumer_regs   the consumer warpgroup's registers (the launch's maxnreg leaves it them)
     producer_regs   PRODUCER_REGS: the producer warp's setmaxnreg
@@ -24,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tilegen.backends.gluon import render as _render
+from tilegen.backends.gluon.prepass import HALF_FILL_SHIFT
 from tilegen.config import KernelConfig
 from tilegen.render import Source, render, spec_basename
 from tilegen.spec import Spec
@@ -37,6 +41,8 @@ QUANT_KERNELS = ("int8_fp8",)
 DEFAULTS: dict[str, Any] = {
     "k_stages": 4,
     "v_stages": 2,
+    "qk_ahead": False,
+    "pack_halves": True,
     "store_lse": False,
     "consumer_regs": 232,
     "producer_regs": 24,
@@ -44,6 +50,7 @@ DEFAULTS: dict[str, Any] = {
 CONSTEXPR_NAMES: dict[str, str] = {
     "k_stages": "K_STAGES",
     "v_stages": "V_STAGES",
+    "qk_ahead": "QK_AHEAD",
     "store_lse": "STORE_LSE",
     "producer_regs": "PRODUCER_REGS",
 }
@@ -133,7 +140,7 @@ def render_quant(spec: Spec, cfg: KernelConfig, target: Target) -> Source:
     return render(TEMPLATE, "triton", spec, cfg.render_options(), name, KERNEL_NAME, target,
                   block=spec.block_kv, head_dim=spec.head_dim, quant=spec.quant,
                   gl_dtype=_render.GL_DTYPES[spec.dtype], arch=target.arch,
-                  log2_p_scale=repr(LOG2_P_SCALE))
+                  log2_p_scale=repr(LOG2_P_SCALE), fill_shift=HALF_FILL_SHIFT)
 
 
 def constexprs(opts: Mapping[str, Any]) -> dict[str, Any]:
@@ -144,8 +151,9 @@ def constexprs(opts: Mapping[str, Any]) -> dict[str, Any]:
 def _layouts(head_dim: int, dtype: str) -> dict[str, Any]:
     from triton.experimental.gluon import language as gl
 
-    return {"qk": gl.NVMMASharedLayout.get_default_for([64, head_dim], gl.int8),
-            "vt": gl.NVMMASharedLayout.get_default_for([head_dim, 64], gl.float8e4nv),
+    return {"q": gl.NVMMASharedLayout.get_default_for([64, head_dim], gl.int8),
+            "k": gl.NVMMASharedLayout.get_default_for([32, head_dim], gl.int8),
+            "vt": gl.NVMMASharedLayout.get_default_for([head_dim, 32], gl.float8e4nv),
             "o": gl.NVMMASharedLayout.get_default_for(
                 [64, head_dim], gl.bfloat16 if dtype == "bf16" else gl.float16)}
 
@@ -169,12 +177,12 @@ class QuantLaunch:
         self._layouts = _layouts(spec.head_dim, spec.dtype)
 
     def _buffers(self, device, rows: int, topk: int):
-        from tilegen.backends.gluon.prepass import prepass_buffers
+        from tilegen.backends.gluon.prepass import halves_buffers
 
         key = (str(device), rows, topk)
         b = self._bufs.get(key)
         if b is None:
-            b = self._bufs[key] = prepass_buffers(device, rows, topk)
+            b = self._bufs[key] = halves_buffers(device, rows, topk)
         return b
 
     def __call__(self, q, k, v, topk_idx, vbs, counts, o, lse, err, sm_scale: float,
@@ -183,7 +191,7 @@ class QuantLaunch:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         from tilegen import quant
-        from tilegen.backends.gluon.prepass import run_prepass, run_window_prepass
+        from tilegen.backends.gluon.prepass import run_halves_prepass, run_halves_window_prepass
         from tilegen.reference import LOG2E
 
         qi = quantized if quantized is not None else quant.quantize(q, k, v, vbs,
@@ -195,9 +203,11 @@ class QuantLaunch:
         rows = B * H * nq
         bufs = self._buffers(qi.q8.device, rows, topk)
         if windows is not None:
-            run_window_prepass(windows, vbs, bufs, rows, H, nq, cube_grid, topk, err, pack=False)
+            run_halves_window_prepass(windows, vbs, bufs, rows, H, nq, cube_grid, topk, err,
+                                      pack=self.cfg["pack_halves"])
         else:
-            run_prepass(topk_idx, vbs, counts, bufs, rows, nkv, topk, err, pack=False)
+            run_halves_prepass(topk_idx, vbs, counts, bufs, rows, nkv, topk, err,
+                               pack=self.cfg["pack_halves"])
         lay = self._layouts
 
         def desc(t, box, layout):
@@ -205,11 +215,11 @@ class QuantLaunch:
             return TensorDescriptor(t, [r, c], [c, 1], box, layout)
 
         self.kernel[(nq, B * H)](
-            desc(qi.q8.view(B * S, H * D), [64, D], lay["qk"]),
-            desc(qi.k8.view(B * S, H * D), [64, D], lay["qk"]),
-            desc(qi.v8t.view(B * H * D, S), [D, 64], lay["vt"]),
+            desc(qi.q8.view(B * S, H * D), [64, D], lay["q"]),
+            desc(qi.k8.view(B * S, H * D), [32, D], lay["k"]),
+            desc(qi.v8t.view(B * H * D, S), [D, 32], lay["vt"]),
             desc(o.view(B * S, H * D), [64, D], lay["o"]),
-            bufs["sidx"], bufs["tinfo"], bufs["meta"], vbs,
+            bufs["plan"], bufs["meta"], vbs,
             lse if lse is not None else bufs["meta"], qi.q_scale, qi.k_scale, qi.v_scale,
             qi.v_mean, S, H, nq, topk, float(sm_scale) * LOG2E, **constexprs(self.cfg),
             num_warps=self.num_warps, maxnreg=self.maxnreg)
@@ -234,11 +244,11 @@ def signature(opts: Mapping[str, Any], head_dim: int, dtype: str) -> tuple[dict,
     def td(dt, box, layout):
         return f"tensordesc<{dt}[{box[0]}, {box[1]}],{layout!r}>"
 
-    sig = {"q_desc": td("i8", [64, head_dim], lay["qk"]),
-           "k_desc": td("i8", [64, head_dim], lay["qk"]),
-           "vt_desc": td("fp8e4nv", [head_dim, 64], lay["vt"]),
+    sig = {"q_desc": td("i8", [64, head_dim], lay["q"]),
+           "k_desc": td("i8", [32, head_dim], lay["k"]),
+           "vt_desc": td("fp8e4nv", [head_dim, 32], lay["vt"]),
            "o_desc": td(dtype, [64, head_dim], lay["o"]),
-           "sidx_ptr": "*i32", "tinfo_ptr": "*i32", "meta_ptr": "*i32", "vbs_ptr": "*i32",
+           "plan_ptr": "*i32", "meta_ptr": "*i32", "vbs_ptr": "*i32",
            "lse_ptr": "*fp32", "qsc_ptr": "*fp32", "ksc_ptr": "*fp32", "vsc_ptr": "*fp32",
            "vmean_ptr": "*fp32", "seq_len": "i32", "num_heads": "i32", "num_q_blocks": "i32",
            "topk": "i32", "qk_scale": "fp32"}

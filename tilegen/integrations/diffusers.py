@@ -41,6 +41,35 @@ and ``pipe.transformer_2`` on the low-noise ones. Each is a transformer of its o
 (and calibrate) both, with a plan each (their configs are alike, so a plan made on one is not
 refused on the other: keep them apart by file name); each counts its own ``dense_steps`` from
 its first call.
+
+**Multi-GPU** (diffusers 0.42's experimental parallelism; VSA is head-parallel, so each rank
+runs the single-GPU selection and kernel on whole sequences of some heads):
+
+- *Context parallelism*, ``transformer.enable_parallelism(config=ContextParallelConfig(
+  ulysses_degree=P))``, before or after `enable_block_sparse`: the self-attention processors
+  see diffusers' config (``_parallel_config``, set by ``enable_parallelism`` or inherited from
+  the processor they replace) and run
+  `tilegen.integrations.parallel.ulysses_attention` on its Ulysses process group
+  (``_ulysses_mesh.get_group()``): all-to-all ``(B, S/P, H, D) -> (B, S, H/P, D)``, the
+  block-sparse attention, the inverse all-to-all. Cross-attention, the I2V image branch, dense
+  layers and dense steps keep diffusers' processor and its own Ulysses attention.
+  ``ring_degree > 1`` and ``ulysses_anything=True`` are refused with a one-line error, by
+  `enable_block_sparse` and by the processor. A plan applies per layer as on one GPU (the grid
+  is the whole latent's: the pre-hook reads ``hidden_states`` before diffusers splits it);
+  `calibrate` refuses a context-parallel transformer (calibrate on one process, apply the plan
+  on every rank).
+- *Tensor parallelism* (head sharding): the processor sees the rank's ``attn.heads`` heads and
+  runs unchanged. diffusers 0.42 has no tensor-parallel plan (``_tp_plan``) for
+  ``WanTransformer3DModel`` (``enable_parallelism`` refuses it), and its tensor parallelism
+  runs on accelerators only, so a head-sharded Wan is a setup of one's own.
+
+Checked on the CPU with two gloo processes (`tests/test_parallel.py`): diffusers' context
+parallel hooks and this processor on a tiny Wan against one process; a head-sharded tiny Wan
+(sharded by hand: Wan's q/k RMS norm spans all heads, so its sum of squares is all-reduced)
+against one process. Not exercised on the CPU: ``enable_parallelism`` itself, which builds its
+device mesh on the accelerator (``rank % torch.accelerator.device_count()``: a division by zero
+without one), so the tests build the same mesh on the CPU, set the config up and apply
+diffusers' context-parallel plan as ``enable_parallelism`` does; and NCCL.
 """
 
 from __future__ import annotations
@@ -58,7 +87,15 @@ import torch
 import torch.nn.functional as F
 
 from tilegen import __version__, layout
-from tilegen import sparsity as selectors
+from tilegen.integrations.attention import (
+    DEFAULT_SPARSITY,
+    Triple,
+    check_cube,
+    check_sparsity,
+    sparse_attention,
+    topk_for,
+)
+from tilegen.integrations.parallel import ulysses_attention
 from tilegen.spec import QUANT_MODES as QUANT_SPEC_MODES
 
 __all__ = [
@@ -68,14 +105,11 @@ __all__ = [
 
 log = logging.getLogger("tilegen")
 
-DEFAULT_SPARSITY = 0.875  # seed 003 / the default spec: 78 of 624 cubes kept
 SELECTORS = ("mean_pool",)
 #: quant= values: Spec.quant's; only "none" runs in the processor today (issue #19's 8-bit op is
 #: not routed here yet)
 QUANT_MODES = QUANT_SPEC_MODES
 _STATE_ATTR = "_tilegen_block_sparse"
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-Triple = tuple[int, int, int]
 
 
 def _require_diffusers() -> Any:
@@ -85,27 +119,6 @@ def _require_diffusers() -> Any:
         raise ImportError("tilegen.integrations.diffusers needs diffusers: "
                           "pip install 'tilegen[diffusers]'") from exc
     return diffusers
-
-
-def topk_for(sparsity: float, n_cubes: int) -> int:
-    """KV cubes kept per query cube at ``sparsity`` (the fraction dropped) of ``n_cubes``:
-    ``round(n_cubes * (1 - sparsity))``, at least 1 (87.5% of 624 cubes keeps 78)."""
-    return max(1, min(n_cubes, round(n_cubes * (1.0 - sparsity))))
-
-
-def _check_cube(cube: Sequence[int]) -> Triple:
-    c = layout._triple(cube, "cube")
-    if math.prod(c) != 64:
-        raise ValueError(f"cube={c} holds {math.prod(c)} tokens; the block-sparse kernels take "
-                         "64-token cubes")
-    return c
-
-
-def _check_sparsity(value: object, name: str = "sparsity") -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or not 0.0 <= value < 1.0:
-        raise ValueError(f"{name} must be a fraction of cubes to drop in [0, 1), got {value!r}")
-    return float(value)
 
 
 def _self_attentions(transformer: torch.nn.Module) -> list[torch.nn.Module]:
@@ -187,7 +200,7 @@ class SparsityPlan:
             if layer.index != i:
                 raise ValueError(f"plan layer {i} says index {layer.index}")
             if layer.sparsity is not None:
-                _check_sparsity(layer.sparsity, f"plan layer {i}'s sparsity")
+                check_sparsity(layer.sparsity, f"plan layer {i}'s sparsity")
         return plan
 
     def save(self, path: str | Path) -> Path:
@@ -277,12 +290,22 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 class BlockSparseWanAttnProcessor:
     """The self-attention processor `enable_block_sparse` installs on one ``attn1``:
     ``sparsity`` (fraction of cubes dropped) or ``topk`` (cubes kept, clamped to the cube
-    count); the original processor runs the denoising steps listed dense."""
+    count); the original processor runs the denoising steps listed dense.
+
+    Under diffusers' context parallelism (``_parallel_config``, which diffusers'
+    ``enable_parallelism`` sets on every processor that has the attribute, and which this one
+    inherits from the processor it replaces) the layer runs `ulysses_attention` on the config's
+    Ulysses process group (module docstring, "Multi-GPU")."""
+
+    # what diffusers' enable_parallelism / set_attention_backend look for on a processor
+    _attention_backend = None
+    _parallel_config = None
 
     def __init__(self, state: _State, layer: int, original: Any, *,
                  sparsity: float | None = None, topk: int | None = None) -> None:
         self.state, self.layer, self.original = state, layer, original
         self.sparsity, self.topk = sparsity, topk
+        self._parallel_config = getattr(original, "_parallel_config", None)
 
     def cubes_kept(self, n_cubes: int) -> int:
         if self.topk is not None:
@@ -298,19 +321,67 @@ class BlockSparseWanAttnProcessor:
             raise ValueError("tilegen's block-sparse processor serves self-attention without a "
                              "mask; this call passed encoder_hidden_states or attention_mask")
         state = self.state
+        group = _ulysses_group(self._parallel_config)
         if state.dense_now and state.calibration is None:
+            _share_parallel_config(self, self.original)
             return self.original(attn, hidden_states, None, None, rotary_emb, **kwargs)
         if state.grid is None:
             raise RuntimeError("tilegen: the latent grid is unknown: call the transformer "
                                "itself (its pre-hook reads the grid), not a block alone")
         q, k, v = _project(attn, hidden_states, rotary_emb)
         if state.calibration is not None:
+            if group is not None:
+                raise ValueError(_CALIBRATE_CP)
             out = state.calibration.measure(self, q, k, v)
+        elif group is not None:
+            n_cubes = math.prod(layout.cube_grid(state.grid, state.cube))
+            out = ulysses_attention(q, k, v, state.grid, group=group,
+                                    topk=self.cubes_kept(n_cubes), cube=state.cube)
         else:
-            out = _sparse_attention(q, k, v, state.grid, state.cube, self.cubes_kept)
+            out = sparse_attention(q, k, v, state.grid, state.cube, self.cubes_kept)
         out = out.flatten(2, 3).type_as(q)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
+
+
+# -- diffusers' parallelism (experimental in diffusers 0.42) -------------------------------------
+_CALIBRATE_CP = ("calibrate runs on one process: calibrate the transformer without context "
+                 "parallelism and pass the plan to enable_block_sparse on every rank")
+
+
+def _context_parallel(config: Any) -> Any:
+    """The ContextParallelConfig of a diffusers ParallelConfig (or None)."""
+    return getattr(config, "context_parallel_config", None)
+
+
+def _ulysses_group(config: Any) -> Any:
+    """The Ulysses process group of a diffusers ParallelConfig under context parallelism, None
+    without it (one GPU, or tensor parallelism: each rank attends over its own heads); the
+    configurations tilegen's Ulysses attention cannot run are refused in one line."""
+    cp = _context_parallel(config)
+    if cp is None:
+        return None
+    if cp.ring_degree > 1:
+        raise ValueError(f"tilegen's block-sparse attention runs context parallelism as Ulysses "
+                         f"only: ring_degree={cp.ring_degree} is refused (a sparse ring would "
+                         "cross ranks cube by cube); use ContextParallelConfig(ulysses_degree=P)")
+    if cp.ulysses_anything:
+        raise ValueError("tilegen's block-sparse attention needs the heads and the tokens to "
+                         "divide by ulysses_degree: ContextParallelConfig(ulysses_anything=True) "
+                         "is refused")
+    if cp._ulysses_mesh is None:
+        raise RuntimeError("the ContextParallelConfig is not set up (no device mesh): enable it "
+                           "with transformer.enable_parallelism(config=...)")
+    return cp._ulysses_mesh.get_group()
+
+
+def _share_parallel_config(proc: Any, original: Any) -> None:
+    """Hand the processor's parallel config to diffusers' processor it replaced when diffusers
+    set it on ours only (``enable_parallelism`` after `enable_block_sparse`), so the original,
+    run for a dense step or restored, attends over the whole sequence too."""
+    config = getattr(proc, "_parallel_config", None)
+    if config is not None and getattr(original, "_parallel_config", False) is None:
+        original._parallel_config = config
 
 
 def _project(attn: torch.nn.Module, hidden: torch.Tensor,
@@ -326,31 +397,6 @@ def _project(attn: torch.nn.Module, hidden: torch.Tensor,
     if rotary_emb is not None:
         q, k = _apply_rotary(q, *rotary_emb), _apply_rotary(k, *rotary_emb)
     return q, k, v
-
-
-def _sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Triple,
-                      cube: Triple, cubes_kept: Callable[[int], int] | int) -> torch.Tensor:
-    """Block-sparse attention of THW-ordered (B, S, H, D) tokens: cubes, the mean-pool
-    selection, tilegen's op, tokens back. In the kernel's dtype (module docstring)."""
-    from tilegen.ops import block_sparse_attention
-
-    n_tok = grid[0] * grid[1] * grid[2]
-    if q.shape[1] != n_tok:
-        raise ValueError(f"self-attention got {q.shape[1]} tokens, the latent grid {grid} has "
-                         f"{n_tok}")
-    work = q.dtype if q.dtype in _KERNEL_DTYPES else torch.bfloat16
-    # padded slots hold a copy of their cube's first token (one gather, no zero fill): the
-    # kernel masks padded keys, the selector pools real tokens only, padded rows are dropped
-    qc, vbs = layout.to_cubes(q.to(work), grid, cube, zero_padding=False)
-    kc, _ = layout.to_cubes(k.to(work), grid, cube, zero_padding=False)
-    vc, _ = layout.to_cubes(v.to(work), grid, cube, zero_padding=False)
-    n_cubes = vbs.shape[0]
-    topk = cubes_kept if isinstance(cubes_kept, int) else cubes_kept(n_cubes)
-    block = math.prod(cube)
-    with torch.no_grad():
-        idx = selectors.mean_pool_topk(qc.detach(), kc.detach(), vbs, topk, block=block)
-    oc = block_sparse_attention(qc, kc, vc, idx, vbs)
-    return layout.from_cubes(oc, grid, cube).to(q.dtype)
 
 
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -410,7 +456,7 @@ def enable_block_sparse(
         plan = SparsityPlan.load(plan)
     if plan is not None and cube is not None and tuple(cube) != tuple(plan.cube):
         raise ValueError(f"cube={tuple(cube)}: the plan was calibrated on cubes {plan.cube}")
-    c = _check_cube(cube if cube is not None else plan.cube if plan is not None else (4, 4, 4))
+    c = check_cube(cube if cube is not None else plan.cube if plan is not None else (4, 4, 4))
     if plan is not None and (sparsity is not None or topk is not None):
         raise ValueError("give a plan or sparsity/topk, not both (the plan sets each layer's)")
     if sparsity is not None and topk is not None:
@@ -426,7 +472,7 @@ def enable_block_sparse(
                      __version__)
     else:
         fraction = DEFAULT_SPARSITY if sparsity is None else sparsity
-        per_layer = [None if topk is not None else _check_sparsity(fraction)] * len(attns)
+        per_layer = [None if topk is not None else check_sparsity(fraction)] * len(attns)
     dense = set()
     for i in dense_layers:
         if isinstance(i, bool) or not isinstance(i, int) or not -len(attns) <= i < len(attns):
@@ -436,6 +482,9 @@ def enable_block_sparse(
     steps = frozenset(dense_steps)
     if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in steps):
         raise ValueError(f"dense_steps must be step indices >= 0, got {sorted(steps, key=str)}")
+    # under context parallelism, ring_degree > 1 is refused here, before any processor changes
+    for owner in [transformer] + [a.processor for a in attns]:
+        _ulysses_group(getattr(owner, "_parallel_config", None))
 
     disable_block_sparse(transformer)
     state = _State(cube=c, dense_steps=steps, originals=[a.processor for a in attns],
@@ -458,6 +507,7 @@ def disable_block_sparse(transformer: torch.nn.Module) -> torch.nn.Module:
     if state is None:
         return transformer
     for attn, original in zip(_self_attentions(transformer), state.originals, strict=True):
+        _share_parallel_config(attn.processor, original)
         attn.set_processor(original)
     state.hook.remove()
     delattr(transformer, _STATE_ATTR)
@@ -484,7 +534,7 @@ class _Calibration:
         for j, s in enumerate(self.candidates):
             n_cubes = math.prod(layout.cube_grid(state.grid, state.cube))
             kept = topk_for(s, n_cubes)
-            out = _sparse_attention(q, k, v, state.grid, state.cube, kept).float()
+            out = sparse_attention(q, k, v, state.grid, state.cube, kept).float()
             self.topk[proc.layer][j] = kept
             self.rel_l1[proc.layer][j].append(
                 float((out - ref).abs().sum() / ref.abs().sum().clamp_min(1e-30)))
@@ -521,7 +571,7 @@ def calibrate(
     restored afterwards. ``on_call(done, total)`` reports progress. Returns a `SparsityPlan`.
     """
     attns = _self_attentions(transformer)
-    candidates = sorted({_check_sparsity(s) for s in
+    candidates = sorted({check_sparsity(s) for s in
                          ([sparsity] if isinstance(sparsity, (int, float)) else sparsity)},
                         reverse=True)
     if not candidates:
@@ -531,13 +581,16 @@ def calibrate(
         if not isinstance(i, int) or not 0 <= i < len(attns):
             raise ValueError(f"layer_gates: {i!r} is not a block index (0..{len(attns) - 1})")
         gates[i] = _check_gate(g, f"layer_gates[{i}]")
+    if any(_context_parallel(getattr(m, "_parallel_config", None)) is not None
+           for m in [transformer] + [a.processor for a in attns]):
+        raise ValueError(_CALIBRATE_CP)
     calls = _as_calls(inputs)
     was = getattr(transformer, _STATE_ATTR, None)
     saved = [a.processor for a in attns]
     if was is not None:
         was.hook.remove()
     calib = _Calibration(candidates, len(attns))
-    state = _State(cube=_check_cube(cube), dense_steps=frozenset(), originals=saved,
+    state = _State(cube=check_cube(cube), dense_steps=frozenset(), originals=saved,
                    calibration=calib)
     hook = transformer.register_forward_pre_hook(
         lambda module, args, kwargs: state.observe(module, args, kwargs), with_kwargs=True)

@@ -105,9 +105,10 @@ def test_the_op_refuses_what_it_cannot_compute_before_it_runs():
         op.from_quantized(int8_only, idx, vbs)
 
 
-def _halves_attention(q, k, v, bufs, scale):
+def _halves_attention(q, k, v, bufs, scale, by_bias: bool = False):
     """Attention over the 8-bit kernel's plan, read as its producer and consumer read it: each
-    tile two 32-key halves from their first key row, keys past each half's fill masked."""
+    tile two 32-key halves from their first key row, keys past each half's fill masked (or,
+    with ``by_bias``, keys whose key_bias is -inf: the kernel's KEY_TMA path)."""
     from tilegen.backends.gluon.prepass import HALF_FILL_SHIFT
 
     B, S, H, D = q.shape
@@ -125,7 +126,8 @@ def _halves_attention(q, k, v, bufs, scale):
                     first, fill = e & ((1 << HALF_FILL_SHIFT) - 1), e >> HALF_FILL_SHIFT
                     assert first % 32 == 0 and first + 32 <= S and 0 <= fill <= 32
                     keys.append(torch.arange(first, first + 32))
-                    mask.append(torch.arange(32) < fill)
+                    mask.append(bufs["key_bias"][0, first:first + 32] == 0 if by_bias
+                                else torch.arange(32) < fill)
                 if not keys:
                     continue
                 keys, mask = torch.cat(keys), torch.cat(mask)
@@ -152,13 +154,17 @@ def test_the_8bit_plan_in_halves_gives_the_rows_attention(interpreter, pack, siz
     idx = _lut(gen, B, H, nq, topk)
     counts = torch.randint(0, topk + 1, (B, H, nq), dtype=torch.int32, generator=gen)
     for cnt in (None, counts):
-        bufs = halves_buffers("cpu", B * H * nq, topk)
+        bufs = halves_buffers("cpu", B * H * nq, topk, nq)
         err = torch.zeros(1, dtype=torch.int32)
         run_halves_prepass(idx, vbs, cnt, bufs, B * H * nq, nq, topk, err, pack=pack)
         assert int(err) == 0
-        got = _halves_attention(q, k, v, bufs, D ** -0.5)
         want = _row_attention(q, k, v, idx, vbs, cnt, D ** -0.5)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        for by_bias in (False, True):
+            got = _halves_attention(q, k, v, bufs, D ** -0.5, by_bias)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        slots = torch.arange(64)[None, :] < vbs[:, None]
+        assert bufs["key_bias"].view(nq, 64)[slots].eq(0).all()
+        assert bufs["key_bias"].view(nq, 64)[~slots].eq(float("-inf")).all()
         lens = (cnt if cnt is not None else torch.full(idx.shape[:3], topk)).reshape(-1)
         want_tiles = []
         for r, n in zip(idx.reshape(-1, topk).tolist(), lens.tolist(), strict=True):
@@ -177,7 +183,7 @@ def test_the_8bit_plan_flags_bad_rows(interpreter):
     idx = _lut(gen, B, H, nq, topk)
     idx[0, 0, 2, 1] = nq  # out of range
     vbs = torch.full((nq,), 64, dtype=torch.int32)
-    bufs = halves_buffers("cpu", nq, topk)
+    bufs = halves_buffers("cpu", nq, topk, nq)
     err = torch.zeros(1, dtype=torch.int32)
     run_halves_prepass(idx, vbs, None, bufs, nq, nq, topk, err)
     assert int(err) & 1

@@ -57,13 +57,14 @@ def test_prepass_model_scales_rounding_and_padding(mode):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int8_fp8"])
-def test_triton_prepass_matches_its_model(interpreter, mode):
-    """The Triton kernel under the interpreter against the PyTorch model: the int8 values within
-    one rounding step (ties may fall the other way where the fp32 sums differ in order), the
-    scales and means to fp32 rounding. e4m3 V is compared on the GPU only (the interpreter
-    rounds fp8 casts wrongly)."""
+@pytest.mark.parametrize("tokens", [16, 64])
+def test_triton_prepass_matches_its_model(interpreter, mode, tokens):
+    """The Triton kernel under the interpreter against the PyTorch model, with a program per
+    cube or per 16 of its tokens: the int8 values within one rounding step (ties may fall the
+    other way where the fp32 sums differ in order), the scales and means to fp32 rounding.
+    e4m3 V is compared on the GPU only (the interpreter rounds fp8 casts wrongly)."""
     q, k, v, vbs, _ = _qkv(1)
-    got = quant.quantize_triton(q, k, v, vbs, mode)
+    got = quant.quantize_triton(q, k, v, vbs, mode, tokens=tokens)
     want = quant.quantize_torch(q, k, v, vbs, mode)
     for name in ("q8", "k8"):
         diff = (getattr(got, name).int() - getattr(want, name).int()).abs()

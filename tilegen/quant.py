@@ -61,11 +61,12 @@ SAMPLE_CUBES = 16
 
 @dataclass(frozen=True)
 class QuantizedInputs:
-    """What the 8-bit kernels read (on q's device). Padded rows hold zeros and scale 0."""
+    """What the 8-bit kernels read (on q's device). Padded rows hold zeros and scale 0. q8 and
+    q_scale are None from ``quantize(..., with_q=False)`` (the op's kernel quantizes Q)."""
 
     mode: str
-    q8: torch.Tensor        # (B, S, H, D) int8: q / q_scale (q - q̄_c with q_smooth)
-    q_scale: torch.Tensor   # (B, H, S) fp32
+    q8: torch.Tensor | None       # (B, S, H, D) int8: q / q_scale (q - q̄_c with q_smooth)
+    q_scale: torch.Tensor | None  # (B, H, S) fp32
     k8: torch.Tensor        # (B, S, H, D) int8: (k - k̄) / k_scale
     k_scale: torch.Tensor   # (B, H, S) fp32
     k_mean: torch.Tensor    # (B, H, D) fp32: k̄ (a sampled mean)
@@ -144,6 +145,15 @@ def quantize_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch
 
 # -- the pre-pass: Triton (GPU), one launch -------------------------------------------------------
 @triton.jit
+def _clamp_int8(x):
+    # the clamp before the rounding, not after: it rounds the product to fp32 first. Fed the
+    # product straight, `x - floor(x)` below contracts into an FMA with the unrounded product,
+    # and near-ties round the other way than torch.round(q * inv) (one int8 step in ~3.5e-4 of
+    # the values, session 9; bench/NOTES.md)
+    return tl.minimum(tl.maximum(x, -127.0), 127.0)
+
+
+@triton.jit
 def _round_half_even(x):
     # round half to even without libdevice (torch.round's rule): floor, then fix the ties
     f = tl.floor(x)
@@ -154,14 +164,20 @@ def _round_half_even(x):
 
 @triton.jit
 def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, VMEAN,
-                     seq_len, num_heads, n_cubes, n_sample,
+                     seq_len, num_heads, n_cubes, n_sample, FIRST_PART,
                      FP8_V: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                     SAMPLE: tl.constexpr, E4M3: tl.constexpr, HEADROOM: tl.constexpr):
-    cube = tl.program_id(0)
+                     TOKENS: tl.constexpr, SAMPLE: tl.constexpr, E4M3: tl.constexpr,
+                     HEADROOM: tl.constexpr):
+    # a program quantizes TOKENS tokens of one cube and one tensor (axis 2: 0 Q, 1 K, 2 V):
+    # with a whole cube of all three, 255 registers and spills left one or two programs an SM
+    chunk = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
+    part = tl.program_id(2) + FIRST_PART
+    cube = chunk // (BLOCK // TOKENS)
+    first = chunk == 0  # writes the per-head statistics
     b = bh // num_heads
     h = bh % num_heads
-    rows = tl.arange(0, BLOCK)
+    rows = (chunk % (BLOCK // TOKENS)) * TOKENS + tl.arange(0, TOKENS)
     d = tl.arange(0, HEAD_DIM)
     n_valid = tl.load(VBS + cube)
     valid = rows < n_valid
@@ -172,30 +188,33 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
     s_ok = s < n_sample
     s_tok = ((s * n_cubes) // n_sample) * BLOCK
     s_off = ((b * seq_len + s_tok) * num_heads + h)[:, None] * HEAD_DIM + d[None, :]
-    k_smp = tl.load(K + s_off, mask=s_ok[:, None], other=0.0).to(tl.float32)
-    k_mean = tl.sum(k_smp, 0) / n_sample
-    # Q: per-token int8 (no smoothing: the module docstring)
-    qs = tl.where(valid[:, None], tl.load(Q + off).to(tl.float32), 0.0)
-    q_scale = tl.max(tl.abs(qs), 1) / 127.0
-    q_div = tl.where(q_scale > 0, q_scale, 1.0)
-    # one IEEE reciprocal per token (div_rn: Triton's `/` is div.full.f32, up to 2 ulp off),
-    # then a multiply: the PyTorch model's arithmetic, bit for bit
-    q_inv = tl.div_rn(1.0, q_div)
-    q8 = tl.minimum(tl.maximum(_round_half_even(qs * q_inv[:, None]), -127.0), 127.0)
-    tl.store(Q8 + off, q8.to(tl.int8))
-    tl.store(QSCALE + bh * seq_len + tok, q_scale)
-    # K: smoothed by the sampled mean, per-token int8
-    k = tl.load(K + off).to(tl.float32)
-    ks = tl.where(valid[:, None], k - k_mean[None, :], 0.0)
-    k_scale = tl.max(tl.abs(ks), 1) / 127.0
-    k_div = tl.where(k_scale > 0, k_scale, 1.0)
-    k_inv = tl.div_rn(1.0, k_div)
-    k8 = tl.minimum(tl.maximum(_round_half_even(ks * k_inv[:, None]), -127.0), 127.0)
-    tl.store(K8 + off, k8.to(tl.int8))
-    tl.store(KSCALE + bh * seq_len + tok, k_scale)
-    if cube == 0:
-        tl.store(KMEAN + bh * HEAD_DIM + d, k_mean)
-    if FP8_V:
+    if part == 0:
+        # Q: per-token int8 (no smoothing: the module docstring)
+        qs = tl.where(valid[:, None], tl.load(Q + off).to(tl.float32), 0.0)
+        q_scale = tl.max(tl.abs(qs), 1) / 127.0
+        q_div = tl.where(q_scale > 0, q_scale, 1.0)
+        # one IEEE reciprocal per token (div_rn: Triton's `/` is div.full.f32, up to 2 ulp
+        # off), then a multiply: the PyTorch model's arithmetic, bit for bit
+        q_inv = tl.div_rn(1.0, q_div)
+        q8 = _round_half_even(_clamp_int8(qs * q_inv[:, None]))
+        tl.store(Q8 + off, q8.to(tl.int8))
+        tl.store(QSCALE + bh * seq_len + tok, q_scale)
+    elif part == 1:
+        # K: smoothed by the sampled mean, per-token int8 (the samples loaded first: issuing the
+        # tile's load first was slower on the H200, bench/NOTES.md)
+        k_smp = tl.load(K + s_off, mask=s_ok[:, None], other=0.0).to(tl.float32)
+        k_mean = tl.sum(k_smp, 0) / n_sample
+        k = tl.load(K + off).to(tl.float32)
+        ks = tl.where(valid[:, None], k - k_mean[None, :], 0.0)
+        k_scale = tl.max(tl.abs(ks), 1) / 127.0
+        k_div = tl.where(k_scale > 0, k_scale, 1.0)
+        k_inv = tl.div_rn(1.0, k_div)
+        k8 = _round_half_even(_clamp_int8(ks * k_inv[:, None]))
+        tl.store(K8 + off, k8.to(tl.int8))
+        tl.store(KSCALE + bh * seq_len + tok, k_scale)
+        if first:
+            tl.store(KMEAN + bh * HEAD_DIM + d, k_mean)
+    elif FP8_V:
         v_smp = tl.load(V + s_off, mask=s_ok[:, None], other=0.0).to(tl.float32)
         v_mean = tl.sum(v_smp, 0) / n_sample
         v_amax = tl.max(tl.where(s_ok[:, None], tl.abs(v_smp - v_mean[None, :]), 0.0), 0)
@@ -206,27 +225,36 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
         # (B, H, D, S): stored as the transposed tile, so that a warp writes runs of keys
         vt_off = (bh * HEAD_DIM + d)[:, None] * seq_len + tok[None, :]
         tl.store(V8T + vt_off, tl.trans(v).to(tl.float8e4nv))
-        if cube == 0:
+        if first:
             tl.store(VSCALE + bh * HEAD_DIM + d, v_scale)
             tl.store(VMEAN + bh * HEAD_DIM + d, v_mean)
 
 
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
-             mode: str = "int8_fp8", block: int = 64) -> QuantizedInputs:
+             mode: str = "int8_fp8", block: int = 64, *, with_q: bool = True
+             ) -> QuantizedInputs:
     """The pre-pass: Q, K (and V for ``"int8_fp8"``) quantized by the recipe (module
-    docstring). On a GPU one Triton launch, no host sync; on a CPU `quantize_torch`."""
+    docstring). On a GPU one Triton launch, no host sync; on a CPU `quantize_torch`.
+    ``with_q=False`` leaves Q out on the GPU (q8 and q_scale None: the op's kernel quantizes
+    each query cube itself)."""
     _check_mode(mode)
     if q.device.type == "cpu":
         return quantize_torch(q, k, v, vbs, mode, block)
-    return quantize_triton(q, k, v, vbs, mode, block)
+    return quantize_triton(q, k, v, vbs, mode, block, with_q=with_q)
 
 
 def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
                     mode: str = "int8_fp8", block: int = 64, *,
-                    num_warps: int = 4) -> QuantizedInputs:
+                    num_warps: int = 2, tokens: int = 32, with_q: bool = True
+                    ) -> QuantizedInputs:
     """The Triton pre-pass (what `quantize` runs on a GPU; the tests run it under the
-    interpreter on CPU tensors)."""
+    interpreter on CPU tensors); ``tokens`` a program: a power of two from 16 to ``block``.
+    The defaults are the H200's fastest (bench/NOTES.md, session 15: K and V in 0.51 ms at the
+    default workload against 0.59 for a whole cube on 4 warps)."""
     _check_mode(mode)
+    if tokens & (tokens - 1) or block % tokens or tokens < 16:
+        raise ValueError(f"tokens={tokens}: a power of two from 16 that divides the cube "
+                         f"({block})")
     B, S, H, D = q.shape
     if D & (D - 1):
         raise ValueError(f"head_dim {D}: the pre-pass kernel takes a power-of-two head dim")
@@ -234,21 +262,26 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     dev = q.device
     f32 = dict(dtype=torch.float32, device=dev)
-    q8 = torch.empty((B, S, H, D), dtype=torch.int8, device=dev)
-    k8 = torch.empty_like(q8)
-    q_scale, k_scale = torch.empty((B, H, S), **f32), torch.empty((B, H, S), **f32)
+    k8 = torch.empty((B, S, H, D), dtype=torch.int8, device=dev)
+    k_scale = torch.empty((B, H, S), **f32)
+    # without Q its part never runs: k8 and k_scale stand in for the pointers
+    q8 = torch.empty_like(k8) if with_q else k8
+    q_scale = torch.empty_like(k_scale) if with_q else k_scale
     k_mean = torch.empty((B, H, D), **f32)
     fp8 = mode == "int8_fp8"
     v8t = torch.empty((B, H, D, S), dtype=torch.float8_e4m3fn, device=dev) if fp8 else None
     v_scale = torch.empty((B, H, D), **f32) if fp8 else None
     v_mean = torch.empty((B, H, D), **f32) if fp8 else None
     n_sample = len(sample_cubes(n))
-    _quantize_kernel[(n, B * H)](
+    parts = (3 if fp8 else 2) - (0 if with_q else 1)  # program axis 2: Q, K, V from FIRST_PART
+    _quantize_kernel[(n * block // tokens, B * H, parts)](
         q, k, v, vbs, q8, q_scale, k8, k_scale, k_mean,
         v8t if fp8 else q8, v_scale if fp8 else q_scale, v_mean if fp8 else q_scale,
-        S, H, n, n_sample, FP8_V=fp8, HEAD_DIM=D, BLOCK=block,
+        S, H, n, n_sample, 0 if with_q else 1, FP8_V=fp8, HEAD_DIM=D, BLOCK=block, TOKENS=tokens,
         SAMPLE=triton.next_power_of_2(SAMPLE_CUBES), E4M3=E4M3_MAX, HEADROOM=V_HEADROOM,
         num_warps=num_warps)
+    if not with_q:
+        return QuantizedInputs(mode, None, None, k8, k_scale, k_mean, v8t, v_scale, v_mean)
     return QuantizedInputs(mode, q8, q_scale, k8, k_scale, k_mean, v8t, v_scale, v_mean)
 
 

@@ -26,8 +26,11 @@ packing) cuts each 64-key tile into two 32-key halves, since its V^T tile cannot
 narrower than 32 keys: plan[row, 2t + h] = the first key row of half h of tile t (within the
 batch) | its fill << 25. A cube of more than 32 tokens fills a tile of its own (halves at keys 0
 and 32 of the cube, fills min(vbs, 32) and vbs - 32); with pack, cubes of at most 32 tokens
-share tiles two by two, after the big ones (an odd last one's partner half repeats its keys
-with fill 0). meta = (n_tiles or -1, number of one-cube tiles).
+share tiles two by two, after the big ones (an odd last one's partner half is its cube's second
+half, padded slots only, with fill 0). meta = (n_tiles or -1, number of one-cube tiles). Every
+half covers the slots of one cube, so a key's mask is its slot's alone: key_bias[cube * 64 + s]
+= 0 for s < vbs[cube], -inf past it (`_key_bias`), which the kernel adds to the scores in place
+of the fill.
 """
 
 from __future__ import annotations
@@ -167,9 +170,10 @@ def _plan_halves(cube, v, live, err, row, PLAN, META, ERR, TOPK, PACK: tl.conste
     tl.store(plan_row + slot, base | (fill0 << _FILL_SHIFT), mask=live)
     fill1 = tl.maximum(v - HALF, 0)
     tl.store(plan_row + slot + 1, (base + HALF) | (fill1 << _FILL_SHIFT), mask=big)
-    # an odd last small cube: its partner half repeats its keys, all masked
+    # an odd last small cube: its partner half is the cube's second half, all padded slots
+    # (masked by the fill and by the key bias alike)
     lone = small & (k_small == n_small - 1) & (n_small % 2 == 1)
-    tl.store(plan_row + slot + 1, base, mask=lone)
+    tl.store(plan_row + slot + 1, base + HALF, mask=lone)
     bad = err != 0
     tl.store(META + row * 2, tl.where(bad, -1, n_tiles))
     tl.store(META + row * 2 + 1, n_big)
@@ -177,21 +181,35 @@ def _plan_halves(cube, v, live, err, row, PLAN, META, ERR, TOPK, PACK: tl.conste
 
 
 @triton.jit
-def _quant_lut_prepass(LUT, COUNTS, VBS, PLAN, META, ERR, NKV, TOPK, HAS_COUNTS: tl.constexpr,
-                       PACK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
+def _key_bias(VBS, KBIAS, row, NKV, BLOCK: tl.constexpr):
+    """The 8-bit kernel's key bias, 0 for a real key slot and -inf for a padded one (slot <
+    vbs of its cube), written by programs row, row + grid, ... for cubes below NKV: every half
+    of a plan covers one cube's slots, so this masks what its fill does."""
+    slot = tl.arange(0, BLOCK)
+    for c in range(row, NKV, tl.num_programs(0)):
+        n_valid = tl.load(VBS + c)
+        tl.store(KBIAS + c * BLOCK + slot, tl.where(slot < n_valid, 0.0, float("-inf")))
+
+
+@triton.jit
+def _quant_lut_prepass(LUT, COUNTS, VBS, PLAN, META, ERR, KBIAS, NKV, TOPK,
+                       HAS_COUNTS: tl.constexpr, PACK: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cube, v, live, err = row_entries(LUT, COUNTS, VBS, row, True, NKV, TOPK, HAS_COUNTS,
                                       BLOCK_T, BLOCK)
     _plan_halves(cube, v, live, err, row, PLAN, META, ERR, TOPK, PACK, BLOCK)
+    _key_bias(VBS, KBIAS, row, NKV, BLOCK)
 
 
 @triton.jit
-def _quant_window_prepass(WINDOWS, VBS, PLAN, META, ERR, TOPK, num_heads, nq, GT, GH, GW,
-                          PACK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
+def _quant_window_prepass(WINDOWS, VBS, PLAN, META, ERR, KBIAS, TOPK, num_heads, nq, GT, GH,
+                          GW, PACK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cube, v, live, err = _window_entries(WINDOWS, VBS, row, num_heads, nq, GT, GH, GW, BLOCK_T,
                                          BLOCK)
     _plan_halves(cube, v, live, err, row, PLAN, META, ERR, TOPK, PACK, BLOCK)
+    _key_bias(VBS, KBIAS, row, nq, BLOCK)
 
 
 @triton.jit
@@ -366,14 +384,15 @@ def run_pair_prepass(idx, vbs, counts, bufs: dict, pairs: int, nq: int, nkv: int
     )
 
 
-def halves_buffers(device, rows: int, topk: int) -> dict:
-    """The 8-bit kernel's plan: plan (two half-tile entries per tile, `_plan_halves`) and meta
-    (n_tiles or -1, one-cube tiles)."""
+def halves_buffers(device, rows: int, topk: int, nkv: int, block: int = 64) -> dict:
+    """The 8-bit kernel's plan: plan (two half-tile entries per tile, `_plan_halves`), meta
+    (n_tiles or -1, one-cube tiles) and key_bias (0 or -inf a key slot, `_key_bias`)."""
     import torch
 
     return {
         "plan": torch.empty((rows, 2 * topk), device=device, dtype=torch.int32),
         "meta": torch.empty((rows, 2), device=device, dtype=torch.int32),
+        "key_bias": torch.empty((1, nkv * block), device=device, dtype=torch.float32),
     }
 
 
@@ -389,7 +408,8 @@ def run_halves_prepass(idx, vbs, counts, bufs: dict, rows: int, nkv: int, topk: 
     block_t = max(16, triton.next_power_of_2(topk))
     _quant_lut_prepass[(rows,)](
         idx, counts if counts is not None else bufs["meta"], vbs, bufs["plan"], bufs["meta"],
-        err, nkv, topk, HAS_COUNTS=counts is not None, PACK=pack, BLOCK_T=block_t, BLOCK=block,
+        err, bufs["key_bias"], nkv, topk, HAS_COUNTS=counts is not None, PACK=pack,
+        BLOCK_T=block_t, BLOCK=block,
         num_warps=1 if block_t <= 128 else 4,
     )
 
@@ -401,6 +421,7 @@ def run_halves_window_prepass(windows, vbs, bufs: dict, rows: int, heads: int, n
     _check_key_rows(nq * block)
     block_t = max(16, triton.next_power_of_2(topk))
     _quant_window_prepass[(rows,)](
-        windows, vbs, bufs["plan"], bufs["meta"], err, topk, heads, nq, *cube_grid, PACK=pack,
+        windows, vbs, bufs["plan"], bufs["meta"], err, bufs["key_bias"], topk, heads, nq,
+        *cube_grid, PACK=pack,
         BLOCK_T=block_t, BLOCK=block, num_warps=1 if block_t <= 128 else 4,
     )

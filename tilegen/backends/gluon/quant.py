@@ -13,6 +13,12 @@ The knobs (`KernelConfig.options`, over `DEFAULTS`; constexpr parameters of the 
     qk_ahead        QK_AHEAD: S of tile j+1 issued before the softmax of tile j (one more S
                     accumulator live), not after it
     pack_halves     the pre-pass packs cubes of at most 32 tokens two to a tile
+    key_tma         KEY_TMA: the producer loads each K half's scales and key biases with it
+                    (TMA into the K stage), so the consumer's loop reads no global memory;
+                    off: the consumer loads scales and fills a tile ahead (not with qk_ahead)
+    q_in_kernel     Q_BF16: the kernel reads q in its dtype and quantizes each query cube itself
+                    (the pre-pass then does K and V only); `from_quantized` runs it off, on the
+                    given q8
     store_lse       STORE_LSE: write the base-2 log-sum-exp
     consumer_regs   the consumer warpgroup's registers (the launch's maxnreg leaves it them)
     producer_regs   PRODUCER_REGS: the producer warp's setmaxnreg
@@ -37,12 +43,15 @@ TEMPLATE = "gluon/lut_ws_quant.py.j2"
 KERNEL_NAME = "tilegen_gluon_lut_ws_quant"
 #: the quant modes this kernel computes; "int8" (INT8 Q.K, bf16 P.V) has no kernel yet
 QUANT_KERNELS = ("int8_fp8",)
-#: the knobs, with their defaults (session 13's measured best on the H200: bench/NOTES.md)
+#: the knobs, with their defaults (the measured best on the H200: bench/NOTES.md; key_tma
+#: session 15's, -6.8% on the kernel)
 DEFAULTS: dict[str, Any] = {
     "k_stages": 4,
     "v_stages": 2,
     "qk_ahead": False,
     "pack_halves": True,
+    "key_tma": True,
+    "q_in_kernel": True,
     "store_lse": False,
     "consumer_regs": 232,
     "producer_regs": 24,
@@ -51,6 +60,8 @@ CONSTEXPR_NAMES: dict[str, str] = {
     "k_stages": "K_STAGES",
     "v_stages": "V_STAGES",
     "qk_ahead": "QK_AHEAD",
+    "key_tma": "KEY_TMA",
+    "q_in_kernel": "Q_BF16",
     "store_lse": "STORE_LSE",
     "producer_regs": "PRODUCER_REGS",
 }
@@ -81,7 +92,9 @@ def _slots(opts: Mapping[str, Any]) -> dict[str, Any]:
 def smem_bytes(opts: Mapping[str, Any], block: int = 64, head_dim: int = 128) -> int:
     tile = block * head_dim  # one 8-bit tile: K, V^T or Q
     rings = opts["k_stages"] + opts["v_stages"]
-    return (tile * (1 + rings) + 2 * block * block + 8 * (1 + 2 * rings)
+    meta = 4 * (opts["k_stages"] if opts["key_tma"] else 1) * block // 2 * 4
+    q16 = 2 * tile if opts["q_in_kernel"] else 0
+    return (tile * (1 + rings) + q16 + 2 * block * block + meta + 8 * (1 + 2 * rings)
             + _render.COMPILER_SMEM_SLACK)
 
 
@@ -110,6 +123,9 @@ def check(spec: Spec, opts: Mapping[str, Any], target: Target | None = None) -> 
         return "k_stages must be at least 2: the 8-bit kernel stages O in two K slots"
     if opts["v_stages"] < 1:
         return "v_stages must be at least 1"
+    if opts["key_tma"] and opts["qk_ahead"]:
+        return ("key_tma reads a tile's K scales in its own S step; qk_ahead issues S a tile "
+                "early: choose one")
     if target is not None:
         smem = smem_bytes(opts, 64, spec.head_dim)
         if smem > target.max_shared_bytes:
@@ -152,8 +168,12 @@ def _layouts(head_dim: int, dtype: str) -> dict[str, Any]:
     from triton.experimental.gluon import language as gl
 
     return {"q": gl.NVMMASharedLayout.get_default_for([64, head_dim], gl.int8),
+            "q16": gl.NVMMASharedLayout.get_default_for(
+                [64, head_dim], gl.bfloat16 if dtype == "bf16" else gl.float16),
             "k": gl.NVMMASharedLayout.get_default_for([32, head_dim], gl.int8),
             "vt": gl.NVMMASharedLayout.get_default_for([head_dim, 32], gl.float8e4nv),
+            # a half's K scales or key biases: one unswizzled row of 32 fp32
+            "meta": gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
             "o": gl.NVMMASharedLayout.get_default_for(
                 [64, head_dim], gl.bfloat16 if dtype == "bf16" else gl.float16)}
 
@@ -176,13 +196,13 @@ class QuantLaunch:
         self._bufs: dict = {}
         self._layouts = _layouts(spec.head_dim, spec.dtype)
 
-    def _buffers(self, device, rows: int, topk: int):
+    def _buffers(self, device, rows: int, topk: int, nkv: int):
         from tilegen.backends.gluon.prepass import halves_buffers
 
-        key = (str(device), rows, topk)
+        key = (str(device), rows, topk, nkv)
         b = self._bufs.get(key)
         if b is None:
-            b = self._bufs[key] = halves_buffers(device, rows, topk)
+            b = self._bufs[key] = halves_buffers(device, rows, topk, nkv)
         return b
 
     def __call__(self, q, k, v, topk_idx, vbs, counts, o, lse, err, sm_scale: float,
@@ -194,14 +214,16 @@ class QuantLaunch:
         from tilegen.backends.gluon.prepass import run_halves_prepass, run_halves_window_prepass
         from tilegen.reference import LOG2E
 
-        qi = quantized if quantized is not None else quant.quantize(q, k, v, vbs,
-                                                                    self.spec.quant)
-        B, S, H, D = qi.q8.shape
+        # Q in the kernel unless the inputs come quantized (from_quantized: q8 given)
+        q_in_kernel = bool(self.cfg["q_in_kernel"]) and quantized is None
+        qi = quantized if quantized is not None else quant.quantize(
+            q, k, v, vbs, self.spec.quant, with_q=not q_in_kernel)
+        B, S, H, D = qi.k8.shape
         nq, nkv = S // 64, vbs.shape[0]
         if windows is None:
             topk = topk_idx.shape[3]
         rows = B * H * nq
-        bufs = self._buffers(qi.q8.device, rows, topk)
+        bufs = self._buffers(qi.k8.device, rows, topk, nkv)
         if windows is not None:
             run_halves_window_prepass(windows, vbs, bufs, rows, H, nq, cube_grid, topk, err,
                                       pack=self.cfg["pack_halves"])
@@ -214,16 +236,22 @@ class QuantLaunch:
             r, c = t.shape
             return TensorDescriptor(t, [r, c], [c, 1], box, layout)
 
+        q_desc = (desc(q.contiguous().view(B * S, H * D), [64, D], lay["q16"]) if q_in_kernel
+                  else desc(qi.q8.view(B * S, H * D), [64, D], lay["q"]))
+        consts = {**constexprs(self.cfg), "Q_BF16": q_in_kernel}
         self.kernel[(nq, B * H)](
-            desc(qi.q8.view(B * S, H * D), [64, D], lay["q"]),
+            q_desc,
             desc(qi.k8.view(B * S, H * D), [32, D], lay["k"]),
             desc(qi.v8t.view(B * H * D, S), [D, 32], lay["vt"]),
             desc(o.view(B * S, H * D), [64, D], lay["o"]),
+            desc(qi.k_scale.view(B * H, S), [1, 32], lay["meta"]),
+            desc(bufs["key_bias"], [1, 32], lay["meta"]),
             bufs["plan"], bufs["meta"], vbs,
-            lse if lse is not None else bufs["meta"], qi.q_scale, qi.k_scale, qi.v_scale,
-            qi.v_mean, S, H, nq, topk, float(sm_scale) * LOG2E, **constexprs(self.cfg),
+            lse if lse is not None else bufs["meta"],
+            qi.k_scale if q_in_kernel else qi.q_scale, qi.k_scale, qi.v_scale, qi.v_mean,
+            qi.k_mean, S, H, nq, topk, float(sm_scale) * LOG2E, **consts,
             num_warps=self.num_warps, maxnreg=self.maxnreg)
-        if lse is not None:
+        if lse is not None and not q_in_kernel:  # with Q in the kernel, it adds the term
             add_smoothing_to_lse(lse, qi, float(sm_scale) * LOG2E)
 
 
@@ -244,14 +272,18 @@ def signature(opts: Mapping[str, Any], head_dim: int, dtype: str) -> tuple[dict,
     def td(dt, box, layout):
         return f"tensordesc<{dt}[{box[0]}, {box[1]}],{layout!r}>"
 
-    sig = {"q_desc": td("i8", [64, head_dim], lay["q"]),
+    q_desc = (td(dtype, [64, head_dim], lay["q16"]) if opts["q_in_kernel"]
+              else td("i8", [64, head_dim], lay["q"]))
+    sig = {"q_desc": q_desc,
            "k_desc": td("i8", [32, head_dim], lay["k"]),
            "vt_desc": td("fp8e4nv", [head_dim, 32], lay["vt"]),
            "o_desc": td(dtype, [64, head_dim], lay["o"]),
+           "ksc_desc": td("fp32", [1, 32], lay["meta"]),
+           "kbias_desc": td("fp32", [1, 32], lay["meta"]),
            "plan_ptr": "*i32", "meta_ptr": "*i32", "vbs_ptr": "*i32",
            "lse_ptr": "*fp32", "qsc_ptr": "*fp32", "ksc_ptr": "*fp32", "vsc_ptr": "*fp32",
-           "vmean_ptr": "*fp32", "seq_len": "i32", "num_heads": "i32", "num_q_blocks": "i32",
-           "topk": "i32", "qk_scale": "fp32"}
+           "vmean_ptr": "*fp32", "kmean_ptr": "*fp32", "seq_len": "i32", "num_heads": "i32",
+           "num_q_blocks": "i32", "topk": "i32", "qk_scale": "fp32"}
     consts = constexprs(opts)
     sig.update({name: "constexpr" for name in consts})
     return sig, consts
@@ -336,6 +368,9 @@ def _check_quantized(spec: Spec, qi, vbs) -> None:
     if qi.mode != spec.quant:
         raise ValueError(f"quantized inputs of mode {qi.mode!r}; this op computes "
                          f"quant={spec.quant!r}")
+    if qi.q8 is None or qi.q_scale is None:
+        raise ValueError("quantized inputs without q8/q_scale (quantize(..., with_q=False)): "
+                         "from_quantized takes Q quantized too (with_q=True, the default)")
     if qi.v8t is None or qi.k8.shape != qi.q8.shape:
         raise ValueError("quantized inputs: k8 must have q8's shape and v8t must be set "
                          "(tilegen.quant.quantize(q, k, v, vbs, 'int8_fp8'))")

@@ -76,6 +76,18 @@ def test_the_8bit_configs_are_its_own():
     assert "shared memory" in why
     assert gluon.config_violations(spec, target, cfg.replace(
         options=(("k_stages", 6), ("v_stages", 4)))) == []
+    # the knobs that need each other say which
+    (why,) = gluon.config_violations(spec, target, cfg.replace(options=(("qk_ahead", True),)))
+    assert "key_tma" in why and "qk_ahead" in why and "choose one" in why
+    (why,) = gluon.config_violations(spec, target, cfg.replace(
+        options=(("key_tma", False),)))
+    assert "wide_s" in why and "needs key_tma" in why
+    (why,) = gluon.config_violations(spec, target, cfg.replace(options=(("joint_free", True),)))
+    assert "k_stages == v_stages" in why
+    for opts in ((("qk_ahead", True), ("key_tma", False), ("wide_s", False)),
+                 (("joint_free", True), ("v_stages", 4)),
+                 (("key_tma", False), ("wide_s", False), ("q_in_kernel", False))):
+        assert gluon.config_violations(spec, target, cfg.replace(options=opts)) == [], opts
 
 
 def test_the_op_refuses_what_it_cannot_compute_before_it_runs():

@@ -16,6 +16,11 @@ The knobs (`KernelConfig.options`, over `DEFAULTS`; constexpr parameters of the 
     key_tma         KEY_TMA: the producer loads each K half's scales and key biases with it
                     (TMA into the K stage), so the consumer's loop reads no global memory;
                     off: the consumer loads scales and fills a tile ahead (not with qk_ahead)
+    wide_s          WIDE_S: S of a tile in one m64n64 IGMMA chain and P one 64x64 tile (its
+                    32-key column halves feed the P.V halves), not two m64n32 halves (key_tma)
+    joint_free      JOINT_FREE: one consumer arrive a tile frees its K stage and the previous
+                    tile's V stage (Gluon's arrive is a warpgroup bar.sync: one less a tile);
+                    needs wide_s and k_stages == v_stages
     q_in_kernel     Q_BF16: the kernel reads q in its dtype and quantizes each query cube itself
                     (the pre-pass then does K and V only); `from_quantized` runs it off, on the
                     given q8
@@ -43,8 +48,8 @@ TEMPLATE = "gluon/lut_ws_quant.py.j2"
 KERNEL_NAME = "tilegen_gluon_lut_ws_quant"
 #: the quant modes this kernel computes; "int8" (INT8 Q.K, bf16 P.V) has no kernel yet
 QUANT_KERNELS = ("int8_fp8",)
-#: the knobs, with their defaults (the measured best on the H200: bench/NOTES.md; key_tma
-#: session 15's, -6.8% on the kernel)
+#: the knobs, with their defaults (the measured best on the H200: bench/NOTES.md; key_tma and
+#: wide_s session 15's, -6.8% and -5.9% on the kernel)
 DEFAULTS: dict[str, Any] = {
     "k_stages": 4,
     "v_stages": 2,
@@ -52,6 +57,8 @@ DEFAULTS: dict[str, Any] = {
     "pack_halves": True,
     "key_tma": True,
     "q_in_kernel": True,
+    "wide_s": True,
+    "joint_free": False,
     "store_lse": False,
     "consumer_regs": 232,
     "producer_regs": 24,
@@ -62,6 +69,8 @@ CONSTEXPR_NAMES: dict[str, str] = {
     "qk_ahead": "QK_AHEAD",
     "key_tma": "KEY_TMA",
     "q_in_kernel": "Q_BF16",
+    "wide_s": "WIDE_S",
+    "joint_free": "JOINT_FREE",
     "store_lse": "STORE_LSE",
     "producer_regs": "PRODUCER_REGS",
 }
@@ -123,6 +132,11 @@ def check(spec: Spec, opts: Mapping[str, Any], target: Target | None = None) -> 
         return "k_stages must be at least 2: the 8-bit kernel stages O in two K slots"
     if opts["v_stages"] < 1:
         return "v_stages must be at least 1"
+    if opts["joint_free"] and not (opts["wide_s"] and opts["k_stages"] == opts["v_stages"]):
+        return ("joint_free frees a K stage and a V stage with one arrive: it needs wide_s and "
+                "k_stages == v_stages")
+    if opts["wide_s"] and not opts["key_tma"]:
+        return "wide_s reads each tile's K scales from the K stage: it needs key_tma"
     if opts["key_tma"] and opts["qk_ahead"]:
         return ("key_tma reads a tile's K scales in its own S step; qk_ahead issues S a tile "
                 "early: choose one")

@@ -200,3 +200,21 @@ def test_the_8bit_plan_flags_bad_rows(interpreter):
     run_halves_prepass(idx, vbs, None, bufs, nq, nq, topk, err)
     assert int(err) & 1
     assert bufs["meta"][:, 0].tolist() == [3, 3, -1, 3, 3, 3]
+
+
+def test_the_8bit_ops_entry_refuses_what_it_cannot_run_here():
+    """`tilegen.ops.block_sparse_attention_8bit` on this CPU: fp32 inputs and a call that needs
+    gradients are refused before anything loads; a bf16 call reaches the 8-bit op's load, which
+    names the targets that have its kernel (no fallback to the bf16 op)."""
+    from tilegen.ops import block_sparse_attention_8bit
+
+    q = torch.randn(1, 128, 2, 64)
+    idx = torch.zeros(1, 2, 2, 1, dtype=torch.int32)
+    vbs = torch.full((2,), 64, dtype=torch.int32)
+    with pytest.raises(TypeError, match="bf16 or fp16"):
+        block_sparse_attention_8bit(q, q, q, idx, vbs)
+    qb = q.bfloat16().requires_grad_()
+    with pytest.raises(ValueError, match="forward only"):
+        block_sparse_attention_8bit(qb, qb, qb, idx, vbs)
+    with torch.no_grad(), pytest.raises(ValueError, match="needs a target with Hopper's wgmma"):
+        block_sparse_attention_8bit(qb, qb, qb, idx, vbs)

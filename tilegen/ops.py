@@ -27,7 +27,8 @@ from tilegen.targets import TARGET_NAMES, Target, detect_target, get_target
 log = logging.getLogger("tilegen")
 
 __all__ = ["AttentionOutput", "BlockSparseAttention", "block_sparse_attention",
-           "block_sparse_attention_varlen", "load", "resolve_config", "video_sparse_attention",
+           "block_sparse_attention_8bit", "block_sparse_attention_varlen", "load",
+           "resolve_config", "video_sparse_attention",
            "vsa_fine", "vsa_fine_op"]
 
 _noted: set[str] = set()
@@ -561,6 +562,61 @@ def block_sparse_attention_varlen(
     if return_lse:
         return out[0][0], out[1][0]
     return out[0]
+
+
+# -- the 8-bit forward (tilegen.quant's recipes, issue #19) --------------------------------------
+def _quant_op_for(q: torch.Tensor, quant: str) -> Any:
+    """The 8-bit op for q's dtype and head dim (`load` of ``Spec(quant=quant)``), once."""
+    key = (q.dtype, q.shape[-1], "bshd", f"quant:{quant}")
+    op = _ops.get(key)
+    if op is None:
+        spec = Spec(head_dim=q.shape[-1], dtype=SPEC_DTYPES[q.dtype], quant=quant)
+        op = _ops[key] = load(spec)
+    return op
+
+
+@torch.library.custom_op("tilegen::block_sparse_attention_8bit", mutates_args=())
+def _block_sparse_attention_8bit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 topk_idx: torch.Tensor, vbs: torch.Tensor,
+                                 counts: torch.Tensor | None, quant: str,
+                                 sm_scale: float | None) -> torch.Tensor:
+    return _quant_op_for(q, quant)(q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale,
+                                   return_lse=False)
+
+
+@_block_sparse_attention_8bit.register_fake
+def _block_sparse_attention_8bit_fake(q, k, v, topk_idx, vbs, counts, quant, sm_scale):
+    return torch.empty_like(q)
+
+
+def block_sparse_attention_8bit(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    topk_idx: torch.Tensor,
+    vbs: torch.Tensor,
+    counts: torch.Tensor | None = None,
+    *,
+    quant: str = "int8_fp8",
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """`block_sparse_attention` by an 8-bit recipe of `tilegen.quant` (``"int8_fp8"``: INT8
+    Q.K, e4m3 P.V; the op of ``tilegen.load(Spec(quant=quant))`` for q's dtype and head dim):
+    BSHD q, k, v of one shape in bf16 or fp16, o in q's dtype, no lse. Forward only: a call
+    that needs gradients is refused (train with `block_sparse_attention`). The kernel is the
+    Gluon family's for Hopper: elsewhere (a CPU, another GPU) the load raises and says why.
+
+    A `torch.library` custom op (``torch.ops.tilegen.block_sparse_attention_8bit``) with a fake
+    implementation, so ``torch.compile`` traces models that call it without a graph break."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("block_sparse_attention_8bit computes the forward only: call it under "
+                         "torch.no_grad() (or with inputs that do not require grad), or train "
+                         "with block_sparse_attention")
+    _tensor("q", q)
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"q has dtype {q.dtype}; the 8-bit kernels take bf16 or fp16 inputs")
+    return torch.ops.tilegen.block_sparse_attention_8bit(q, k, v, topk_idx, vbs, counts, quant,
+                                                         sm_scale)
 
 
 # -- the full VSA forward (tilegen.vsa) ---------------------------------------------------------

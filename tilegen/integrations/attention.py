@@ -51,16 +51,19 @@ def check_sparsity(value: object, name: str = "sparsity") -> float:
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Triple,
-                     cube: Triple, cubes_kept: Callable[[int], int] | int) -> torch.Tensor:
+                     cube: Triple, cubes_kept: Callable[[int], int] | int,
+                     quant: str = "none") -> torch.Tensor:
     """Block-sparse attention of THW-ordered ``(B, S, H, D)`` tokens, ``S = T*H*W`` of
     ``grid``: cubes, the mean-pool selection of ``cubes_kept`` KV cubes per query cube (an int,
     or a function of the cube count), tilegen's op, tokens back; ``(B, S, H, D)`` in q's dtype.
 
     The kernel runs in q's dtype when that is bf16 or fp16, else in bf16 (fp32 inputs are
     rounded; scores, softmax and P·V accumulate in fp32 in the kernel either way).
-    Differentiable in q, k and v (the selection gets no gradient).
+    Differentiable in q, k and v (the selection gets no gradient). With ``quant="int8_fp8"``
+    the selected cubes go through `tilegen.ops.block_sparse_attention_8bit` instead: forward
+    only, on Hopper (the selection is the same).
     """
-    from tilegen.ops import block_sparse_attention
+    from tilegen.ops import block_sparse_attention, block_sparse_attention_8bit
 
     n_tok = grid[0] * grid[1] * grid[2]
     if q.shape[1] != n_tok:
@@ -77,5 +80,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Tr
     block = math.prod(cube)
     with torch.no_grad():
         idx = selectors.mean_pool_topk(qc.detach(), kc.detach(), vbs, topk, block=block)
-    oc = block_sparse_attention(qc, kc, vc, idx, vbs)
+    if quant == "none":
+        oc = block_sparse_attention(qc, kc, vc, idx, vbs)
+    else:
+        oc = block_sparse_attention_8bit(qc, kc, vc, idx, vbs, quant=quant)
     return layout.from_cubes(oc, grid, cube).to(q.dtype)

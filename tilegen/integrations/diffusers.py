@@ -106,9 +106,9 @@ __all__ = [
 log = logging.getLogger("tilegen")
 
 SELECTORS = ("mean_pool",)
-#: quant= values: Spec.quant's; only "none" runs in the processor today (issue #19's 8-bit op is
-#: not routed here yet)
+#: quant= values: Spec.quant's; "none" and "int8_fp8" run ("int8" has no kernel yet)
 QUANT_MODES = QUANT_SPEC_MODES
+QUANT_KERNELS = ("none", "int8_fp8")
 _STATE_ATTR = "_tilegen_block_sparse"
 
 
@@ -246,6 +246,7 @@ class _State:
     last_timestep: float | None = None
     plan_grid: Triple | None = None
     calibration: _Calibration | None = None
+    quant: str = "none"
 
     def observe(self, transformer: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """The forward pre-hook: the post-patch grid from ``hidden_states``; the denoising step
@@ -336,9 +337,11 @@ class BlockSparseWanAttnProcessor:
         elif group is not None:
             n_cubes = math.prod(layout.cube_grid(state.grid, state.cube))
             out = ulysses_attention(q, k, v, state.grid, group=group,
-                                    topk=self.cubes_kept(n_cubes), cube=state.cube)
+                                    topk=self.cubes_kept(n_cubes), cube=state.cube,
+                                    quant=state.quant)
         else:
-            out = sparse_attention(q, k, v, state.grid, state.cube, self.cubes_kept)
+            out = sparse_attention(q, k, v, state.grid, state.cube, self.cubes_kept,
+                                   state.quant)
         out = out.flatten(2, 3).type_as(q)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
@@ -432,8 +435,11 @@ def enable_block_sparse(
             step; a rise in the timestep starts a new generation at step 0). Reading the
             timestep costs one host sync per transformer call, so leave this empty under CUDA
             graphs.
-        quant: ``"none"``; the 8-bit variants (``"int8"``, ``"int8_fp8"``: `tilegen.quant`'s
-            recipes) are refused: the processor does not route to the 8-bit op yet.
+        quant: ``"none"`` (bf16/fp16 attention), or ``"int8_fp8"``: the sparse layers run
+            `tilegen.quant`'s INT8 Q.K / e4m3 P.V recipe through
+            `tilegen.ops.block_sparse_attention_8bit` (forward only, Hopper GPUs: a call
+            elsewhere raises and says why; dense layers and steps stay with diffusers).
+            ``"int8"`` (INT8 Q.K, bf16 P.V) has no kernel yet and is refused.
         plan: a `SparsityPlan` (or its JSON file) from `calibrate`: its layers' sparsity and
             dense layers, unioned with ``dense_layers``; refused for another transformer config.
         cube: the cube shape in latent tokens, 64 tokens (the kernels' block); default (4, 4, 4),
@@ -447,11 +453,10 @@ def enable_block_sparse(
         raise ValueError(f"selector={selector!r} is not allowed; allowed values: {list(SELECTORS)}")
     if quant not in QUANT_MODES:
         raise ValueError(f"quant={quant!r} is not allowed; allowed values: {list(QUANT_MODES)}")
-    if quant != "none":
+    if quant not in QUANT_KERNELS:
         raise NotImplementedError(
-            f"quant={quant!r}: the processor does not route to the 8-bit kernel yet (issue "
-            "#19: tilegen.load(Spec(quant='int8_fp8')) is a forward-only op for Hopper, not yet "
-            "a torch.library op the compiled processor can call); use quant='none'")
+            f"quant={quant!r}: no kernel computes this recipe yet (INT8 Q.K with bf16 P.V); "
+            f"the processor runs {list(QUANT_KERNELS)}")
     if plan is not None and not isinstance(plan, SparsityPlan):
         plan = SparsityPlan.load(plan)
     if plan is not None and cube is not None and tuple(cube) != tuple(plan.cube):
@@ -488,7 +493,7 @@ def enable_block_sparse(
 
     disable_block_sparse(transformer)
     state = _State(cube=c, dense_steps=steps, originals=[a.processor for a in attns],
-                   plan_grid=tuple(plan.grid) if plan is not None else None)
+                   plan_grid=tuple(plan.grid) if plan is not None else None, quant=quant)
     for i, attn in enumerate(attns):
         if i in dense or (plan is not None and per_layer[i] is None):
             continue

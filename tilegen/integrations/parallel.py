@@ -100,6 +100,7 @@ def ulysses_attention(
     sparsity: float | None = None,
     topk: int | None = None,
     cube: Sequence[int] = (4, 4, 4),
+    quant: str = "none",
 ) -> torch.Tensor:
     """Block-sparse self-attention of a sequence split across the ranks of ``group``
     (module docstring: the all-to-all, the single-GPU attention on H/P heads, the inverse).
@@ -117,6 +118,8 @@ def ulysses_attention(
         sparsity: fraction of KV cubes each query cube drops, in [0, 1) (default 0.875).
         topk: KV cubes kept per query cube instead of ``sparsity`` (clamped to the cube count).
         cube: the cube shape in latent tokens, 64 tokens (default (4, 4, 4)).
+        quant: ``"none"``, or ``"int8_fp8"`` for the 8-bit kernel (forward only, Hopper:
+            `tilegen.ops.block_sparse_attention_8bit`).
 
     Returns:
         ``(B, S/P, H, D)``: this rank's tokens, every head, in q's dtype; differentiable in q,
@@ -165,7 +168,7 @@ def ulysses_attention(
     kept = min(topk, n_cubes) if topk is not None else topk_for(fraction, n_cubes)
 
     if p == 1:
-        return sparse_attention(q, k, v, g, c, kept)
+        return sparse_attention(q, k, v, g, c, kept, quant)
     qf, kf, vf = (_gather_sequence(t, p, group) for t in (q, k, v))
-    out = sparse_attention(qf, kf, vf, g, c, kept)
+    out = sparse_attention(qf, kf, vf, g, c, kept, quant)
     return _scatter_sequence(out, p, group)

@@ -22,8 +22,15 @@ from tilegen.targets import get_target
 SMALL = dict(grid=(8, 8, 8), num_heads=2, topk=3)
 
 
-@pytest.mark.parametrize("head_dim,dtype", [(128, "bf16"), (64, "fp16")])
-def test_the_8bit_kernel_builds_for_sm_90a_with_igmma_and_qgmma(tmp_path, head_dim, dtype):
+@pytest.mark.parametrize("head_dim,dtype,knobs", [
+    (128, "bf16", {}), (64, "fp16", {}),
+    # the other paths of the template: the consumer's own scale loads with S a tile ahead and
+    # Q from the pre-pass; one arrive a tile
+    (128, "bf16", {"key_tma": False, "wide_s": False, "qk_ahead": True, "q_in_kernel": False}),
+    (128, "bf16", {"joint_free": True, "v_stages": 4}),
+])
+def test_the_8bit_kernel_builds_for_sm_90a_with_igmma_and_qgmma(tmp_path, head_dim, dtype,
+                                                                knobs):
     """Compiled in a process without the interpreter, as `tilegen build` does."""
     code = (
         "import json; from pathlib import Path\n"
@@ -32,10 +39,11 @@ def test_the_8bit_kernel_builds_for_sm_90a_with_igmma_and_qgmma(tmp_path, head_d
         f"s = Spec(quant='int8_fp8', head_dim={head_dim}, dtype={dtype!r}, grid=(8, 8, 8),"
         " num_heads=2, topk=3)\n"
         "t = get_target('sm_90'); b = backends.get('gluon'); cfg = b.default_config(s, t)\n"
+        f"cfg = cfg.replace(options={{**dict(cfg.options), **{knobs!r}}})\n"
         "srcs = b.sources(s, cfg, t)\n"
         f"art = b.compile(s, cfg, t, srcs[0], Path({str(tmp_path)!r}))\n"
         "print(json.dumps(dict(n=len(srcs), bad=b.violations(s, t, cfg), ops=art.matrix_ops,"
-        " spills=art.spill_bytes, shared=art.shared_bytes)))\n")
+        " spills=art.spill_bytes, shared=art.shared_bytes, name=cfg.render_name)))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=600)
@@ -45,6 +53,8 @@ def test_the_8bit_kernel_builds_for_sm_90a_with_igmma_and_qgmma(tmp_path, head_d
     assert out["ops"].get("IGMMA", 0) > 0 and out["ops"].get("QGMMA", 0) > 0
     assert not out["ops"].get("HGMMA")  # no 16-bit MMA left in the 8-bit kernel
     assert out["spills"] == 0
+    for knob, value in knobs.items():  # the variant asked for is the one built
+        assert f"{knob}{int(value)}" in out["name"], (knob, out["name"])
     target = get_target("sm_90")
     assert 2 * (out["shared"] + target.reserved_shared_per_block) <= target.shared_per_sm
 

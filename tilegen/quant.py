@@ -163,6 +163,16 @@ def _round_half_even(x):
 
 
 @triton.jit
+def _int8_per_token(x):
+    """A tile's rows to int8 with one scale a row (amax / 127): the integer values (fp32) and
+    the scales. One IEEE reciprocal per row (div_rn: Triton's `/` is div.full.f32, up to 2 ulp
+    off), then a multiply: the PyTorch model's arithmetic, bit for bit."""
+    scale = tl.max(tl.abs(x), 1) / 127.0
+    inv = tl.div_rn(1.0, tl.where(scale > 0, scale, 1.0))
+    return _round_half_even(_clamp_int8(x * inv[:, None])), scale
+
+
+@triton.jit
 def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, VMEAN,
                      seq_len, num_heads, n_cubes, n_sample, FIRST_PART,
                      FP8_V: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
@@ -190,13 +200,8 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
     s_off = ((b * seq_len + s_tok) * num_heads + h)[:, None] * HEAD_DIM + d[None, :]
     if part == 0:
         # Q: per-token int8 (no smoothing: the module docstring)
-        qs = tl.where(valid[:, None], tl.load(Q + off).to(tl.float32), 0.0)
-        q_scale = tl.max(tl.abs(qs), 1) / 127.0
-        q_div = tl.where(q_scale > 0, q_scale, 1.0)
-        # one IEEE reciprocal per token (div_rn: Triton's `/` is div.full.f32, up to 2 ulp
-        # off), then a multiply: the PyTorch model's arithmetic, bit for bit
-        q_inv = tl.div_rn(1.0, q_div)
-        q8 = _round_half_even(_clamp_int8(qs * q_inv[:, None]))
+        q8, q_scale = _int8_per_token(tl.where(valid[:, None], tl.load(Q + off).to(tl.float32),
+                                               0.0))
         tl.store(Q8 + off, q8.to(tl.int8))
         tl.store(QSCALE + bh * seq_len + tok, q_scale)
     elif part == 1:
@@ -205,11 +210,7 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
         k_smp = tl.load(K + s_off, mask=s_ok[:, None], other=0.0).to(tl.float32)
         k_mean = tl.sum(k_smp, 0) / n_sample
         k = tl.load(K + off).to(tl.float32)
-        ks = tl.where(valid[:, None], k - k_mean[None, :], 0.0)
-        k_scale = tl.max(tl.abs(ks), 1) / 127.0
-        k_div = tl.where(k_scale > 0, k_scale, 1.0)
-        k_inv = tl.div_rn(1.0, k_div)
-        k8 = _round_half_even(_clamp_int8(ks * k_inv[:, None]))
+        k8, k_scale = _int8_per_token(tl.where(valid[:, None], k - k_mean[None, :], 0.0))
         tl.store(K8 + off, k8.to(tl.int8))
         tl.store(KSCALE + bh * seq_len + tok, k_scale)
         if first:

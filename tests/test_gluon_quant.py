@@ -28,6 +28,11 @@ SMALL = dict(grid=(8, 8, 8), num_heads=2, topk=3)
     # Q from the pre-pass; one arrive a tile
     (128, "bf16", {"key_tma": False, "wide_s": False, "qk_ahead": True, "q_in_kernel": False}),
     (128, "bf16", {"joint_free": True, "v_stages": 4}),
+    # session 16's paths: row sums by the MMA, Q from registers, V^T tiles in 128-byte rows,
+    # a quarter of exp2 on the FMA pipe; three consumers a CTA with P.V into O itself
+    (128, "bf16", {"l_mma": True, "q_regs": True, "vt_tiled": True, "poly_exp": 1}),
+    (128, "bf16", {"num_consumers": 3, "k_stages": 3, "consumer_regs": 160,
+                   "two_level": False, "poly_exp": 2}),
 ])
 def test_the_8bit_kernel_builds_for_sm_90a_with_igmma_and_qgmma(tmp_path, head_dim, dtype,
                                                                 knobs):
@@ -56,7 +61,8 @@ def test_the_8bit_kernel_builds_for_sm_90a_with_igmma_and_qgmma(tmp_path, head_d
     for knob, value in knobs.items():  # the variant asked for is the one built
         assert f"{knob}{int(value)}" in out["name"], (knob, out["name"])
     target = get_target("sm_90")
-    assert 2 * (out["shared"] + target.reserved_shared_per_block) <= target.shared_per_sm
+    ctas = 1 if knobs.get("num_consumers", 1) > 1 else 2  # an SM's CTAs the shared memory holds
+    assert ctas * (out["shared"] + target.reserved_shared_per_block) <= target.shared_per_sm
 
 
 def test_targets_and_families_without_an_8bit_kernel_say_why():
@@ -94,6 +100,22 @@ def test_the_8bit_configs_are_its_own():
     assert "wide_s" in why and "needs key_tma" in why
     (why,) = gluon.config_violations(spec, target, cfg.replace(options=(("joint_free", True),)))
     assert "k_stages == v_stages" in why
+    off_wide = (("key_tma", False), ("wide_s", False))
+    for knob in ("two_level", "l_mma", "q_regs", "poly_exp"):
+        value = False if knob == "two_level" else (1 if knob == "poly_exp" else True)
+        (why,) = gluon.config_violations(spec, target, cfg.replace(
+            options=off_wide + ((knob, value),)))
+        assert knob in why and "wide_s" in why, (knob, why)
+    (why,) = gluon.config_violations(spec, target, cfg.replace(options=(("poly_exp", 3),)))
+    assert "0, 1 or 2" in why
+    (why,) = gluon.config_violations(spec, target, cfg.replace(options=(("num_consumers", 4),)))
+    assert "num_consumers must be 1, 2 or 3" in why
+    # three consumers a CTA: their rings in one CTA's shared memory
+    (why,) = gluon.config_violations(spec, target, cfg.replace(
+        options=(("num_consumers", 3), ("k_stages", 4))))
+    assert "shared memory" in why
+    assert gluon.config_violations(spec, target, cfg.replace(
+        options=(("num_consumers", 3), ("k_stages", 3), ("consumer_regs", 160)))) == []
     for opts in ((("qk_ahead", True), ("key_tma", False), ("wide_s", False)),
                  (("joint_free", True), ("v_stages", 4)),
                  (("key_tma", False), ("wide_s", False), ("q_in_kernel", False))):

@@ -218,3 +218,29 @@ def test_triton_prepass_without_q_leaves_q_to_the_kernel(interpreter):
     for tokens in (8, 24, 128):
         with pytest.raises(ValueError, match="power of two from 16"):
             quant.quantize_triton(q, k, v, vbs, "int8_fp8", tokens=tokens)
+
+
+def test_vt_tiles_are_the_natural_layout_reordered(interpreter):
+    """``vt_tiles=True`` (the kernel's 128-byte-row V^T loads): every pre-pass writes the same
+    bytes as the (B, H, D, S) layout, in 32-key tiles whose 16-byte halves follow the shared
+    tile's 32-byte swizzle; `vt_natural` reads them back and the emulation takes either."""
+    q, k, v, vbs, _ = _qkv(3)
+    idx = torch.arange(6, dtype=torch.int32).flip(0).expand(1, 2, 6, 6).contiguous()
+    natural = quant.quantize_triton(q, k, v, vbs, "int8_fp8")
+    tiled = quant.quantize_triton(q, k, v, vbs, "int8_fp8", vt_tiles=True)
+    B, H, D, S = natural.v8t.shape
+    assert tiled.vt_tiles and not natural.vt_tiles
+    assert tiled.v8t.shape == (B, H, S // 32, D, 32)
+    assert torch.equal(quant.vt_natural(tiled).view(torch.uint8), natural.v8t.view(torch.uint8))
+    assert torch.equal(quant.vt_to_tiles(natural.v8t).view(torch.uint8),
+                       tiled.v8t.view(torch.uint8))
+    # one byte by hand: key 3 + 16 of tile 1, channel 5 (5 // 4 odd: halves swapped)
+    want = natural.v8t.view(torch.uint8)[0, 1, 5, 32 + 19]
+    assert tiled.v8t.view(torch.uint8)[0, 1, 1, 5, 3] == want
+    model = quant.quantize_torch(q, k, v, vbs, "int8_fp8", vt_tiles=True)
+    assert model.vt_tiles and torch.equal(quant.vt_natural(model).view(torch.uint8),
+                                          quant.quantize_torch(q, k, v, vbs).v8t.view(torch.uint8))
+    oe = quant.emulate(q, k, v, idx, vbs, quantized=tiled)
+    assert torch.equal(oe, quant.emulate(q, k, v, idx, vbs, quantized=natural))
+    with pytest.raises(ValueError, match="cover a 32-key tile"):
+        quant.quantize_triton(q, k, v, vbs, "int8_fp8", tokens=16, vt_tiles=True)

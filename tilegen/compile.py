@@ -36,8 +36,8 @@ class Artifact:
     registers: int | None = None  # per thread (VGPRs on AMD)
     agprs: int | None = None  # AMD accumulation registers
     shared_bytes: int | None = None  # static + dynamic shared memory / LDS per block
-    # local / scratch memory per thread, in bytes: cuobjdump LOCAL (Triton, NVIDIA), ptxas spill
-    # stores + loads (nvcc), private segment size (AMD, both backends); 0 means no spills
+    # local / scratch memory per thread, in bytes: cuobjdump LOCAL + STACK (Triton, Gluon),
+    # ptxas spill stores + loads (nvcc), private segment size (AMD, both backends); 0: no spills
     spill_bytes: int | None = None
     stack_bytes: int | None = None
     occupancy: int | None = None  # blocks (or waves) per SM/CU where known

@@ -38,6 +38,9 @@ def cubin_resources(cubin: Path) -> dict[str, int]:
     if m:
         res = {"registers": int(m.group(1)), "stack_bytes": int(m.group(2)),
                "static_shared": int(m.group(3)), "local_bytes": int(m.group(4))}
+        # ptxas for sm_90 spills into the stack frame (STL/LDL, STACK > 0, LOCAL 0); a Triton or
+        # Gluon kernel has no calls or local arrays, so its frame is spills
+        res["spill_bytes"] = res["stack_bytes"] + res["local_bytes"]
     return res
 
 

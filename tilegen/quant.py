@@ -20,7 +20,11 @@ kernels are held to (contract.md, the quantized rule's check 4).
 * **V** (``"int8_fp8"``): smoothed by its sampled channel mean ``v̄`` (added back after the
   normalization: the softmax weights sum to 1), then e4m3 with one scale per channel, the
   sample's amax times ``V_HEADROOM`` (values past 448 saturate), stored transposed ``(B, H, D,
-  S)`` so that P·V reads it K-major, as 8-bit wgmma requires of its B operand.
+  S)`` so that P·V reads it K-major, as 8-bit wgmma requires of its B operand; or, with
+  ``vt_tiles=True``, as 32-key tiles ``(B, H, S / 32, D, 32)`` whose bytes lie in the order of
+  the kernel's shared-memory tile (32-byte swizzle: the 16-byte halves of rows ``d`` with
+  ``d // 4`` odd swapped), so that one tile is ``D / 4`` rows of 128 bytes to copy
+  (`vt_to_tiles`, `vt_natural`).
 * **P** (``"int8_fp8"``): ``p = exp2(s - m)`` of the online softmax is in ``[0, 1]``; P·V takes
   ``e4m3(p * P_SCALE)`` and divides by ``P_SCALE`` afterwards; the row sum ``l`` is of the fp32
   ``p``. Each tile's P·V goes into an fp32 accumulator (Hopper's 8-bit MMA accumulates at
@@ -45,7 +49,7 @@ import triton.language as tl
 from tilegen.spec import QUANT_MODES  # "none", "int8" (INT8 Q·K, bf16 P·V), "int8_fp8"
 
 __all__ = ["QUANT_MODES", "QuantizedInputs", "quantize", "quantize_torch", "quantize_triton",
-           "emulate", "QuantReference", "quant_reference",
+           "emulate", "QuantReference", "quant_reference", "vt_to_tiles", "vt_natural",
            "E4M3_MAX", "INT8_MAX", "P_SCALE", "V_HEADROOM", "SAMPLE_CUBES"]
 
 #: largest finite e4m3fn value (a property of the format, not of any device)
@@ -74,6 +78,37 @@ class QuantizedInputs:
     v_scale: torch.Tensor | None  # int8_fp8: (B, H, D) fp32
     v_mean: torch.Tensor | None   # int8_fp8: (B, H, D) fp32: v̄ (sampled), added back to o
     q_mean: torch.Tensor | None = None  # q_smooth only: (B, H, NQ, D) fp32, q̄_c of real rows
+    #: v8t as 32-key tiles (B, H, S / 32, D, 32) in shared-memory order (`vt_to_tiles`)
+    vt_tiles: bool = False
+
+
+#: keys a V^T tile holds (the kernels' half tile: 8-bit TMA boxes of V^T are 32 keys wide)
+VT_TILE = 32
+
+
+def _swizzle32(x: torch.Tensor) -> torch.Tensor:
+    """Swap the 16-byte halves of the 32-byte rows d with d // 4 odd, over the last two dims
+    (D, 32): the 32-byte swizzle of an NVMMA shared-memory tile. Its own inverse."""
+    D = x.shape[-2]
+    odd = ((torch.arange(D, device=x.device) // 4) % 2).bool()
+    halves = x.unflatten(-1, (2, 16))
+    return torch.where(odd[:, None, None], halves.flip(-2), halves).flatten(-2)
+
+
+def vt_to_tiles(v8t: torch.Tensor) -> torch.Tensor:
+    """(B, H, D, S) V^T as (B, H, S / 32, D, 32) tiles in shared-memory byte order."""
+    B, H, D, S = v8t.shape
+    tiles = v8t.view(torch.uint8).view(B, H, D, S // VT_TILE, VT_TILE).permute(0, 1, 3, 2, 4)
+    return _swizzle32(tiles).contiguous().view(v8t.dtype)
+
+
+def vt_natural(qi: QuantizedInputs) -> torch.Tensor | None:
+    """qi's V^T as (B, H, D, S), whichever layout the pre-pass wrote."""
+    if qi.v8t is None or not qi.vt_tiles:
+        return qi.v8t
+    B, H, n, D, w = qi.v8t.shape
+    tiles = _swizzle32(qi.v8t.view(torch.uint8))
+    return tiles.permute(0, 1, 3, 2, 4).reshape(B, H, D, n * w).view(qi.v8t.dtype)
 
 
 def _check_mode(mode: str) -> str:
@@ -99,7 +134,7 @@ def _round_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def quantize_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
                    mode: str = "int8_fp8", block: int = 64, *, q_smooth: bool = False,
-                   v_smooth: bool = True) -> QuantizedInputs:
+                   v_smooth: bool = True, vt_tiles: bool = False) -> QuantizedInputs:
     """The pre-pass's arithmetic in PyTorch (fp32), for any device. ``q_smooth=True`` and
     ``v_smooth=False`` are the recipe's ablations (`bench/experiments/int8_recipe.py`); the
     defaults are what the kernels read."""
@@ -138,9 +173,12 @@ def quantize_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch
         vq = torch.where(real.view(1, S, 1, 1), centred * (1.0 / v_scale)[:, None], 0.0)
         v8t = vq.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).permute(0, 2, 3, 1)
         v8t = v8t.contiguous()
+        if vt_tiles:
+            v8t = vt_to_tiles(v8t)
     return QuantizedInputs(mode, q8, per_head(q_scale), k8, per_head(k_scale), k_mean, v8t,
                            v_scale, v_mean,
-                           None if q_mean is None else q_mean.permute(0, 2, 1, 3).contiguous())
+                           None if q_mean is None else q_mean.permute(0, 2, 1, 3).contiguous(),
+                           vt_tiles=vt_tiles and v8t is not None)
 
 
 # -- the pre-pass: Triton (GPU), one launch -------------------------------------------------------
@@ -175,7 +213,8 @@ def _int8_per_token(x):
 @triton.jit
 def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, VMEAN,
                      seq_len, num_heads, n_cubes, n_sample, FIRST_PART,
-                     FP8_V: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                     FP8_V: tl.constexpr, VT_TILES: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK: tl.constexpr,
                      TOKENS: tl.constexpr, SAMPLE: tl.constexpr, E4M3: tl.constexpr,
                      HEADROOM: tl.constexpr):
     # a program quantizes TOKENS tokens of one cube and one tensor (axis 2: 0 Q, 1 K, 2 V):
@@ -223,8 +262,13 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
         v_inv = tl.div_rn(1.0, v_scale)
         v = (tl.load(V + off).to(tl.float32) - v_mean[None, :]) * v_inv[None, :]
         v = tl.minimum(tl.maximum(tl.where(valid[:, None], v, 0.0), -E4M3), E4M3)
-        # (B, H, D, S): stored as the transposed tile, so that a warp writes runs of keys
-        vt_off = (bh * HEAD_DIM + d)[:, None] * seq_len + tok[None, :]
+        if VT_TILES:  # (B, H, S / 32, D, 32), 16-byte halves swizzled (vt_to_tiles)
+            key = tok % 32
+            half = (key // 16) ^ ((d // 4) % 2)[:, None]
+            vt_off = ((bh * (seq_len // 32) + tok // 32)[None, :] * HEAD_DIM + d[:, None]) * 32 \
+                + half * 16 + (key % 16)[None, :]
+        else:  # (B, H, D, S): the transposed tile, so that a warp writes runs of keys
+            vt_off = (bh * HEAD_DIM + d)[:, None] * seq_len + tok[None, :]
         tl.store(V8T + vt_off, tl.trans(v).to(tl.float8e4nv))
         if first:
             tl.store(VSCALE + bh * HEAD_DIM + d, v_scale)
@@ -232,27 +276,30 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
 
 
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
-             mode: str = "int8_fp8", block: int = 64, *, with_q: bool = True
-             ) -> QuantizedInputs:
+             mode: str = "int8_fp8", block: int = 64, *, with_q: bool = True,
+             vt_tiles: bool = False) -> QuantizedInputs:
     """The pre-pass: Q, K (and V for ``"int8_fp8"``) quantized by the recipe (module
     docstring). On a GPU one Triton launch, no host sync; on a CPU `quantize_torch`.
     ``with_q=False`` leaves Q out on the GPU (q8 and q_scale None: the op's kernel quantizes
-    each query cube itself)."""
+    each query cube itself). ``vt_tiles``: V^T as 32-key tiles in shared-memory order (module
+    docstring)."""
     _check_mode(mode)
     if q.device.type == "cpu":
-        return quantize_torch(q, k, v, vbs, mode, block)
-    return quantize_triton(q, k, v, vbs, mode, block, with_q=with_q)
+        return quantize_torch(q, k, v, vbs, mode, block, vt_tiles=vt_tiles)
+    return quantize_triton(q, k, v, vbs, mode, block, with_q=with_q, vt_tiles=vt_tiles)
 
 
 def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
                     mode: str = "int8_fp8", block: int = 64, *,
-                    num_warps: int = 2, tokens: int = 32, with_q: bool = True
-                    ) -> QuantizedInputs:
+                    num_warps: int = 2, tokens: int = 32, with_q: bool = True,
+                    vt_tiles: bool = False) -> QuantizedInputs:
     """The Triton pre-pass (what `quantize` runs on a GPU; the tests run it under the
     interpreter on CPU tensors); ``tokens`` a program: a power of two from 16 to ``block``.
     The defaults are the H200's fastest (bench/NOTES.md, session 15: K and V in 0.51 ms at the
     default workload against 0.59 for a whole cube on 4 warps)."""
     _check_mode(mode)
+    if vt_tiles and tokens < VT_TILE:
+        raise ValueError(f"vt_tiles: tokens={tokens} must cover a {VT_TILE}-key tile")
     if tokens & (tokens - 1) or block % tokens or tokens < 16:
         raise ValueError(f"tokens={tokens}: a power of two from 16 that divides the cube "
                          f"({block})")
@@ -270,7 +317,8 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     q_scale = torch.empty_like(k_scale) if with_q else k_scale
     k_mean = torch.empty((B, H, D), **f32)
     fp8 = mode == "int8_fp8"
-    v8t = torch.empty((B, H, D, S), dtype=torch.float8_e4m3fn, device=dev) if fp8 else None
+    vt_shape = (B, H, S // VT_TILE, D, VT_TILE) if vt_tiles else (B, H, D, S)
+    v8t = torch.empty(vt_shape, dtype=torch.float8_e4m3fn, device=dev) if fp8 else None
     v_scale = torch.empty((B, H, D), **f32) if fp8 else None
     v_mean = torch.empty((B, H, D), **f32) if fp8 else None
     n_sample = len(sample_cubes(n))
@@ -278,12 +326,16 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     _quantize_kernel[(n * block // tokens, B * H, parts)](
         q, k, v, vbs, q8, q_scale, k8, k_scale, k_mean,
         v8t if fp8 else q8, v_scale if fp8 else q_scale, v_mean if fp8 else q_scale,
-        S, H, n, n_sample, 0 if with_q else 1, FP8_V=fp8, HEAD_DIM=D, BLOCK=block, TOKENS=tokens,
+        S, H, n, n_sample, 0 if with_q else 1, FP8_V=fp8, VT_TILES=vt_tiles, HEAD_DIM=D,
+        BLOCK=block, TOKENS=tokens,
         SAMPLE=triton.next_power_of_2(SAMPLE_CUBES), E4M3=E4M3_MAX, HEADROOM=V_HEADROOM,
         num_warps=num_warps)
+    tiles = vt_tiles and fp8
     if not with_q:
-        return QuantizedInputs(mode, None, None, k8, k_scale, k_mean, v8t, v_scale, v_mean)
-    return QuantizedInputs(mode, q8, q_scale, k8, k_scale, k_mean, v8t, v_scale, v_mean)
+        return QuantizedInputs(mode, None, None, k8, k_scale, k_mean, v8t, v_scale, v_mean,
+                               vt_tiles=tiles)
+    return QuantizedInputs(mode, q8, q_scale, k8, k_scale, k_mean, v8t, v_scale, v_mean,
+                           vt_tiles=tiles)
 
 
 # -- the emulation --------------------------------------------------------------------------------
@@ -305,6 +357,7 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.T
     qi = quantized if quantized is not None else quantize_torch(q.cpu(), k.cpu(), v.cpu(),
                                                                 vbs.cpu(), mode, block)
     vbs = vbs.cpu().long()
+    v8t = vt_natural(qi)
     idx = topk_idx.cpu().long()
     width = idx.shape[-1]
     cnt = (torch.full((B, H, n), width) if counts is None else counts.cpu().long())
@@ -320,7 +373,7 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.T
             k8 = qi.k8[b, :, h].cpu().float().view(n, block, D)
             sk = qi.k_scale[b, h].cpu().view(n, block)
             if mode == "int8_fp8":
-                vt = qi.v8t[b, h].cpu().float().T.reshape(n, block, D)    # e4m3 values
+                vt = v8t[b, h].cpu().float().T.reshape(n, block, D)       # e4m3 values
             else:
                 vt = v[b, :, h].cpu().float().view(n, block, D)
             m = torch.full((n, block), -math.inf)

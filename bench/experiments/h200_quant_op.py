@@ -57,7 +57,9 @@ def parse_variants(text: str) -> list[dict]:
         opts = {}
         for kv in part.split(","):
             key, val = kv.split("=")
-            opts[key.strip()] = int(val) if key.strip().endswith("stages") else bool(int(val))
+            key = key.strip()
+            opts[key] = int(val) if key.endswith(("stages", "consumers", "regs", "_exp")) \
+                else bool(int(val))
         out.append(opts)
     return out
 
@@ -79,7 +81,7 @@ def check_case(name: str, spec: Spec, seed: int, out: list, counts_fn=None, sort
     t0 = time.perf_counter()
     o, lse = op(*args, **kw)
     torch.cuda.synchronize()
-    qi = quant.quantize(q.to(DEV), k.to(DEV), v.to(DEV), vbs.to(DEV), spec.quant)
+    qi = op.quantize(q.to(DEV), k.to(DEV), v.to(DEV), vbs.to(DEV))  # the op's V^T layout
     oe = quant.emulate(q, k, v, idx, vbs, counts, mode=spec.quant, quantized=_cpu(qi))
     o32, lse32 = attention_fp32(q, k, v, idx, vbs, counts)
     s = captures.quant_score(o.cpu(), o32.to(q.dtype), oe, o32, vbs=vbs)
@@ -132,7 +134,7 @@ def check_bad_index(out: list):
     print(row, flush=True)
 
 
-def checks(small_only: bool) -> list:
+def checks(small_only: bool, seeds=(0, 1)) -> list:
     rows: list = []
     small = dict(quant="int8_fp8", num_heads=2)
     check_case("lut", Spec(grid=(8, 12, 16), topk=6, **small), 0, rows)
@@ -141,6 +143,8 @@ def checks(small_only: bool) -> list:
                counts_fn=lambda cap: torch.randint(0, 7, cap["topk_idx"].shape[:3],
                                                    generator=torch.Generator().manual_seed(5),
                                                    dtype=torch.int32))
+    # 10 query cubes, batch 2: a CTA of 3 consumers has dead ones past the grid
+    check_case("lut_ragged_b2", Spec(grid=(4, 8, 20), topk=4, batch=2, **small), 3, rows)
     check_case("lut_hd64", Spec(grid=(8, 12, 16), topk=6, head_dim=64, **small), 0, rows)
     check_case("lut_fp16", Spec(grid=(8, 12, 16), topk=6, dtype="fp16", **small), 0, rows)
     check_case("mask", Spec(encoding="mask", grid=(8, 12, 16), topk=6, **small), 0, rows,
@@ -149,7 +153,7 @@ def checks(small_only: bool) -> list:
                                     **small), 0, rows)
     check_bad_index(rows)
     if not small_only:
-        for seed in (0, 1):
+        for seed in seeds:
             check_case("default_4heads", Spec(quant="int8_fp8", num_heads=4), seed, rows)
     return rows
 
@@ -158,7 +162,7 @@ def _time_one(spec: Spec, do_bench, block_sparse_attention) -> dict:
     cap = captures.synthesize_for(spec, seed=0, device=DEV)
     q, k, v, idx, vbs = (cap[n] for n in ("q", "k", "v", "topk_idx", "vbs"))
     op8 = load8(spec.replace(quant="int8_fp8"))
-    qi = quant.quantize(q, k, v, vbs, "int8_fp8")
+    qi = op8.quantize(q, k, v, vbs)
     t = {"topk": spec.topk, "heads": spec.num_heads, "op8": repr(op8), "variant": dict(VARIANT)}
     t["bf16_op_ms"] = do_bench(lambda: block_sparse_attention(q, k, v, idx, vbs), rep=400)
     t["int8_fp8_op_ms"] = do_bench(lambda: op8(q, k, v, idx, vbs, return_lse=False), rep=400)
@@ -205,7 +209,8 @@ def main() -> int:
     for opts in parse_variants(args.variants):
         VARIANT.clear()
         VARIANT.update(opts)
-        res["checks"] += checks(True)
+        # a variant's own full-size check (the outlier head): its accumulation may differ
+        res["checks"] += checks(args.small_only, seeds=(0,))
         if not args.small_only:
             res["timing"] += timing([int(x) for x in args.variant_topks.split(",")], args.heads)
         Path(args.out).write_text(json.dumps(res, indent=2))

@@ -63,6 +63,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument("--quant", default="int8_fp8",
+                    help="the 8-bit recipe timed beside bf16 ('none': bf16 rows only)")
     ap.add_argument("--tiny", action="store_true",
                     help="a 2-head model at a small grid: checks this script on a CPU")
     args = ap.parse_args()
@@ -78,6 +80,7 @@ def main() -> int:
     from diffusers import WanTransformer3DModel
 
     from tilegen.integrations import diffusers as tgd
+    from tilegen.integrations.attention import sparse_attention
 
     dev = torch.device("cuda" if CUDA else "cpu")
     result: dict = {"device": torch.cuda.get_device_name() if CUDA else "cpu",
@@ -147,9 +150,19 @@ def main() -> int:
     timed("tilegen_eager")
     out_sparse = step().float()
     tgd.disable_block_sparse(model)
+    quant = None if args.quant == "none" else args.quant
+    if quant:
+        tgd.enable_block_sparse(model, sparsity=0.875, dense_layers=dense_layers, quant=quant)
+        timed(f"tilegen_{quant}_eager")
+        out_8bit = step().float()
+        tgd.disable_block_sparse(model)
     timed("dense_eager_again")
     out_dense = step().float()
     result["step_rel_l1_sparse_vs_dense"] = rel(out_sparse, out_dense)
+    if quant:  # random weights: a sanity figure only, not a quality one
+        result[f"step_rel_l1_{quant}_vs_dense"] = rel(out_8bit, out_dense)
+        result[f"step_rel_l1_{quant}_vs_sparse_bf16"] = rel(out_8bit, out_sparse)
+        del out_8bit
     del out_sparse, out_dense
 
     # -- attention alone, per layer, same tensors --------------------------------------------
@@ -164,7 +177,7 @@ def main() -> int:
             rows["attn_dense_cudnn"] = {"ms": _bench_ms(lambda: tgd._dense_attention(q, k, v))}
         kept = tgd.topk_for(0.875, n_cubes)
         rows["attn_tilegen_processor"] = {"ms": _bench_ms(
-            lambda: tgd._sparse_attention(q, k, v, grid, (4, 4, 4), kept)), "topk": kept}
+            lambda: sparse_attention(q, k, v, grid, (4, 4, 4), kept)), "topk": kept}
         from tilegen import sparsity
         from tilegen.ops import block_sparse_attention
 
@@ -178,8 +191,20 @@ def main() -> int:
             lambda: [layout.to_cubes(z, grid) for z in (q, k, v)])}
         rows["attn_select"] = {"ms": _bench_ms(
             lambda: sparsity.mean_pool_topk(qc, kc, vbs, kept))}
-    for name in ("attn_dense_cudnn", "attn_tilegen_processor", "attn_tilegen_kernel_op",
-                 "attn_reorder_x3", "attn_select"):
+        names = ["attn_dense_cudnn", "attn_tilegen_processor", "attn_tilegen_kernel_op",
+                 "attn_reorder_x3", "attn_select"]
+        if quant:
+            from tilegen.ops import block_sparse_attention_8bit
+
+            rows[f"attn_tilegen_processor_{quant}"] = {"ms": _bench_ms(
+                lambda: sparse_attention(q, k, v, grid, (4, 4, 4), kept, quant))}
+            rows[f"attn_tilegen_kernel_op_{quant}"] = {"ms": _bench_ms(
+                lambda: block_sparse_attention_8bit(qc, kc, vc, idx, vbs, quant=quant))}
+            rows["attn_from_cubes"] = {"ms": _bench_ms(
+                lambda: layout.from_cubes(qc, grid))}
+            names += [f"attn_tilegen_processor_{quant}", f"attn_tilegen_kernel_op_{quant}",
+                      "attn_from_cubes"]
+    for name in names:
         say(f"{name}: {rows[name]['ms']:.2f} ms")
     q = k = v = qc = kc = vc = None  # noqa: F841 - freed before the graph and compile rows
     torch.cuda.empty_cache()
@@ -229,6 +254,15 @@ def main() -> int:
             timed("tilegen_compiled")
             result["graph_breaks"] = dict(counters["graph_break"])
             tgd.disable_block_sparse(model)
+            if quant:
+                tgd.enable_block_sparse(model, sparsity=0.875, dense_layers=dense_layers,
+                                        quant=quant)
+                t0 = time.perf_counter()
+                step()
+                result[f"compile_tilegen_{quant}_s"] = time.perf_counter() - t0
+                timed(f"tilegen_{quant}_compiled")
+                result["graph_breaks_8bit"] = dict(counters["graph_break"])
+                tgd.disable_block_sparse(model)
             timed("dense_compiled_again")
         except Exception as exc:
             result["compile_error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
@@ -241,6 +275,10 @@ def main() -> int:
     if "tilegen_compiled" in rows:
         dc = min(rows["dense_compiled"]["ms"], rows["dense_compiled_again"]["ms"])
         result["speedup_compiled"] = dc / rows["tilegen_compiled"]["ms"]
+        if quant and f"tilegen_{quant}_compiled" in rows:
+            result[f"speedup_compiled_{quant}"] = dc / rows[f"tilegen_{quant}_compiled"]["ms"]
+    if quant:
+        result[f"speedup_eager_{quant}"] = dense / rows[f"tilegen_{quant}_eager"]["ms"]
     if "tilegen_cuda_graph" in rows:
         result["speedup_graph_vs_dense_eager"] = dense / rows["tilegen_cuda_graph"]["ms"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -249,7 +287,9 @@ def main() -> int:
     print("\n| row | ms |\n|---|---|")
     for name, row in rows.items():
         print(f"| {name} | {row['ms']:.2f} |")
-    for key in ("speedup_eager", "speedup_compiled", "speedup_graph_vs_dense_eager",
+    for key in ("speedup_eager", "speedup_compiled", f"speedup_eager_{quant}",
+                f"speedup_compiled_{quant}", f"step_rel_l1_{quant}_vs_dense",
+                f"step_rel_l1_{quant}_vs_sparse_bf16", "speedup_graph_vs_dense_eager",
                 "attention_share_dense", "step_rel_l1_sparse_vs_dense", "graph_matches_eager",
                 "graph_breaks", "compile_dense_s", "compile_tilegen_s"):
         if key in result:

@@ -26,7 +26,7 @@ def _artifact(compiled, path: Path, source: Source, target: Target, config: str)
         path=path, kind="cubin", backend="gluon", target=target.name, arch=target.arch,
         kernel_name=meta.name, source_sha256=source.sha256, config=config,
         registers=res.get("registers"), shared_bytes=meta.shared,
-        spill_bytes=res.get("local_bytes"), stack_bytes=res.get("stack_bytes"),
+        spill_bytes=res.get("spill_bytes"), stack_bytes=res.get("stack_bytes"),
         threads=meta.num_warps * target.warp_size,
         compiler={"triton": triton.__version__, "ptxas": ptxas_version()},
         matrix_ops=cubin_matrix_ops(path),

@@ -8,6 +8,9 @@ runs the kernel. A model that keeps its K/V quantized passes the pre-pass's outp
 
 The knobs (`KernelConfig.options`, over `DEFAULTS`; constexpr parameters of the kernel):
 
+    num_consumers   query cubes a CTA, each its own consumer warpgroup, producer warp and rings
+                    (rendered into the source); the CTA's warps pad to whole warpgroups, so 1
+                    is 8 warps (2 CTAs an SM at 128 registers) and 3 is 16 (3 consumers an SM)
     k_stages        K_STAGES: K ring depth (at least 2: O is staged in two of its slots)
     v_stages        V_STAGES: V^T ring depth
     qk_ahead        QK_AHEAD: S of tile j+1 issued before the softmax of tile j (one more S
@@ -21,11 +24,27 @@ The knobs (`KernelConfig.options`, over `DEFAULTS`; constexpr parameters of the 
     joint_free      JOINT_FREE: one consumer arrive a tile frees its K stage and the previous
                     tile's V stage (Gluon's arrive is a warpgroup bar.sync: one less a tile);
                     needs wide_s and k_stages == v_stages
+    two_level       TWO_LEVEL: each tile's P.V into a fresh fp32 accumulator added to O after
+                    (Hopper's 8-bit MMA adds at reduced precision); off: the MMA adds into O
+                    itself, 64 fewer live registers a thread (what lets num_consumers 3 build
+                    without spills) at a cost in accuracy (H200: mean error 1.7x the
+                    emulation's, against 1.02x; bench/NOTES.md); needs wide_s
+    l_mma           L_MMA: the softmax's row sums by the MMA (P x a column of ones, one m64n8
+                    QGMMA pair a tile) instead of FADDs, over the e4m3 P that P.V multiplies;
+                    needs wide_s
+    q_regs          Q_REGS: S's A operand (the int8 query tile) from registers, loaded once,
+                    not read from shared memory by every S; needs wide_s
+    vt_tiled        VT_TILED: V^T read as the pre-pass's 32-key tiles (each a run of bytes in the
+                    P.V operand's shared-memory order) by boxes of 128-byte rows, not as head_dim
+                    rows of 32 bytes
+    poly_exp        POLY_EXP: quarters of each tile's exp2 (0, 1 or 2) computed on the FMA pipe
+                    (exponent bits and a degree-2 polynomial) instead of the MUFU
     q_in_kernel     Q_BF16: the kernel reads q in its dtype and quantizes each query cube itself
                     (the pre-pass then does K and V only); `from_quantized` runs it off, on the
                     given q8
     store_lse       STORE_LSE: write the base-2 log-sum-exp
-    consumer_regs   the consumer warpgroup's registers (the launch's maxnreg leaves it them)
+    consumer_regs   CONSUMER_REGS: the consumer warpgroups' registers (the launch's maxnreg
+                    leaves them that; the setmaxnreg of consumers past the first)
     producer_regs   PRODUCER_REGS: the producer warp's setmaxnreg
 
 Rendering needs no torch or triton, so it works anywhere.
@@ -51,6 +70,7 @@ QUANT_KERNELS = ("int8_fp8",)
 #: the knobs, with their defaults (the measured best on the H200: bench/NOTES.md; key_tma and
 #: wide_s session 15's, -6.8% and -5.9% on the kernel)
 DEFAULTS: dict[str, Any] = {
+    "num_consumers": 1,
     "k_stages": 4,
     "v_stages": 2,
     "qk_ahead": False,
@@ -59,6 +79,11 @@ DEFAULTS: dict[str, Any] = {
     "q_in_kernel": True,
     "wide_s": True,
     "joint_free": False,
+    "two_level": True,
+    "l_mma": False,
+    "q_regs": False,
+    "vt_tiled": False,
+    "poly_exp": 0,
     "store_lse": False,
     "consumer_regs": 232,
     "producer_regs": 24,
@@ -71,7 +96,13 @@ CONSTEXPR_NAMES: dict[str, str] = {
     "q_in_kernel": "Q_BF16",
     "wide_s": "WIDE_S",
     "joint_free": "JOINT_FREE",
+    "two_level": "TWO_LEVEL",
+    "l_mma": "L_MMA",
+    "q_regs": "Q_REGS",
+    "vt_tiled": "VT_TILED",
+    "poly_exp": "POLY_EXP",
     "store_lse": "STORE_LSE",
+    "consumer_regs": "CONSUMER_REGS",
     "producer_regs": "PRODUCER_REGS",
 }
 #: log2 of P's e4m3 scale (`tilegen.quant.P_SCALE`, e4m3's largest value 448)
@@ -94,8 +125,8 @@ def options_of(cfg: KernelConfig) -> dict[str, Any]:
 
 
 def _slots(opts: Mapping[str, Any]) -> dict[str, Any]:
-    """The resolved options as `render.maxnreg_for` reads them (one consumer a CTA)."""
-    return {**opts, "num_consumers": 1}
+    """The resolved options as `render.maxnreg_for` reads them."""
+    return dict(opts)
 
 
 def smem_bytes(opts: Mapping[str, Any], block: int = 64, head_dim: int = 128) -> int:
@@ -103,8 +134,8 @@ def smem_bytes(opts: Mapping[str, Any], block: int = 64, head_dim: int = 128) ->
     rings = opts["k_stages"] + opts["v_stages"]
     meta = 4 * (opts["k_stages"] if opts["key_tma"] else 1) * block // 2 * 4
     q16 = 2 * tile if opts["q_in_kernel"] else 0
-    return (tile * (1 + rings) + q16 + 2 * block * block + meta + 8 * (1 + 2 * rings)
-            + _render.COMPILER_SMEM_SLACK)
+    one = tile * (1 + rings) + q16 + 2 * block * block + meta + 8 * (1 + 2 * rings)
+    return opts["num_consumers"] * one + _render.COMPILER_SMEM_SLACK
 
 
 def spec_problem(spec: Spec, target: Target | None) -> str | None:
@@ -128,6 +159,8 @@ def check(spec: Spec, opts: Mapping[str, Any], target: Target | None = None) -> 
     why = spec_problem(spec, target)
     if why:
         return why
+    if opts["num_consumers"] not in (1, 2, 3):
+        return "num_consumers must be 1, 2 or 3"
     if opts["k_stages"] < 2:
         return "k_stages must be at least 2: the 8-bit kernel stages O in two K slots"
     if opts["v_stages"] < 1:
@@ -135,6 +168,16 @@ def check(spec: Spec, opts: Mapping[str, Any], target: Target | None = None) -> 
     if opts["joint_free"] and not (opts["wide_s"] and opts["k_stages"] == opts["v_stages"]):
         return ("joint_free frees a K stage and a V stage with one arrive: it needs wide_s and "
                 "k_stages == v_stages")
+    if opts["poly_exp"] not in (0, 1, 2):
+        return "poly_exp is 0, 1 or 2 quarters of a tile's exp2"
+    if opts["poly_exp"] and not opts["wide_s"]:
+        return "poly_exp is written for wide_s"
+    if opts["q_regs"] and not opts["wide_s"]:
+        return "q_regs (Q in registers) is written for wide_s"
+    if opts["l_mma"] and not opts["wide_s"]:
+        return "l_mma (row sums by the MMA) is written for wide_s"
+    if not opts["two_level"] and not opts["wide_s"]:
+        return "two_level off (P.V into O itself) is written for wide_s"
     if opts["wide_s"] and not opts["key_tma"]:
         return "wide_s reads each tile's K scales from the K stage: it needs key_tma"
     if opts["key_tma"] and opts["qk_ahead"]:
@@ -170,7 +213,8 @@ def render_quant(spec: Spec, cfg: KernelConfig, target: Target) -> Source:
     return render(TEMPLATE, "triton", spec, cfg.render_options(), name, KERNEL_NAME, target,
                   block=spec.block_kv, head_dim=spec.head_dim, quant=spec.quant,
                   gl_dtype=_render.GL_DTYPES[spec.dtype], arch=target.arch,
-                  log2_p_scale=repr(LOG2_P_SCALE), fill_shift=HALF_FILL_SHIFT)
+                  log2_p_scale=repr(LOG2_P_SCALE), fill_shift=HALF_FILL_SHIFT,
+                  num_consumers=opts["num_consumers"])
 
 
 def constexprs(opts: Mapping[str, Any]) -> dict[str, Any]:
@@ -186,6 +230,8 @@ def _layouts(head_dim: int, dtype: str) -> dict[str, Any]:
                 [64, head_dim], gl.bfloat16 if dtype == "bf16" else gl.float16),
             "k": gl.NVMMASharedLayout.get_default_for([32, head_dim], gl.int8),
             "vt": gl.NVMMASharedLayout.get_default_for([head_dim, 32], gl.float8e4nv),
+            # vt_tiled: a 32-key tile as head_dim / 4 rows of 128 bytes, copied as they lie
+            "vt_linear": gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2),
             # a half's K scales or key biases: one unswizzled row of 32 fp32
             "meta": gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
             "o": gl.NVMMASharedLayout.get_default_for(
@@ -231,7 +277,13 @@ class QuantLaunch:
         # Q in the kernel unless the inputs come quantized (from_quantized: q8 given)
         q_in_kernel = bool(self.cfg["q_in_kernel"]) and quantized is None
         qi = quantized if quantized is not None else quant.quantize(
-            q, k, v, vbs, self.spec.quant, with_q=not q_in_kernel)
+            q, k, v, vbs, self.spec.quant, with_q=not q_in_kernel,
+            vt_tiles=bool(self.cfg["vt_tiled"]))
+        if qi.vt_tiles != bool(self.cfg["vt_tiled"]):
+            want = "32-key tiles" if self.cfg["vt_tiled"] else "(B, H, D, S)"
+            raise ValueError(f"this 8-bit config (vt_tiled={bool(self.cfg['vt_tiled'])}) reads "
+                             f"V^T as {want}: quantize with tilegen.quant.quantize(..., "
+                             f"vt_tiles={bool(self.cfg['vt_tiled'])})")
         B, S, H, D = qi.k8.shape
         nq, nkv = S // 64, vbs.shape[0]
         if windows is None:
@@ -253,10 +305,12 @@ class QuantLaunch:
         q_desc = (desc(q.contiguous().view(B * S, H * D), [64, D], lay["q16"]) if q_in_kernel
                   else desc(qi.q8.view(B * S, H * D), [64, D], lay["q"]))
         consts = {**constexprs(self.cfg), "Q_BF16": q_in_kernel}
-        self.kernel[(nq, B * H)](
+        nc = self.cfg["num_consumers"]
+        self.kernel[(-(-nq // nc), B * H)](
             q_desc,
             desc(qi.k8.view(B * S, H * D), [32, D], lay["k"]),
-            desc(qi.v8t.view(B * H * D, S), [D, 32], lay["vt"]),
+            (desc(qi.v8t.view(-1, 128), [D // 4, 128], lay["vt_linear"]) if self.cfg["vt_tiled"]
+             else desc(qi.v8t.view(B * H * D, S), [D, 32], lay["vt"])),
             desc(o.view(B * S, H * D), [64, D], lay["o"]),
             desc(qi.k_scale.view(B * H, S), [1, 32], lay["meta"]),
             desc(bufs["key_bias"], [1, 32], lay["meta"]),
@@ -290,7 +344,8 @@ def signature(opts: Mapping[str, Any], head_dim: int, dtype: str) -> tuple[dict,
               else td("i8", [64, head_dim], lay["q"]))
     sig = {"q_desc": q_desc,
            "k_desc": td("i8", [32, head_dim], lay["k"]),
-           "vt_desc": td("fp8e4nv", [head_dim, 32], lay["vt"]),
+           "vt_desc": (td("fp8e4nv", [head_dim // 4, 128], lay["vt_linear"]) if opts["vt_tiled"]
+                       else td("fp8e4nv", [head_dim, 32], lay["vt"])),
            "o_desc": td(dtype, [64, head_dim], lay["o"]),
            "ksc_desc": td("fp32", [1, 32], lay["meta"]),
            "kbias_desc": td("fp32", [1, 32], lay["meta"]),
@@ -375,6 +430,14 @@ class _QuantOp:
 
     def forward_for_grad(self, *args, **kwargs):
         raise _no_grad_error()
+
+    def quantize(self, q, k, v, vbs, *, with_q: bool = True):
+        """The pre-pass (`tilegen.quant.quantize`) in the layout this op's kernel reads (V^T
+        tiled or not, the config's ``vt_tiled``): what `from_quantized` takes."""
+        from tilegen import quant
+
+        return quant.quantize(q, k, v, vbs, self.spec.quant, with_q=with_q,
+                              vt_tiles=bool(options_of(self.config)["vt_tiled"]))
 
 
 def _check_quantized(spec: Spec, qi, vbs) -> None:

@@ -204,7 +204,7 @@ def _compile_kernel(source: Source, kernel: str, sig: dict[str, str], constexprs
         cache.atomic_write(out_dir / f"{stem}.ptx", asm["ptx"])
         res = cubin_resources(path)
         registers = res.get("registers")
-        spills = res.get("local_bytes")
+        spills = res.get("spill_bytes")
         stack = res.get("stack_bytes")
         compiler = {"triton": triton.__version__, "ptxas": ptxas_version()}
         agprs = None

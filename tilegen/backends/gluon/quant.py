@@ -38,7 +38,8 @@ The knobs (`KernelConfig.options`, over `DEFAULTS`; constexpr parameters of the 
                     P.V operand's shared-memory order) by boxes of 128-byte rows, not as head_dim
                     rows of 32 bytes
     poly_exp        POLY_EXP: quarters of each tile's exp2 (0, 1 or 2) computed on the FMA pipe
-                    (exponent bits and a degree-2 polynomial) instead of the MUFU
+                    (exponent bits and a degree-2 polynomial) instead of the MUFU; built for
+                    sm_90a, not yet run on the H200 (so not in the tuning space)
     q_in_kernel     Q_BF16: the kernel reads q in its dtype and quantizes each query cube itself
                     (the pre-pass then does K and V only); `from_quantized` runs it off, on the
                     given q8

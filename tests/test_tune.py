@@ -545,7 +545,10 @@ def test_resume_after_kill(tune_env: Path) -> None:
     study ends with exactly --trials counted trials, the interrupted config measured.
 
     The kill waits on state, not on time: held_op holds the fourth build until the kill, so
-    the killed trial is known to be RUNNING with its config recorded."""
+    the killed trial is known to be RUNNING with its config recorded. Optuna's own beat thread
+    writes each first beat 3 s late in the killed session (tests/hooks/late_heartbeat), as it
+    did on a loaded CI machine: the trial must be stale all the same (the objective beats
+    first)."""
     import optuna
 
     tmp = tune_env
@@ -556,8 +559,10 @@ def test_resume_after_kill(tune_env: Path) -> None:
     cmd = [sys.executable, "-m", "tilegen.tune.cli", *_tune_args(
         tmp, "--trials", "9", "--sampler", "tpe", "--seeds", "1", "--heartbeat", "1",
         "--op-factory", "test_tune:held_op")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL)
+    late_beat = str(Path(__file__).parent / "hooks" / "late_heartbeat")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            env={**env, "PYTHONPATH": os.pathsep.join(
+                                filter(None, (late_beat, env.get("PYTHONPATH"))))})
     try:
         _wait_for("a held build", (hold / "held").exists, proc)
     finally:

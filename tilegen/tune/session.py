@@ -12,8 +12,9 @@ Optuna does the bookkeeping; this module only says what a trial is:
 - **states**: a passing trial is COMPLETE (value: mean of the per-capture medians, ms); a
   failing or infeasible one is PRUNED (TPE ranks it below every passing one); FAIL is left to
   trials that did not finish (a killed session or host);
-- **killed sessions**: the storage runs with heartbeats (``--heartbeat``); a RUNNING trial whose
-  heartbeat stops is failed by `optuna.storages.fail_stale_trials` and queued again by
+- **killed sessions**: the storage runs with heartbeats (``--heartbeat``; the objective writes
+  a trial's first beat itself, before any work, so a trial killed at once has one); a RUNNING
+  trial whose heartbeat stops is failed by `optuna.storages.fail_stale_trials` and queued again by
   `RetryHeartbeatStaleTrialCallback` (Optuna's ``RetryFailedTrialCallback``), so re-running the
   same command resumes: only the remainder of ``--trials`` runs;
 - **budget across hosts**: `optuna.study.MaxTrialsCallback` over COMPLETE + PRUNED trials of
@@ -83,6 +84,7 @@ from tilegen.tune.storage import (
     default_storage_url,
     default_study_name,
     open_study_storage,
+    record_first_heartbeat,
     sources_digest,
 )
 
@@ -332,6 +334,7 @@ class _Session:
 
     def _objective(self, trial: Any) -> float:
         optuna = self.optuna
+        record_first_heartbeat(trial)
         cfg = self.space.suggest(trial)
         for key, value in (("config", cfg.name), ("config_json", cfg.to_json()),
                            ("host", self.host), ("pid", os.getpid()),

@@ -102,6 +102,19 @@ def retry_callback(optuna: Any) -> Any:
         return cls(max_retry=MAX_RETRIES)
 
 
+def record_first_heartbeat(trial: Any) -> None:
+    """Write the trial's heartbeat now, from the objective, before any work.
+
+    Optuna beats from a thread it starts beside the objective, and a trial with no heartbeat row
+    is never stale to it. Under load that thread's first write can lose the SQLite lock to the
+    objective's own writes for longer than the trial takes to reach a worker; a session killed
+    then left the trial RUNNING for good, never failed nor queued again. Racing the thread is
+    safe: Optuna ignores the loser's unique-key violation."""
+    storage = trial.storage
+    if getattr(storage, "get_heartbeat_interval", lambda: None)() is not None:
+        storage.record_heartbeat(trial._trial_id)
+
+
 def open_study_storage(optuna: Any, url: str, heartbeat_s: int) -> Any:
     """The study's RDB storage with heartbeats (a trial silent for GRACE_INTERVALS beats is
     stale, and Optuna's callback queues it again); SQLite files get their folder, a lock wait

@@ -1,6 +1,9 @@
 """The CK-style CUDA C++ backend: a kernel's traits rendered from templates/cuda over the static
 headers in templates/cuda/include, compiled by nvcc for the target's ISA, launched through the
-CUDA driver API (`runtime`)."""
+CUDA driver API (`runtime`). Two mainloops (the config's ``mainloop`` option): the mma.sync
+kernel every NVIDIA target builds (`nvcc`), and on Hopper the wgmma kernel (`wgmma`: TMA
+producer, consumer warpgroups, ping-pong), which a build of a wgmma target renders and compiles
+beside the default."""
 
 from __future__ import annotations
 
@@ -43,15 +46,44 @@ class CudaBackend(Backend):
 
         find_nvcc()
 
+    def sources(self, spec: Spec, cfg: KernelConfig, target: Target) -> list[Source]:
+        """The config's kernel and, for an mma.sync config on a target the wgmma kernel runs
+        on, the wgmma kernel with its default knobs too (`wgmma.DEFAULTS`), so builds, CI and
+        `tilegen check` compile and keep both."""
+        out = [self.render(spec, cfg, target)]
+        companion = self._wgmma_companion(spec, cfg, target)
+        if companion is not None:
+            out.append(self.render(spec, companion, target))
+        return out
+
+    @staticmethod
+    def _wgmma_companion(spec: Spec, cfg: KernelConfig, target: Target) -> KernelConfig | None:
+        from tilegen.backends.cuda import wgmma
+
+        if wgmma.mainloop_of(cfg) == "wgmma":
+            return None
+        companion = wgmma.config().replace(store_lse=cfg.store_lse,
+                                           store_max_prob=cfg.store_max_prob)
+        return None if wgmma.violations(spec.kernel_spec, companion, target) else companion
+
     def compile(self, spec: Spec, cfg: KernelConfig, target: Target, source: Source,
                 out_dir: Path) -> Artifact:
+        from tilegen.backends.cuda import wgmma
         from tilegen.backends.cuda.nvcc import compile_cuda
 
+        if source.template == wgmma.TEMPLATE and wgmma.mainloop_of(cfg) != "wgmma":
+            cfg = self._wgmma_companion(spec, cfg, target) or cfg  # `sources`' second kernel
         return compile_cuda(source, target, out_dir,
                             self.variant_key(spec, cfg, target, source).digest)
 
     def make_op(self, spec: Spec, cfg: KernelConfig | None, target: Target | None,
                 config_source: str = "explicit") -> Any:
+        from tilegen.backends.cuda import wgmma
+
+        if cfg is not None and wgmma.mainloop_of(cfg) == "wgmma":
+            from tilegen.backends.cuda.wgmma_op import CudaWgmmaAttention
+
+            return CudaWgmmaAttention(spec, cfg, target, config_source)
         from tilegen.backends.cuda.runtime import CudaBlockSparseAttention
 
         return CudaBlockSparseAttention(spec, cfg, config_source)

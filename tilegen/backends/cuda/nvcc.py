@@ -67,12 +67,25 @@ def _mma_m(spec: Spec, target: Target) -> int:
 def cuda_violations(spec: Spec, cfg: KernelConfig, target: Target) -> list[str]:
     """Why the CUDA kernel cannot be built for (spec, cfg); empty when it can.
 
-    Rules of this kernel's tiling: each warp owns whole m16 row tiles (block_m is a multiple of
+    A config whose ``mainloop`` option is "wgmma" is the Hopper kernel's
+    (`tilegen.backends.cuda.wgmma.violations`). Rules of the mma.sync kernel's tiling: each warp
+    owns whole m16 row tiles (block_m is a multiple of
     16 * num_warps); S and P V step 16 keys and 16 dims at a time (block_n, head_dim multiples of
     16; ldmatrix.x4 loads two n8 tiles); the shared-memory swizzle permutes 8 chunks of 8
     elements per row (head_dim >= 64); tiles never straddle cubes; interp_bf16 is a Triton
     interpreter workaround with no CUDA meaning; the accumulators fit the register file.
     """
+    from tilegen.backends.cuda import wgmma
+
+    try:
+        mainloop = wgmma.mainloop_of(cfg)
+    except ValueError as exc:
+        return [str(exc)]
+    if mainloop == "wgmma":
+        return wgmma.violations(spec, cfg, target)
+    if cfg.options:
+        return [f"options {sorted(dict(cfg.options))} belong to mainloop wgmma; the mma.sync "
+                "kernel has none"]
     problems = []
     if not target.mma_for("mma_sync", spec.dtype):
         return [f"target {target.name} has no mma.sync instruction for {spec.dtype}"]
@@ -130,12 +143,18 @@ def min_blocks_per_sm(spec: Spec, cfg: KernelConfig, target: Target) -> int:
 
 def cuda_traits(spec: Spec, cfg: KernelConfig, target: Target) -> dict[str, Any]:
     """Every number and choice the template instantiates, computed once (raises ValueError for
-    a config the CUDA kernel cannot run). The template, the launcher and the tests read these."""
+    a config the CUDA kernel cannot run). The template, the launcher and the tests read these.
+    A wgmma config's come from `tilegen.backends.cuda.wgmma.traits`."""
+    from tilegen.backends.cuda import wgmma
+
+    if wgmma.mainloop_of(cfg) == "wgmma":
+        return wgmma.traits(spec, cfg, target)
     problems = cuda_violations(spec, cfg, target)
     if problems:
         raise ValueError(f"config {cfg.name} cannot be built as CUDA for this spec: "
                          + "; ".join(problems))
     return {
+        "mainloop": "mma_sync",
         "dtype": spec.dtype,
         "elem": {"bf16": "Bf16", "fp16": "Fp16"}[spec.dtype],
         "layout_type": {"bshd": "Bshd", "bhsd": "Bhsd"}[spec.layout],
@@ -177,7 +196,12 @@ def include_dir() -> Path:
 def render_cuda(spec: Spec, cfg: KernelConfig, target: Target) -> CxxSource:
     """The CUDA source for (spec, cfg): its traits and entry point, with the headers it
     includes. Unlike the Triton source, block sizes are template arguments baked into the
-    text, so every launch configuration is its own file."""
+    text, so every launch configuration is its own file. A wgmma config renders the Hopper
+    kernel (`tilegen.backends.cuda.wgmma.render_wgmma`)."""
+    from tilegen.backends.cuda import wgmma
+
+    if wgmma.mainloop_of(cfg) == "wgmma":
+        return CxxSource.including(wgmma.render_wgmma(spec, cfg, target), include_dir())
     traits = cuda_traits(spec, cfg, target)
     name = kernel_name(spec, cfg)
     src = render(CUDA_TEMPLATE, "cuda", spec, cfg, f"{name[len('tilegen_cuda_'):]}.cu", name,

@@ -100,11 +100,21 @@ def kernel_args(ptrs: dict[str, int], seq_len: int, num_heads: int, num_q_blocks
     return out
 
 
-def pack_args(args: list[tuple[str, str, int | float]]) -> tuple[Any, list[Any]]:
+def pack_args(args: list[tuple[str, str, Any]]) -> tuple[Any, list[Any]]:
     """ctypes ``void*[]`` of pointers to each argument's value (cuLaunchKernel's kernelParams),
-    plus the value objects, which must stay alive until the launch returns."""
-    values = [_CTYPES[kind](value) for _, kind, value in args]
-    array = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    plus the value objects, which must stay alive until the launch returns. A "map" argument
+    is a `tilegen.backends.cuda.tensor_map.TensorMap` (its 128 bytes, passed by value)."""
+    values: list[Any] = []
+    addresses: list[int] = []
+    for _, kind, value in args:
+        if kind == "map":
+            values.append(value)
+            addresses.append(value.address)
+        else:
+            v = _CTYPES[kind](value)
+            values.append(v)
+            addresses.append(ctypes.addressof(v))
+    array = (ctypes.c_void_p * len(addresses))(*addresses)
     return array, values
 
 
@@ -186,7 +196,7 @@ class CudaKernel:
         if current is None or int(current) != int(self.context):
             check(cuda.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
-    def launch(self, params: LaunchParams, args: list[tuple[str, str, int | float]],
+    def launch(self, params: LaunchParams, args: list[tuple[str, str, Any]],
                stream: int) -> None:
         cuda = driver()
         self.make_current()

@@ -32,6 +32,8 @@ _warned_unrun: set[str] = set()
 
 class GluonBlockSparseAttention:
     backend = "gluon"
+    #: the devices its kernels run on (said when a call's tensors are elsewhere)
+    runs_on = "CUDA devices with wgmma (sm_90) or tcgen05 (sm_100a)"
     #: takes K/V of their own length and heads, and a q_vbs (`KernelConfig.separate_kv`): the
     #: forward; a call that needs gradients goes to the Triton family's op
     takes_separate_kv = True
@@ -109,10 +111,10 @@ class GluonBlockSparseAttention:
         pre-pass reads (`GluonLaunch.__call__`)."""
         check_sm_scale(sm_scale)
         if q.device.type != "cuda":
-            raise ValueError(f"q is on {q.device}; the gluon backend runs on CUDA devices with "
-                             "wgmma (sm_90) or tcgen05 (sm_100a)")
+            raise ValueError(f"q is on {q.device}; the {self.backend} backend runs on "
+                             f"{self.runs_on}")
         if needs_grad(q, k, v):
-            return differentiable_op(self.spec, self.target, "gluon")(
+            return differentiable_op(self.spec, self.target, self.backend)(
                 q, k, v, *cubes, sm_scale=sm_scale, return_lse=return_lse,
                 return_max_prob=return_max_prob, check_values=check_values,
                 **(grad_kwargs or {}))

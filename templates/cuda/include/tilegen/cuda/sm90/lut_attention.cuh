@@ -1,0 +1,481 @@
+// tilegen CUDA library, block-sparse attention over a tile plan on Hopper (sm_90a): a TMA
+// producer warpgroup and kConsumers consumer warpgroups, each consumer on its own query cube
+// with its own K and V rings, wgmma for both MMAs, and (kPingPong, two consumers) FA3's
+// ping-pong so one consumer's softmax runs under the other's MMAs. A rendered kernel
+// (templates/cuda/lut_wgmma_kernel.cu.j2) is its traits and an entry point that calls
+// lut_attention.
+//
+// The plan is the Gluon family's pre-pass output (tilegen/backends/gluon/prepass.py), read as
+// is: per LUT row (b, h, query cube) sidx (cube ids: whole-tile cubes first, then the partial
+// cubes packed into 64-key tiles), tinfo[t] = first sidx entry of tile t | fill << 16 (tinfo[n]
+// the sentinel), meta = (n_tiles or -1 for a row with a bad value, number of one-cube tiles).
+//
+// Grid (ceil(num_q_blocks / kConsumers), batch * heads); 128 * (1 + kConsumers) threads:
+//   warpgroup 0   producer: lowers its registers; warp c's lane 0 loads consumer c's Q once,
+//                 then K of tile j and V of tile j - 1 into their rings (a 64-row box per
+//                 whole cube, 8-row boxes for packed partial cubes), each slot completing on
+//                 its full barrier once its bytes land.
+//   warpgroup 1+c consumer c: raises its registers; per tile j: S_j = Q K_j^T and O += P_{j-1}
+//                 V_{j-1} issued together (one ping-pong turn), S_j waited for and its K slot
+//                 freed, softmax(S_j) while P V runs, then P V waited for, its V slot freed and
+//                 O rescaled; finally P V of the last tile, and the epilogue.
+// A slot is freed by one arrival per consumer warp (count 4) once that warp's wgmma wait
+// returned. Outputs: o (q's dtype and layout) through shared memory and a TMA store, zero in
+// padded query rows when asked; with kStoreLse lse fp32 (B, H, S) base 2; with kStoreMaxProb
+// the softmax-normalizer signal (max_prob rows = 1 / l, max_prob_cube = its mean over the
+// cube's real rows). A row with a bad value comes out NaN; a row with no entry (counts 0) has
+// o = 0, lse = -inf.
+#pragma once
+
+#include <cstdint>
+
+#include "tilegen/cuda/ptx.cuh"
+#include "tilegen/cuda/sm90/arch.cuh"
+#include "tilegen/cuda/sm90/pingpong.cuh"
+#include "tilegen/cuda/sm90/softmax.cuh"
+#include "tilegen/cuda/sm90/wgmma.cuh"
+
+namespace tilegen {
+namespace sm90 {
+
+// C provides: using Elem (Bf16 | Fp16); kBshd (token rows of q, k, v, o: BSHD, else BHSD);
+// kHeadDim (64, 128), kBlock (64: cube and tile size), kConsumers (1, 2), kKStages, kVStages,
+// kPingPong (needs 2 consumers), kStoreLse, kStoreMaxProb, kConsumerRegs, kProducerRegs.
+template <class C>
+struct WgmmaTraits : C {
+  static constexpr int kThreads = 128 * (1 + C::kConsumers);
+  static constexpr int kPanels = C::kHeadDim / kPanelCols;
+  static constexpr int kPanelBytes = C::kBlock * 128;
+  static constexpr int kTileBytes = kPanels * kPanelBytes;
+  static constexpr int kConsumerBytes = (1 + C::kKStages + C::kVStages) * kTileBytes;
+  // + 1024: the dynamic segment's start is aligned up to the swizzle atom at run time
+  static constexpr int kSmemBytes = C::kConsumers * kConsumerBytes + 1024;
+  // barriers of one consumer: Q, then K full/empty, then V full/empty
+  static constexpr int kBarriers = 1 + 2 * C::kKStages + 2 * C::kVStages;
+  static constexpr int kPartialRows = 8;  // box height for packed partial cubes
+  static_assert(C::kBlock == 64, "64-token cubes and tiles");
+  static_assert(C::kConsumers == 1 || C::kConsumers == 2, "one or two consumer warpgroups");
+  static_assert(!C::kPingPong || C::kConsumers == 2, "ping-pong takes two consumers");
+  static_assert(C::kKStages >= 1 && C::kVStages >= 1, "at least one slot a ring");
+};
+
+struct LutArgs {
+  const int* sidx;   // (rows, topk)
+  const int* tinfo;  // (rows, topk + 1)
+  const int* meta;   // (rows, 2)
+  const int* vbs;    // (num_kv_blocks,)
+  float* lse;        // (B, H, S), kStoreLse
+  float* max_prob;   // (B, H, S), kStoreMaxProb
+  float* max_prob_cube;  // (B, H, NQ), kStoreMaxProb
+  int seq_len;
+  int num_heads;
+  int num_q_blocks;
+  int topk;
+  float qk_scale;  // sm_scale * log2(e)
+  int zero_pad_rows;  // write 0 into query rows past vbs[q_cube]
+};
+
+struct TensorMaps {
+  const TensorMap& q;    // (64-column, 64-row) boxes
+  const TensorMap& k;    // whole cubes
+  const TensorMap& k8;   // 8-row boxes for packed partial cubes
+  const TensorMap& v;
+  const TensorMap& v8;
+  const TensorMap& o;
+};
+
+// One consumer's slice of shared memory and its barriers.
+template <class T>
+struct ConsumerRing {
+  uint32_t q_tile;
+  uint32_t k_tiles;
+  uint32_t v_tiles;
+  uint32_t bars;  // kBarriers 8-byte words
+
+  // Consumer c's slice: [Q tile][K ring][V ring] from `base`, its barriers from `bars0`.
+  static __device__ __forceinline__ ConsumerRing of(uint32_t base, uint32_t bars0, int c) {
+    ConsumerRing r;
+    r.q_tile = base + c * T::kConsumerBytes;
+    r.k_tiles = r.q_tile + T::kTileBytes;
+    r.v_tiles = r.k_tiles + T::kKStages * T::kTileBytes;
+    r.bars = bars0 + c * T::kBarriers * 8;
+    return r;
+  }
+
+  __device__ __forceinline__ uint32_t k_tile(int s) const { return k_tiles + s * T::kTileBytes; }
+  __device__ __forceinline__ uint32_t v_tile(int s) const { return v_tiles + s * T::kTileBytes; }
+  __device__ __forceinline__ uint32_t q_full() const { return bars; }
+  __device__ __forceinline__ uint32_t k_full(int s) const { return bars + 8 * (1 + s); }
+  __device__ __forceinline__ uint32_t k_empty(int s) const {
+    return bars + 8 * (1 + T::kKStages + s);
+  }
+  __device__ __forceinline__ uint32_t v_full(int s) const {
+    return bars + 8 * (1 + 2 * T::kKStages + s);
+  }
+  __device__ __forceinline__ uint32_t v_empty(int s) const {
+    return bars + 8 * (1 + 2 * T::kKStages + T::kVStages + s);
+  }
+};
+
+// Where the token rows of (b, h) start in the 2-D view the tensor maps describe: BSHD is
+// (B * S, H * D) with (b, h) at rows b * S, columns h * D; BHSD is (B * H * S, D).
+template <class T>
+struct TokenRows {
+  int row0;
+  int col;
+  __device__ __forceinline__ TokenRows(int b, int h, int seq_len, int num_heads) {
+    if constexpr (T::kBshd) {
+      row0 = b * seq_len;
+      col = h * T::kHeadDim;
+    } else {
+      row0 = (b * num_heads + h) * seq_len;
+      col = 0;
+    }
+  }
+};
+
+// ---- the producer: one lane per consumer ------------------------------------------------------
+template <class T>
+struct Producer {
+  // Issue the boxes of tile t of a plan row into `dst`, completing on `bar`.
+  static __device__ __forceinline__ void load_tile(const TensorMap& whole, const TensorMap& part,
+                                                   uint32_t dst, uint32_t bar, int t, int n_big,
+                                                   const int* sidx_row, const int* tinfo_row,
+                                                   const int* vbs, int kv_row0, int col) {
+    if (t < n_big) {
+      const int cube = __ldg(sidx_row + t);
+      barrier_expect_bytes(bar, T::kTileBytes);
+#pragma unroll
+      for (int p = 0; p < T::kPanels; ++p)
+        tma_load(dst + p * T::kPanelBytes, whole, bar, col + p * kPanelCols,
+                 kv_row0 + cube * T::kBlock);
+      return;
+    }
+    // packed partial cubes (vbs 32, 16, 8; the pre-pass orders them largest first, so each
+    // lands at a multiple of its size and every 8-row box stays inside one swizzle atom)
+    const int info = __ldg(tinfo_row + t);
+    const int first = info & 0xFFFF;
+    const int fill = info >> 16;
+    const int last = __ldg(tinfo_row + t + 1) & 0xFFFF;
+    barrier_expect_bytes(bar, fill * T::kHeadDim * 2);
+    int off = 0;
+    for (int i = first; i < last; ++i) {
+      const int cube = __ldg(sidx_row + i);
+      const int size = __ldg(vbs + cube);
+      for (int r = 0; r < size; r += T::kPartialRows)
+#pragma unroll
+        for (int p = 0; p < T::kPanels; ++p)
+          tma_load(dst + p * T::kPanelBytes + (off + r) * 128, part, bar, col + p * kPanelCols,
+                   kv_row0 + cube * T::kBlock + r);
+      off += size;
+    }
+  }
+
+  static __device__ __forceinline__ void run(const TensorMaps& maps, const LutArgs& a,
+                                             const ConsumerRing<T>& ring, long long row,
+                                             TokenRows<T> rows, int q_cube) {
+    const int n = __ldg(a.meta + 2 * row);
+    if (n <= 0) return;  // no tile, or a bad value: the consumer writes its row alone
+    const int n_big = __ldg(a.meta + 2 * row + 1);
+    const int* sidx_row = a.sidx + row * a.topk;
+    const int* tinfo_row = a.tinfo + row * (a.topk + 1);
+    barrier_expect_bytes(ring.q_full(), T::kTileBytes);
+#pragma unroll
+    for (int p = 0; p < T::kPanels; ++p)
+      tma_load(ring.q_tile + p * T::kPanelBytes, maps.q, ring.q_full(), rows.col + p * kPanelCols,
+               rows.row0 + q_cube * T::kBlock);
+    // K of tile j, then V of tile j - 1: the consumer needs K_j before V_{j-1}
+    for (int j = 0; j <= n; ++j) {
+      if (j < n) {
+        const int s = j % T::kKStages;
+        barrier_wait(ring.k_empty(s), ((j / T::kKStages) & 1) ^ 1);
+        load_tile(maps.k, maps.k8, ring.k_tile(s), ring.k_full(s), j, n_big, sidx_row,
+                  tinfo_row, a.vbs, rows.row0, rows.col);
+      }
+      if (j > 0) {
+        const int jv = j - 1;
+        const int s = jv % T::kVStages;
+        barrier_wait(ring.v_empty(s), ((jv / T::kVStages) & 1) ^ 1);
+        load_tile(maps.v, maps.v8, ring.v_tile(s), ring.v_full(s), jv, n_big, sidx_row,
+                  tinfo_row, a.vbs, rows.row0, rows.col);
+      }
+    }
+  }
+};
+
+// ---- a consumer warpgroup ---------------------------------------------------------------------
+template <class T>
+struct Consumer {
+  using Mma = AttentionMma<typename T::Elem, T::kHeadDim, T::kBlock>;
+  using Softmax = OnlineSoftmax<typename T::Elem, T::kBlock>;
+  using Turns = PingPong<T::kPingPong, 1>;  // named barriers 1, 2
+  static constexpr int kEpilogueBarrier = 3;  // + consumer index: 3, 4
+
+  // Free a ring slot: one arrival per warp, after this warp's wgmma wait.
+  static __device__ __forceinline__ void release(uint32_t bar, int lane) {
+    if (lane == 0) barrier_arrive(bar);
+  }
+
+  static __device__ __forceinline__ void run(const TensorMaps& maps, const LutArgs& a,
+                                             const ConsumerRing<T>& ring, int consumer,
+                                             long long row, long long other_row, bool other_live,
+                                             TokenRows<T> rows, int q_cube, long long bh) {
+    const int lane = threadIdx.x & 31;
+    const int warp = (threadIdx.x >> 5) & 3;  // within the warpgroup
+    const int n = __ldg(a.meta + 2 * row);
+    Turns turns;
+    turns.init(consumer, n, other_live ? __ldg(a.meta + 2 * other_row) : 0);
+    const int* tinfo_row = a.tinfo + row * (a.topk + 1);
+    const float scale = a.qk_scale;
+
+    float o[Mma::kORegs];
+#pragma unroll
+    for (int i = 0; i < Mma::kORegs; ++i) o[i] = 0.f;
+    float s[Mma::kSRegs];
+    uint32_t p[Mma::kPRegs];
+    uint32_t p_next[Mma::kPRegs];
+    float alpha[2];
+    Softmax softmax;
+    softmax.init();
+
+    if (n > 0) {
+      barrier_wait(ring.q_full(), 0);
+      // tile 0: S only
+      int fill = __ldg(tinfo_row) >> 16;
+      barrier_wait(ring.k_full(0), 0);
+      turns.begin(0);
+      wgmma_fence();
+      Mma::qk(s, ring.q_tile, ring.k_tile(0));
+      wgmma_commit();
+      turns.end(0);
+      wgmma_wait<0>();
+      fence_operands(s);
+      release(ring.k_empty(0), lane);
+      if (fill < T::kBlock) Softmax::mask(s, fill, lane);
+      softmax.template step<true>(s, p, alpha, scale);
+      fill = __ldg(tinfo_row + 1) >> 16;  // tinfo[n] is the sentinel: always readable
+
+      // One tile: S_j and P_{j-1} V_{j-1} in one turn, softmax(S_j) into p_out while P V runs.
+      // Two P buffers that swap roles each tile (no copy that ptxas could fold into the
+      // in-flight operand).
+      auto tile = [&](int j, uint32_t (&p_in)[Mma::kPRegs], uint32_t (&p_out)[Mma::kPRegs]) {
+        const int ks = j % T::kKStages;
+        const int jv = j - 1;
+        const int vs = jv % T::kVStages;
+        const int fill_next = __ldg(tinfo_row + j + 1) >> 16;
+        barrier_wait(ring.k_full(ks), (j / T::kKStages) & 1);
+        barrier_wait(ring.v_full(vs), (jv / T::kVStages) & 1);
+        turns.begin(j);
+        fence_operands(o);
+        fence_operands(p_in);
+        wgmma_fence();
+        Mma::qk(s, ring.q_tile, ring.k_tile(ks));
+        wgmma_commit();
+        Mma::pv(o, p_in, ring.v_tile(vs));
+        wgmma_commit();
+        turns.end(j);
+        wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
+        fence_operands(s);
+        release(ring.k_empty(ks), lane);
+        if (fill < T::kBlock) Softmax::mask(s, fill, lane);
+        softmax.template step<false>(s, p_out, alpha, scale);
+        wgmma_wait<0>();
+        fence_operands(o);
+        fence_operands(p_in);
+        release(ring.v_empty(vs), lane);
+        Softmax::rescale(o, alpha);
+        fill = fill_next;
+      };
+      // P V of the last tile, P_{n-1} in whichever buffer the tiles left it
+      auto last = [&](uint32_t (&p_last)[Mma::kPRegs]) {
+        const int jv = n - 1;
+        const int vs = jv % T::kVStages;
+        barrier_wait(ring.v_full(vs), (jv / T::kVStages) & 1);
+        turns.begin(n);
+        fence_operands(o);
+        fence_operands(p_last);
+        wgmma_fence();
+        Mma::pv(o, p_last, ring.v_tile(vs));
+        wgmma_commit();
+        turns.end(n);
+        wgmma_wait<0>();
+        fence_operands(o);
+        fence_operands(p_last);
+        release(ring.v_empty(vs), lane);
+      };
+      int j = 1;
+      for (; j + 1 < n; j += 2) {
+        tile(j, p, p_next);
+        tile(j + 1, p_next, p);
+      }
+      if (j < n) {
+        tile(j, p, p_next);
+        last(p_next);
+      } else {
+        last(p);
+      }
+    }
+    epilogue(maps, a, ring, consumer, o, softmax, n < 0, rows, q_cube, bh, warp, lane);
+  }
+
+  // Byte offset of element (row, col) in a tile as TMA writes it: panel col / 64, the 16-byte
+  // chunk XOR the row within its 8-row swizzle atom.
+  static __host__ __device__ __forceinline__ uint32_t tile_offset(int row, int col) {
+    const int chunk = (col % kPanelCols) / 8;
+    return (col / kPanelCols) * T::kPanelBytes + row * 128 + ((chunk ^ (row % 8)) * 16) +
+           (col % 8) * 2;
+  }
+
+  // o = acc / l (NaN for a bad row, 0 in padded query rows when asked) into the Q tile's
+  // panels in the swizzled layout, then one TMA store per panel; lse and max_prob by lanes.
+  static __device__ __forceinline__ void epilogue(const TensorMaps& maps, const LutArgs& a,
+                                                  const ConsumerRing<T>& ring, int consumer,
+                                                  float (&o)[Mma::kORegs], const Softmax& softmax,
+                                                  bool bad, TokenRows<T> rows, int q_cube,
+                                                  long long bh, int warp, int lane) {
+    const float nan = __int_as_float(0x7fc00000);
+    const int q_real = a.zero_pad_rows ? __ldg(a.vbs + q_cube) : T::kBlock;
+    float l[2];
+    float inv[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l[h] = softmax.row_sum(h);
+      inv[h] = l[h] > 0.f ? 1.f / l[h] : 0.f;
+      if (Fragment::row(h, warp, lane) >= q_real) inv[h] = 0.f;
+      if (bad) inv[h] = nan;
+    }
+#pragma unroll
+    for (int i = 0; i < Mma::kORegs; i += 2) {
+      const int h = Fragment::half(i);
+      const uint32_t addr =
+          ring.q_tile + tile_offset(Fragment::row(h, warp, lane), Fragment::column(i, lane));
+      const uint32_t packed = T::Elem::pack2(o[i] * inv[h], o[i + 1] * inv[h]);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(packed) : "memory");
+    }
+    fence_proxy_async();  // the stores above, then the TMA store's reads
+    named_sync(kEpilogueBarrier + consumer, 128);
+    if (warp == 0 && lane == 0) {
+#pragma unroll
+      for (int p = 0; p < T::kPanels; ++p)
+        tma_store(maps.o, ring.q_tile + p * T::kPanelBytes, rows.col + p * kPanelCols,
+                  rows.row0 + q_cube * T::kBlock);
+      tma_store_commit();
+    }
+    const long long row0 = bh * a.seq_len + static_cast<long long>(q_cube) * T::kBlock;
+    if constexpr (T::kStoreLse) {
+      if ((lane & 3) == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float lse = l[h] > 0.f ? softmax.m[h] * a.qk_scale + log2f(l[h]) : neg_inf();
+          if (bad) lse = nan;
+          a.lse[row0 + Fragment::row(h, warp, lane)] = lse;
+        }
+      }
+    }
+    if constexpr (T::kStoreMaxProb) {
+      // 1 / l is the row's largest softmax weight (0 for a row with no key); the cube's share
+      // is its mean over the real rows, vbs[q_cube] (NaN when that value is out of range)
+      const int n_real_raw = __ldg(a.vbs + q_cube);
+      const int n_real = min(max(n_real_raw, 1), T::kBlock);
+      float share = 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float peak = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        if (bad) peak = nan;
+        const int r = Fragment::row(h, warp, lane);
+        if ((lane & 3) == 0) {
+          a.max_prob[row0 + r] = peak;
+          if (r < n_real) share += peak;
+        }
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) share += __shfl_xor_sync(0xffffffffu, share, off);
+      __shared__ float warp_share[T::kConsumers][4];
+      if (lane == 0) warp_share[consumer][warp] = share;
+      named_sync(kEpilogueBarrier + consumer, 128);
+      if (warp == 0 && lane == 0) {
+        float cube = (warp_share[consumer][0] + warp_share[consumer][1] +
+                      warp_share[consumer][2] + warp_share[consumer][3]) /
+                     static_cast<float>(n_real);
+        if (n_real_raw < 1 || n_real_raw > T::kBlock) cube = nan;
+        a.max_prob_cube[bh * a.num_q_blocks + q_cube] = cube;
+      }
+    }
+    if (warp == 0 && lane == 0) tma_store_wait_read();  // the tile stays until it is read
+  }
+};
+
+// ---- the kernel body ---------------------------------------------------------------------------
+template <class T>
+__device__ __forceinline__ void lut_attention(const TensorMaps& maps, const LutArgs& a) {
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t bars[T::kConsumers][T::kBarriers];
+  const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) >> 5, 0);
+  const int warpgroup = warp >> 2;
+  const int lane = threadIdx.x & 31;
+  const long long bh = blockIdx.y;
+  const int b = static_cast<int>(bh / a.num_heads);
+  const int h = static_cast<int>(bh % a.num_heads);
+  const TokenRows<T> rows(b, h, a.seq_len, a.num_heads);
+
+  const uint32_t bars0 = smem_u32(&bars[0][0]);
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int c = 0; c < T::kConsumers; ++c) {
+      const ConsumerRing<T> ring = ConsumerRing<T>::of(base, bars0, c);
+      barrier_init(ring.q_full(), 1);
+#pragma unroll
+      for (int s = 0; s < T::kKStages; ++s) {
+        barrier_init(ring.k_full(s), 1);
+        barrier_init(ring.k_empty(s), 4);  // one arrival per consumer warp
+      }
+#pragma unroll
+      for (int s = 0; s < T::kVStages; ++s) {
+        barrier_init(ring.v_full(s), 1);
+        barrier_init(ring.v_empty(s), 4);
+      }
+    }
+    fence_barrier_init();
+  }
+  // V rows past a packed tile's fill keep what an earlier tile left there; zero them once so
+  // that is never NaN (P is 0 there, and 0 * NaN would be NaN)
+  {
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    constexpr int kChunks = T::kVStages * T::kTileBytes / 16;
+    for (int c = 0; c < T::kConsumers; ++c)
+      for (int i = threadIdx.x; i < kChunks; i += T::kThreads)
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                         ConsumerRing<T>::of(base, bars0, c).v_tiles + 16 * i),
+                     "r"(zero.x), "r"(zero.y), "r"(zero.z), "r"(zero.w)
+                     : "memory");
+    fence_proxy_async();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    lower_registers<T::kProducerRegs>();
+    if (warp < T::kConsumers && lane == 0) {
+      if (warp == 0) {
+        prefetch_map(maps.k);
+        prefetch_map(maps.v);
+      }
+      const int q_cube = blockIdx.x * T::kConsumers + warp;
+      if (q_cube < a.num_q_blocks)
+        Producer<T>::run(maps, a, ConsumerRing<T>::of(base, bars0, warp),
+                         bh * a.num_q_blocks + q_cube, rows, q_cube);
+    }
+  } else {
+    raise_registers<T::kConsumerRegs>();
+    const int consumer = warpgroup - 1;
+    const int q_cube = blockIdx.x * T::kConsumers + consumer;
+    const int other_cube = blockIdx.x * T::kConsumers + (1 - consumer);
+    if (q_cube < a.num_q_blocks)
+      Consumer<T>::run(maps, a, ConsumerRing<T>::of(base, bars0, consumer), consumer, bh * a.num_q_blocks + q_cube,
+                       bh * a.num_q_blocks + other_cube,
+                       T::kConsumers == 2 && other_cube < a.num_q_blocks, rows, q_cube, bh);
+  }
+}
+
+}  // namespace sm90
+}  // namespace tilegen

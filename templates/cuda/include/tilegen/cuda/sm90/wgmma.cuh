@@ -1,0 +1,184 @@
+// tilegen CUDA library, Hopper warpgroup MMA (wgmma, sm_90a): shared-memory matrix descriptors
+// for tiles stored as 128-byte-swizzled panels, the two MMAs of attention (S = Q K^T from shared
+// memory, O += P V with P from registers), and the fences that order them against ordinary code.
+//
+// Tile layout (what TMA writes with a (64-column, rows) box and CU_TENSOR_MAP_SWIZZLE_128B): a
+// tile of R rows x D 16-bit columns is D / 64 panels of R rows x 128 bytes, panel p at byte
+// p * R * 128; the 16-byte chunk c of row r sits at chunk c ^ (r % 8) of its 128-byte line.
+// Panels start 1024-byte aligned (the swizzle repeats every 8 rows).
+#pragma once
+
+#include <cstdint>
+
+#include "tilegen/cuda/ptx.cuh"
+
+// The output operand lists of the m64n64 (32 registers) and m64n128 (64 registers) fragments.
+#define TILEGEN_SM90_D32 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+
+#define TILEGEN_SM90_D32_OPERANDS(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
+  "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), \
+  "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), \
+  "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
+#define TILEGEN_SM90_D32_RESULTS(d) \
+  "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), \
+  "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), \
+  "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), \
+  "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), \
+  "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
+
+#define TILEGEN_SM90_D64 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, " \
+  "%39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, " \
+  "%58, %59, %60, %61, %62, %63}"
+
+#define TILEGEN_SM90_D64_OPERANDS(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
+  "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), \
+  "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), \
+  "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), \
+  "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), \
+  "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), \
+  "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), \
+  "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+namespace tilegen {
+namespace sm90 {
+
+constexpr int kPanelCols = 64;  // 16-bit columns of one 128-byte swizzle line
+
+// A 64-bit wgmma matrix descriptor: start address, leading and stride byte offsets (all in
+// 16-byte units), 128-byte swizzle (layout type 1 in bits 62-63).
+__host__ __device__ __forceinline__ uint64_t sw128_descriptor(uint32_t smem_addr,
+                                                              uint32_t leading_bytes,
+                                                              uint32_t stride_bytes) {
+  return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>(leading_bytes >> 4) << 16) |
+         (static_cast<uint64_t>(stride_bytes >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Wait until at most kPending committed groups of this warpgroup are still running.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Registers an in-flight wgmma reads or writes must not be touched, nor their uses moved across
+// a wait, by the compiler: an empty asm that "modifies" each one pins the order.
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_operands(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+// The instructions, per 16-bit element type. The accumulate flag (scale-d) is an immediate,
+// so ptxas sees that the overwriting form reads nothing from d:
+//   ss_n64 / ss_n64_first: d (m64n64 fp32) += / = A (smem, K-major) x B (smem, K-major)
+//   rs_n64 / rs_n128: d (m64nN fp32) += A (registers) x B (smem, MN-major: transposed)
+// A in registers is the m16n8k16 A fragment per warp (warp w: rows 16w..16w+15).
+#define TILEGEN_SM90_WGMMA_OPS(ELEM, TYPE)                                                      \
+  template <>                                                                                   \
+  struct Wgmma<ELEM> {                                                                          \
+    static __device__ __forceinline__ void ss_n64_first(float (&d)[32], uint64_t a, uint64_t b) { \
+      asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "              \
+                   TILEGEN_SM90_D32 ", %32, %33, 0, 1, 1, 0, 0;\n"                              \
+                   : TILEGEN_SM90_D32_RESULTS(d)                                                \
+                   : "l"(a), "l"(b));                                                           \
+    }                                                                                           \
+    static __device__ __forceinline__ void ss_n64(float (&d)[32], uint64_t a, uint64_t b) {     \
+      asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "              \
+                   TILEGEN_SM90_D32 ", %32, %33, 1, 1, 1, 0, 0;\n"                              \
+                   : TILEGEN_SM90_D32_OPERANDS(d)                                               \
+                   : "l"(a), "l"(b));                                                           \
+    }                                                                                           \
+    static __device__ __forceinline__ void rs_n64(float (&d)[32], uint32_t a0, uint32_t a1,     \
+                                                  uint32_t a2, uint32_t a3, uint64_t b) {       \
+      asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "              \
+                   TILEGEN_SM90_D32 ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"                \
+                   : TILEGEN_SM90_D32_OPERANDS(d)                                               \
+                   : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));                               \
+    }                                                                                           \
+    static __device__ __forceinline__ void rs_n128(float (&d)[64], uint32_t a0, uint32_t a1,    \
+                                                   uint32_t a2, uint32_t a3, uint64_t b) {      \
+      asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " "             \
+                   TILEGEN_SM90_D64 ", {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"                \
+                   : TILEGEN_SM90_D64_OPERANDS(d)                                               \
+                   : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));                               \
+    }                                                                                           \
+  };
+
+template <class Elem>
+struct Wgmma;
+TILEGEN_SM90_WGMMA_OPS(Bf16, "bf16")
+TILEGEN_SM90_WGMMA_OPS(Fp16, "f16")
+#undef TILEGEN_SM90_WGMMA_OPS
+
+// The two MMAs of one attention tile of kBlock keys, for one consumer warpgroup (64 query rows).
+template <class Elem, int kHeadDim, int kBlock>
+struct AttentionMma {
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "O is one m64n64 or m64n128 fragment");
+  static_assert(kBlock == 64, "S is one m64n64 fragment");
+  static constexpr int kPanelBytes = kBlock * 128;  // one panel of a kBlock-row tile
+  static constexpr int kSRegs = kBlock / 2;         // S fragment: fp32 per thread
+  static constexpr int kORegs = kHeadDim / 2;       // O fragment: fp32 per thread
+  static constexpr int kPRegs = kBlock / 4;         // P fragment: 16-bit pairs per thread
+
+  // S = Q K^T: head_dim / 16 k-steps, each 32 bytes further along the panel's 128-byte lines
+  // (a K-major operand: rows 1024 bytes apart per 8, no leading offset under the swizzle).
+  static __host__ __device__ __forceinline__ uint64_t qk_descriptor(uint32_t tile, int t) {
+    return sw128_descriptor(tile + (t / 4) * kPanelBytes + (t % 4) * 32, 0, 1024);
+  }
+  // P V: k-step t is keys 16t..16t+15 (2048 bytes of rows); V is MN-major (its rows are keys,
+  // contiguous in head_dim): panels are the leading offset, 8-key row groups the stride.
+  static __host__ __device__ __forceinline__ uint64_t pv_descriptor(uint32_t v_tile, int t) {
+    return sw128_descriptor(v_tile + t * 16 * 128, kPanelBytes, 1024);
+  }
+
+  static __device__ __forceinline__ void qk(float (&s)[kSRegs], uint32_t q_tile,
+                                            uint32_t k_tile) {
+#pragma unroll
+    for (int t = 0; t < kHeadDim / 16; ++t) {
+      const uint64_t a = qk_descriptor(q_tile, t);
+      const uint64_t b = qk_descriptor(k_tile, t);
+      if (t == 0) {
+        Wgmma<Elem>::ss_n64_first(s, a, b);
+      } else {
+        Wgmma<Elem>::ss_n64(s, a, b);
+      }
+    }
+  }
+
+  // O += P V, P from registers: register 4t + j is A register j of k-step t.
+  static __device__ __forceinline__ void pv(float (&o)[kORegs], const uint32_t (&p)[kPRegs],
+                                            uint32_t v_tile) {
+#pragma unroll
+    for (int t = 0; t < kBlock / 16; ++t) {
+      const uint64_t b = pv_descriptor(v_tile, t);
+      if constexpr (kHeadDim == 128) {
+        Wgmma<Elem>::rs_n128(o, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], b);
+      } else {
+        Wgmma<Elem>::rs_n64(o, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], b);
+      }
+    }
+  }
+};
+
+}  // namespace sm90
+}  // namespace tilegen

@@ -1,0 +1,256 @@
+"""The CUDA family's Hopper mainloop: decisions for the wgmma kernel
+(templates/cuda/lut_wgmma_kernel.cu.j2 over templates/cuda/include/tilegen/cuda/sm90/).
+
+A CUDA config picks its mainloop with the option ``mainloop``: absent or ``"mma_sync"`` is the
+Ampere-style kernel every NVIDIA target builds (`tilegen.backends.cuda.nvcc`), ``"wgmma"`` this
+one, on targets whose target.toml lists a wgmma instruction (sm_90). Its knobs, as
+`KernelConfig.options`:
+
+    consumers       consumer warpgroups per CTA, each on its own query cube (1 or 2); with 1,
+                    two CTAs share an SM (the Gluon kernel's shape), with 2 one CTA holds both
+    k_stages        K ring depth per consumer
+    v_stages        V ring depth per consumer
+    pingpong        two consumers take turns issuing their MMAs (named barriers), so one's
+                    softmax runs under the other's MMAs (FA3); needs consumers 2
+    pack_partials   the pre-pass packs partial KV cubes (vbs 32/16/8) into dense 64-key tiles
+
+The register split (setmaxnreg) follows from the shape and the target's register file: 24 for
+the producer warpgroup, the rest to the consumers (on sm_90: 240 each with two consumers, 232
+with one and two CTAs an SM). Nothing here needs torch, nvcc or a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tilegen.config import KernelConfig
+from tilegen.render import Source, render, spec_basename
+from tilegen.spec import Spec
+from tilegen.targets import Target
+
+TEMPLATE = "cuda/lut_wgmma_kernel.cu.j2"
+MAINLOOPS = ("mma_sync", "wgmma")
+#: the knobs and their defaults (not measured yet: bench/NOTES.md, session 17)
+DEFAULTS: dict[str, Any] = {
+    "mainloop": "wgmma",
+    "consumers": 2,
+    "k_stages": 2,
+    "v_stages": 2,
+    "pingpong": True,
+    "pack_partials": True,
+}
+#: the producer warpgroup's registers after setmaxnreg.dec (the smallest count PTX allows)
+PRODUCER_REGS = 24
+#: setmaxnreg counts and the launch-bounds cap move in steps of this many registers (PTX)
+REGISTER_STEP = 8
+#: CTAs an SM by consumer count: the register split is computed for this many (two CTAs of
+#: one consumer each is the Gluon kernel's shape; one CTA holds two consumers)
+CTAS_PER_SM = {1: 2, 2: 1}
+
+
+def mainloop_of(cfg: KernelConfig) -> str:
+    """The config's mainloop: its ``mainloop`` option, "mma_sync" without one."""
+    value = dict(cfg.options).get("mainloop", "mma_sync")
+    if value not in MAINLOOPS:
+        raise ValueError(f"mainloop={value!r}: the CUDA family has {list(MAINLOOPS)}")
+    return str(value)
+
+
+def resolve(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The wgmma knobs: `options` over `DEFAULTS`; an unknown key is an error."""
+    unknown = sorted(set(options) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} of the CUDA family's wgmma mainloop; "
+                         f"known: {sorted(DEFAULTS)}")
+    return {**DEFAULTS, **options}
+
+
+def options_of(cfg: KernelConfig) -> dict[str, Any]:
+    return resolve(dict(cfg.options))
+
+
+def config(**options: Any) -> KernelConfig:
+    """A wgmma config: the fixed launch shape and `options` over `DEFAULTS`."""
+    return KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=1,
+                        options=tuple(sorted(resolve(options).items())))
+
+
+def smem_bytes(opts: Mapping[str, Any], head_dim: int) -> int:
+    """Dynamic shared memory of one CTA: per consumer its Q tile and K and V rings, plus the
+    1024 bytes the kernel may skip to align its tiles to the swizzle atom."""
+    tile = 64 * head_dim * 2
+    return opts["consumers"] * (1 + opts["k_stages"] + opts["v_stages"]) * tile + 1024
+
+
+def static_smem_bytes(opts: Mapping[str, Any]) -> int:
+    """The kernel's static shared memory: each consumer's mbarriers (Q, K and V full and empty)
+    and its warps' max_prob partial sums, with room for alignment."""
+    barriers = 1 + 2 * (opts["k_stages"] + opts["v_stages"])
+    return opts["consumers"] * (8 * barriers + 16) + 16
+
+
+def violations(spec: Spec, cfg: KernelConfig, target: Target) -> list[str]:
+    """Why the wgmma kernel cannot run (spec, cfg) on `target`; empty when it can."""
+    if not target.mma_for("wgmma", spec.dtype):
+        has = [kind for kind in ("tcgen05", "mfma") if target.mma_for(kind, spec.dtype)]
+        return [f"mainloop wgmma is Hopper's (sm_90a); target {target.name} lists no wgmma "
+                f"instruction for {spec.dtype}" + (f" (it has {has[0]}, which the CUDA family "
+                                                    "does not implement: use mainloop "
+                                                    "mma_sync, or the gluon family)"
+                                                    if has else "")]
+    try:
+        opts = options_of(cfg)
+    except ValueError as exc:
+        return [str(exc)]
+    problems = []
+    if spec.block_q != 64 or spec.block_kv != 64:
+        problems.append("the wgmma kernel takes 64-token query and KV cubes (one m64 tile a "
+                        "cube)")
+    if spec.head_dim not in (64, 128):
+        problems.append(f"head_dim {spec.head_dim}: the wgmma kernel's O is one m64n64 or "
+                        "m64n128 fragment (64 or 128)")
+    if spec.quant != "none":
+        problems.append("the wgmma kernel is bf16/fp16; the 8-bit kernel is the gluon family's")
+    if (cfg.block_m, cfg.block_n, cfg.num_warps) != (64, 64, 4):
+        problems.append("the wgmma kernel runs 64x64 tiles with one 4-warp consumer "
+                        "warpgroup per query cube (block_m=64, block_n=64, num_warps=4)")
+    if cfg.separate_kv:
+        problems.append("separate K/V (cross-attention, GQA, varlen) is not written for the "
+                        "wgmma kernel: use the gluon or triton family")
+    if cfg.interp_bf16:
+        problems.append("interp_bf16 is a Triton-interpreter option; the CUDA kernel has none")
+    if opts["mainloop"] != "wgmma":
+        problems.append("these knobs belong to mainloop wgmma")
+    if opts["consumers"] not in CTAS_PER_SM:
+        problems.append(f"consumers={opts['consumers']}: 1 or 2")
+    elif opts["pingpong"] and opts["consumers"] != 2:
+        problems.append("pingpong alternates two consumers: it needs consumers 2")
+    for ring in ("k_stages", "v_stages"):
+        if type(opts[ring]) is not int or not 1 <= opts[ring] <= 8:
+            problems.append(f"{ring}={opts[ring]!r}: 1..8")
+    for flag in ("pingpong", "pack_partials"):
+        if type(opts[flag]) is not bool:
+            problems.append(f"{flag}={opts[flag]!r}: true or false")
+    if problems:
+        return problems
+    smem = smem_bytes(opts, spec.head_dim) + static_smem_bytes(opts)
+    ctas = CTAS_PER_SM[opts["consumers"]]
+    if smem > target.max_shared_bytes:
+        problems.append(f"needs {smem} B of shared memory, more than the "
+                        f"{target.max_shared_bytes} B a block may opt into on {target.name}")
+    elif ctas * (smem + target.reserved_shared_per_block) > target.shared_per_sm:
+        problems.append(f"{ctas} CTAs an SM (the register split of {opts['consumers']} "
+                        f"consumer(s)) need {ctas} x {smem} B of shared memory, more than the "
+                        f"{target.shared_per_sm} B of an SM: use fewer stages")
+    if consumer_registers(opts, target) < registers_at_entry(opts, target):
+        problems.append(f"{ctas} CTA(s) of {threads_of(opts, target)} threads leave the "
+                        f"consumers no more registers than the producer on {target.name}")
+    return problems
+
+
+def warpgroup_threads(target: Target) -> int:
+    return target.fact("warps_per_warpgroup") * target.warp_size
+
+
+def threads_of(opts: Mapping[str, Any], target: Target) -> int:
+    return warpgroup_threads(target) * (1 + opts["consumers"])
+
+
+def registers_at_entry(opts: Mapping[str, Any], target: Target) -> int:
+    """The per-thread cap __launch_bounds__ gives: the register file over the threads of
+    `CTAS_PER_SM` CTAs, down to a `REGISTER_STEP`, and no more than a thread may hold."""
+    per_thread = target.registers_per_sm // (threads_of(opts, target)
+                                             * CTAS_PER_SM[opts["consumers"]])
+    return min(per_thread // REGISTER_STEP * REGISTER_STEP, target.max_registers_per_thread)
+
+
+def consumer_registers(opts: Mapping[str, Any], target: Target) -> int:
+    """Each consumer warpgroup's registers after setmaxnreg.inc: the cap at entry of every
+    warpgroup, less what the producer gives up, shared among the consumers (setmaxnreg moves
+    registers within the CTA, never adds)."""
+    n = opts["consumers"]
+    pool = registers_at_entry(opts, target) * (n + 1) - PRODUCER_REGS
+    return min(pool // n // REGISTER_STEP * REGISTER_STEP, target.max_registers_per_thread)
+
+
+def traits(spec: Spec, cfg: KernelConfig, target: Target) -> dict[str, Any]:
+    """Every number and choice the template instantiates (raises ValueError for a config the
+    wgmma kernel cannot run)."""
+    problems = violations(spec, cfg, target)
+    if problems:
+        raise ValueError(f"config {cfg.name} cannot be built as the CUDA wgmma kernel: "
+                         + "; ".join(problems))
+    opts = options_of(cfg)
+    return {
+        "mainloop": "wgmma",
+        "dtype": spec.dtype,
+        "elem": {"bf16": "Bf16", "fp16": "Fp16"}[spec.dtype],
+        "layout": spec.layout,
+        "head_dim": spec.head_dim,
+        "block_q": spec.block_q,
+        "consumers": opts["consumers"],
+        "k_stages": opts["k_stages"],
+        "v_stages": opts["v_stages"],
+        "pingpong": opts["pingpong"],
+        "pack_partials": opts["pack_partials"],
+        "store_lse": cfg.store_lse,
+        "store_max_prob": cfg.store_max_prob,
+        "threads": threads_of(opts, target),
+        "smem_bytes": smem_bytes(opts, spec.head_dim),
+        "min_blocks": CTAS_PER_SM[opts["consumers"]],
+        "consumer_regs": consumer_registers(opts, target),
+        "producer_regs": PRODUCER_REGS,
+    }
+
+
+def kernel_name(spec: Spec, cfg: KernelConfig) -> str:
+    return f"tilegen_cuda_{spec_basename(spec)}_{cfg.name}"
+
+
+def render_wgmma(spec: Spec, cfg: KernelConfig, target: Target) -> Source:
+    """The wgmma kernel's text: its traits and entry point (`tilegen.backends.cuda.nvcc.
+    render_cuda` adds the headers it includes)."""
+    t = traits(spec, cfg, target)
+    name = kernel_name(spec, cfg)
+    return render(TEMPLATE, "cuda", spec, cfg, f"{name[len('tilegen_cuda_'):]}.cu", name,
+                  target=target, t=t)
+
+
+#: The kernel's parameters in order: (name, kind), kind "map" (a 128-byte tensor map by
+#: value), "ptr", "i32" or "f32".
+KERNEL_SIGNATURE: tuple[tuple[str, str], ...] = (
+    ("q_map", "map"), ("k_map", "map"), ("k8_map", "map"), ("v_map", "map"), ("v8_map", "map"),
+    ("o_map", "map"), ("sidx", "ptr"), ("tinfo", "ptr"), ("meta", "ptr"), ("vbs", "ptr"),
+    ("lse", "ptr"), ("max_prob", "ptr"), ("max_prob_cube", "ptr"), ("seq_len", "i32"),
+    ("num_heads", "i32"), ("num_q_blocks", "i32"), ("topk", "i32"), ("qk_scale", "f32"),
+    ("zero_pad_rows", "i32"),
+)
+#: the box height of each map (rows; 64 columns wide)
+MAP_ROWS = {"q_map": 64, "k_map": 64, "k8_map": 8, "v_map": 64, "v8_map": 8, "o_map": 64}
+
+
+def grid(num_q_blocks: int, batch: int, heads: int, opts: Mapping[str, Any],
+         target: Target) -> tuple[int, int, int]:
+    """(query-cube groups of `consumers`, batch * heads, 1)."""
+    gx = -(-num_q_blocks // opts["consumers"])
+    gy = batch * heads
+    max_x, max_y, _ = target.max_grid
+    if not 0 < gx <= max_x or not 0 < gy <= max_y:
+        raise ValueError(f"grid ({gx}, {gy}) is outside {target.name}'s limits "
+                         f"(x <= {max_x}, y = batch*heads <= {max_y})")
+    return gx, gy, 1
+
+
+def kernel_args(values: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
+    """The arguments in `KERNEL_SIGNATURE` order as (name, kind, value); a missing pointer is
+    0 (nullptr: lse or max_prob not stored), every other value must be there."""
+    out: list[tuple[str, str, Any]] = []
+    for name, kind in KERNEL_SIGNATURE:
+        if name not in values and kind != "ptr":
+            raise ValueError(f"the wgmma kernel's argument {name} is missing")
+        value = values.get(name, 0)
+        if kind == "i32" and not 0 <= int(value) < 2**31:
+            raise ValueError(f"{name}={value} does not fit the kernel's int32 argument")
+        out.append((name, kind, value))
+    return out

@@ -1,0 +1,195 @@
+"""The CUDA family's Hopper kernel as an op: the Gluon family's tile plan, then the wgmma kernel.
+
+Same call as every tilegen op: ``o, lse = op(q, k, v, topk_idx, vbs, counts=None)``. The kernel
+reads the plan the Gluon family's pre-pass writes (`tilegen.backends.gluon.prepass`: values
+checked on the GPU with no host sync, cubes ordered into 64-key tiles, partial cubes packed),
+so the op is the Gluon op with another launch (`GluonBlockSparseAttention`'s validation, error
+word and gradient hand-off; this launch in `_launch_for`): a bad value turns its row into NaN
+and sets the error word that a later call, or `op.check()`, raises.
+
+The kernel is compiled by nvcc (cached) for the device's ISA and launched through the CUDA
+driver (`tilegen.backends.cuda.runtime`), its TMA tensor maps encoded per call
+(`tilegen.backends.cuda.tensor_map`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from tilegen.backends.cuda import wgmma
+from tilegen.backends.gluon.op import GluonBlockSparseAttention
+from tilegen.config import KernelConfig
+from tilegen.reference import LOG2E
+from tilegen.spec import Spec
+from tilegen.targets import Target
+
+
+class WgmmaLaunch:
+    """One rendered variant (spec, config, outputs): pre-pass and kernel on validated inputs,
+    the call `GluonBlockSparseAttention` makes of its launches."""
+
+    def __init__(self, spec: Spec, cfg: KernelConfig, target: Target) -> None:
+        from tilegen.backends.cuda import BACKEND
+        from tilegen.backends.cuda.nvcc import render_cuda
+
+        self.spec = spec
+        self.cfg = cfg
+        self.target = target
+        self.opts = wgmma.options_of(cfg)
+        self.traits = wgmma.traits(spec, cfg, target)
+        self.source = render_cuda(spec, cfg, target)
+        self.digest = BACKEND.variant_key(spec, cfg, target, self.source).digest
+        self._kernels: dict[int, Any] = {}
+        self._bufs: dict = {}
+        self._lock = threading.Lock()
+
+    def kernel(self, device_index: int):
+        """The kernel loaded on a device (compiled, or found in the cache, on first use)."""
+        found = self._kernels.get(device_index)
+        if found is None:
+            with self._lock:
+                found = self._kernels.get(device_index)
+                if found is None:
+                    from tilegen.backends.cuda.nvcc import compile_cuda
+                    from tilegen.backends.cuda.runtime import CudaKernel
+
+                    artifact = compile_cuda(self.source, self.target, None, self.digest)
+                    found = self._kernels[device_index] = CudaKernel(
+                        artifact, device_index, self.traits["smem_bytes"])
+        return found
+
+    def _buffers(self, device, rows: int, topk: int) -> dict:
+        from tilegen.backends.gluon.prepass import prepass_buffers
+
+        key = (str(device), rows, topk)
+        bufs = self._bufs.get(key)
+        if bufs is None:
+            bufs = self._bufs[key] = prepass_buffers(device, rows, topk)
+        return bufs
+
+    def __call__(self, q, k, v, topk_idx, vbs, counts, o, lse, err, sm_scale: float,
+                 zero_pad_rows: bool = False, max_prob_out=None, windows=None,
+                 cube_grid: tuple[int, int, int] | None = None, topk: int = 0, o32=None,
+                 q_vbs=None) -> None:
+        """Pre-pass and kernel (`GluonLaunch.__call__`'s arguments; a sliding-tile plan comes
+        from `windows`). O for a backward (``o32``) and separate K/V (``q_vbs``) are not written
+        for this kernel."""
+        import torch
+
+        from tilegen.backends.cuda.runtime import LaunchParams
+        from tilegen.backends.cuda.tensor_map import encode, tile_geometry
+        from tilegen.backends.gluon.prepass import run_prepass, run_window_prepass
+
+        if o32 is not None or q_vbs is not None:
+            raise ValueError("the CUDA wgmma kernel writes no O for a backward and takes no "
+                             "separate K/V: use the gluon family for those calls")
+        layout = self.spec.layout
+        if layout == "bshd":
+            batch, seq_len, heads, _ = q.shape
+        else:
+            batch, heads, seq_len, _ = q.shape
+        nq, nkv = seq_len // self.spec.block_q, vbs.shape[0]
+        if windows is None:
+            topk = topk_idx.shape[3]
+        rows = batch * heads * nq
+        bufs = self._buffers(q.device, rows, topk)
+        pack = self.opts["pack_partials"]
+        if windows is not None:
+            run_window_prepass(windows, vbs, bufs, rows, heads, nq, cube_grid, topk, err,
+                               pack=pack)
+        else:
+            run_prepass(topk_idx, vbs, counts, bufs, rows, nkv, topk, err, pack=pack)
+        tensors = {"q_map": q, "k_map": k, "k8_map": k, "v_map": v, "v8_map": v, "o_map": o}
+        values: dict[str, Any] = {
+            name: encode(t.data_ptr(), tile_geometry(tuple(t.shape), layout,
+                                                     wgmma.MAP_ROWS[name]), self.spec.dtype)
+            for name, t in tensors.items()}
+        values.update(sidx=bufs["sidx"].data_ptr(), tinfo=bufs["tinfo"].data_ptr(),
+                      meta=bufs["meta"].data_ptr(), vbs=vbs.data_ptr(),
+                      seq_len=seq_len, num_heads=heads, num_q_blocks=nq, topk=topk,
+                      qk_scale=float(sm_scale) * LOG2E,
+                      zero_pad_rows=int(bool(zero_pad_rows) and nkv == nq))
+        if lse is not None and self.cfg.store_lse:
+            values["lse"] = lse.data_ptr()
+        if max_prob_out is not None and self.cfg.store_max_prob:
+            values["max_prob"], values["max_prob_cube"] = (t.data_ptr() for t in max_prob_out)
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        params = LaunchParams(grid=wgmma.grid(nq, batch, heads, self.opts, self.target),
+                              block=(self.traits["threads"], 1, 1),
+                              shared_bytes=self.traits["smem_bytes"],
+                              default_shared_limit=self.target.default_shared_per_block)
+        self.kernel(index).launch(params, wgmma.kernel_args(values),
+                                  torch.cuda.current_stream(q.device).cuda_stream)
+
+
+class CudaWgmmaAttention(GluonBlockSparseAttention):
+    """The CUDA family's Hopper kernel (``mainloop = "wgmma"``) as an op: the Gluon op's call,
+    validation and error word over this family's launch. Forward only: a call that needs
+    gradients goes to the Triton family's op, as from every family without backward kernels.
+    K/V of q's shape only (no cross-attention, GQA or packed varlen here)."""
+
+    backend = "cuda"
+    runs_on = "Hopper GPUs (sm_90a) for its wgmma mainloop"
+    takes_separate_kv = False
+    provides_max_prob = True
+
+    def __init__(self, spec: Spec, config: KernelConfig, target: Target | None,
+                 config_source: str = "explicit") -> None:
+        if target is None:
+            raise ValueError("the CUDA family's wgmma kernel needs a Hopper target: run on "
+                             "such a GPU or pass target=...")
+        problems = wgmma.violations(spec.kernel_spec, config, target)
+        if problems:
+            raise ValueError("; ".join(problems))
+        super().__init__(spec, config, target, config_source)
+
+    def __repr__(self) -> str:
+        return (f"CudaWgmmaAttention(spec={self.spec.short_hash}, config={self.config.name}, "
+                f"target={self.target.name}, from={self.config_source})")
+
+    def _launch_for(self, store_lse: bool, store_max_prob: bool = False,
+                    separate_kv: bool = False):
+        if separate_kv:
+            raise ValueError("the CUDA wgmma kernel takes K/V of q's shape only: use the gluon "
+                             "family for cross-attention, GQA or packed varlen")
+        key = (store_lse, store_max_prob, separate_kv)
+        run = self._launches.get(key)
+        if run is None:
+            cfg = self.config.replace(store_lse=store_lse, store_max_prob=store_max_prob)
+            run = self._launches[key] = WgmmaLaunch(self.spec.kernel_spec, cfg, self.target)
+        return run
+
+    def __call__(self, q, k, v, topk_idx, vbs, counts=None, *, sm_scale: float | None = None,
+                 return_lse: bool = True, return_max_prob: bool = False,
+                 check_values: bool = False, q_vbs=None):
+        """(o, lse), or o with return_lse=False; with return_max_prob=True an
+        `AttentionOutput(o, lse, max_prob, max_prob_cube)`."""
+        from tilegen.inputs import validate_inputs
+
+        if q_vbs is not None:
+            raise ValueError("q_vbs: the CUDA wgmma kernel takes K/V of q's shape only")
+        shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
+                                 check_values=check_values)
+        return self._call(q, k, v, vbs, (topk_idx, vbs, counts), shapes,
+                          dict(topk_idx=topk_idx, counts=counts), sm_scale, return_lse,
+                          return_max_prob, check_values)
+
+    def forward_for_grad(self, *args: Any, **kwargs: Any):
+        raise NotImplementedError("the CUDA wgmma kernel is forward only: a call that needs "
+                                  "gradients runs the Triton family's op (tilegen.backends."
+                                  "triton.op.differentiable_op)")
+
+    def launch(self, q, k, v, topk_idx, vbs, counts=None, *, shapes=None,
+               sm_scale: float | None = None, store_lse: bool = True, out=None,
+               max_prob_out=None, q_vbs=None):
+        """Pre-pass and kernel with no input checks (validate once first)."""
+        from tilegen.inputs import validate_inputs
+
+        if q_vbs is not None:
+            raise ValueError("q_vbs: the CUDA wgmma kernel takes K/V of q's shape only")
+        if shapes is None:
+            shapes = validate_inputs(self.spec, q, k, v, topk_idx, vbs, counts,
+                                     check_values=False)
+        return self._launch_plan(q, k, v, vbs, shapes, dict(topk_idx=topk_idx, counts=counts),
+                                 sm_scale, store_lse, out, max_prob_out)

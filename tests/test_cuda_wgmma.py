@@ -712,3 +712,28 @@ def test_emulated_kernel_pads_zeros_and_poisons_a_bad_row(interpreter, cxx):
     real = torch.cat([torch.arange(c * 64, c * 64 + s) for c, s in enumerate(vbs.tolist())])
     torch.testing.assert_close(o_good[0, real], ref_o.to(q.dtype).float()[0, real], atol=3e-2,
                                rtol=0)
+
+
+# -- the GPU script's CPU-side parts -------------------------------------------------------------
+def test_gpu_script_cpu_parts():
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "experiments" / "h200_s17_wgmma.py"
+    spec = importlib.util.spec_from_file_location("h200_s17_wgmma", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["h200_s17_wgmma"] = mod
+    spec.loader.exec_module(mod)
+    assert mod.parse_variants("consumers=1,pingpong=0;k_stages=3") == [
+        ("+consumers1_pingpong0", {}, {"consumers": 1, "pingpong": False}),
+        ("+k_stages3", {}, {"k_stages": 3})]
+    for label, fields, opts in mod.VARIANTS:  # every config the script builds is valid
+        assert BACKEND.violations(Spec(**fields), SM90, wgmma.config(**opts)) == [], label
+    o = torch.randn(1, 128, 2, 64)
+    ref = o.clone()
+    ref[0, 64 + 13, 1, 9] += 1  # cube 1, row 13 (group 1, second half), chunk 1, head 1
+    where = mod.diagnose(o, ref, "bshd")
+    assert where.startswith("row%64//8 0 1 0") and "row%16>=8 0 1" in where
+    assert "chunk 0 1 0" in where and "head 0 1" in where and "cube 0 1" in where
+    row = dict(case="small/x", passed=False, score="finite=True", ms=1.5, where=where)
+    assert "FAIL" in mod.table([row]) and "where: row%64//8" in mod.table([row])

@@ -100,6 +100,11 @@ class Backend(ABC):
         """The target's default config for this backend, fitted to the spec."""
         return cfgmod.default_config(target, spec, backend=self.name)
 
+    def tuning_base(self, spec: Spec, target: Target) -> KernelConfig:
+        """The config a search over `tunable` varies (the fields and options it does not
+        search come from here): the default config, unless the family tunes another kernel."""
+        return self.default_config(spec, target)
+
     def tunable(self, target: Target, spec: Spec | None = None) -> dict[str, tuple[Any, ...]]:
         """The search space of this backend on `target` (targets/<t>/target.toml) for `spec`
         (a family whose kernels differ by spec, e.g. the 8-bit one, picks its table by it)."""

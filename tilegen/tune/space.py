@@ -153,7 +153,7 @@ class SearchSpace:
         ``[tunable.<backend>]``), with ``overrides`` replacing or adding fields."""
         from tilegen import backends
 
-        base = backends.get(backend).default_config(spec, target)
+        base = backends.get(backend).tuning_base(spec, target)
         types = {**_field_types(), **{k: type(v) for k, v in base.options}}
         ranges: dict[str, Sequence[Value]] = dict(backends.get(backend).tunable(target, spec))
         ranges.update(overrides or {})

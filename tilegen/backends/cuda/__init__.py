@@ -56,6 +56,15 @@ class CudaBackend(Backend):
             out.append(self.render(spec, companion, target))
         return out
 
+    def tuning_base(self, spec: Spec, target: Target) -> KernelConfig:
+        """A target whose [tunable.cuda] searches the wgmma mainloop tunes from its default
+        knobs (`wgmma.DEFAULTS`); otherwise the default (mma.sync) config."""
+        if "wgmma" in target.tunable_for(self.name).get("mainloop", ()):
+            companion = self._wgmma_companion(spec, self.default_config(spec, target), target)
+            if companion is not None:
+                return companion
+        return self.default_config(spec, target)
+
     @staticmethod
     def _wgmma_companion(spec: Spec, cfg: KernelConfig, target: Target) -> KernelConfig | None:
         from tilegen.backends.cuda import wgmma

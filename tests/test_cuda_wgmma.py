@@ -160,9 +160,14 @@ def test_kernel_args_match_the_rendered_signature():
     with pytest.raises(ValueError, match="int32"):
         wgmma.kernel_args({**values, "topk": 2**31})
     opts = wgmma.options_of(cfg)
-    assert wgmma.grid(624, 1, 40, opts, SM90) == (312, 40, 1)
-    assert wgmma.grid(5, 2, 3, wgmma.resolve({"consumers": 1, "pingpong": False}),
-                      SM90) == (5, 6, 1)
+    assert wgmma.grid(624, 1, 40, opts, SM90) == (312 * 40, 1, 1)  # a CTA per cube pair
+    one = wgmma.resolve({"consumers": 1, "pingpong": False})
+    assert wgmma.grid(5, 2, 3, one, SM90) == (30, 1, 1)
+    persistent = wgmma.resolve({"persistent": True})
+    assert wgmma.grid(624, 1, 40, persistent, SM90) == (SM90.num_sms, 1, 1)  # one wave
+    assert wgmma.grid(624, 1, 40, persistent, SM90, sm_count=114) == (114, 1, 1)
+    assert wgmma.grid(624, 1, 40, {**one, "persistent": True}, SM90) == (2 * SM90.num_sms, 1, 1)
+    assert wgmma.grid(3, 1, 1, persistent, SM90) == (2, 1, 1)  # no more CTAs than groups
 
 
 def test_tile_geometry():
@@ -203,6 +208,8 @@ COMPILED = [
     (Spec(), wgmma.config(consumers=1, pingpong=False)),
     (Spec(), wgmma.config(k_stages=3, v_stages=3)),
     (Spec(dtype="fp16", head_dim=64, layout="bhsd"), wgmma.config(k_stages=4, v_stages=3)),
+    (Spec(), wgmma.config(persistent=True, k_stages=3)),
+    (Spec(), wgmma.config(persistent=True, consumers=1, pingpong=False)),
 ]
 
 
@@ -277,9 +284,10 @@ def test_pingpong_schedule_never_deadlocks(tmp_path):
     src = tmp_path / "replay.cu"
     src.write_text(PINGPONG_REPLAY)
     exe = tmp_path / "replay"
-    subprocess.run([str(nv.find_nvcc()), "-std=c++17", "-I", str(nv.include_dir()), "-o",
-                    str(exe), str(src)], check=True, capture_output=True, text=True,
-                   timeout=300)
+    built = subprocess.run([str(nv.find_nvcc()), "-std=c++17", "-I", str(nv.include_dir()),
+                            "-o", str(exe), str(src)], capture_output=True, text=True,
+                           timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
 
@@ -292,7 +300,8 @@ template <int D>
 struct Config {
   using Elem = tilegen::Bf16;
   static constexpr bool kBshd = true;
-  static constexpr int kHeadDim = D, kBlock = 64, kConsumers = 2, kKStages = 2, kVStages = 2;
+  static constexpr int kHeadDim = D, kBlock = 64, kConsumers = 2, kKStages = 2, kVStages = 2,
+                       kQBuffers = 1;
   static constexpr bool kPingPong = true, kStoreLse = true, kStoreMaxProb = false;
   static constexpr int kConsumerRegs = 240, kProducerRegs = 24;
 };
@@ -331,9 +340,10 @@ def cxx(tmp_path_factory):
         pytest.skip("nvcc not found: the emulation reads the kernel's own address arithmetic")
     tmp = tmp_path_factory.mktemp("host-tables")
     (tmp / "tables.cu").write_text(HOST_TABLES)
-    subprocess.run([str(nv.find_nvcc()), "-std=c++17", "-I", str(nv.include_dir()), "-o",
-                    str(tmp / "tables"), str(tmp / "tables.cu")], check=True,
-                   capture_output=True, text=True, timeout=300)
+    built = subprocess.run([str(nv.find_nvcc()), "-std=c++17", "-I", str(nv.include_dir()),
+                            "-o", str(tmp / "tables"), str(tmp / "tables.cu")],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
     out = subprocess.run([str(tmp / "tables")], check=True, capture_output=True, text=True,
                          timeout=60).stdout
     tables: dict = {"qk": {}, "pv": {}, "off": {64: np.zeros((64, 64), np.int64),
@@ -450,16 +460,19 @@ def _quad(x: np.ndarray, op) -> np.ndarray:
 
 
 class _Consumer:
-    """One consumer warpgroup and its producer lane, emulated on one plan row."""
+    """One consumer warpgroup and its producer lane, emulated over the cubes of one CTA: the
+    rings' tile counters and the Q buffer run on from one cube into the next (RingCursor)."""
 
     def __init__(self, spec: Spec, opts: dict, smem: _Smem, base: int, cxx: dict) -> None:
         self.spec, self.opts, self.smem, self.cxx = spec, opts, smem, cxx
         self.D = spec.head_dim
         self.panels = self.D // 64
         self.tile = 64 * self.D * 2
-        self.q_tile = base
-        self.k_tiles = base + self.tile
+        self.q_buffers = wgmma.q_buffers(opts)
+        self.q_tiles = base
+        self.k_tiles = base + self.q_buffers * self.tile
         self.v_tiles = self.k_tiles + opts["k_stages"] * self.tile
+        self.kt = self.vt = self.cubes = 0  # RingCursor
         # the accumulator fragments, as the kernel's Fragment computes them
         self.s_row, self.s_col = cxx["row"][:, :32], cxx["col"][:, :32]
         self.o_row, self.o_col = cxx["row"][:, :self.D // 2], cxx["col"][:, :self.D // 2]
@@ -509,10 +522,12 @@ class _Consumer:
         return o + acc.astype(np.float32)[self.o_row, self.o_col]
 
     def run(self, views, plan_row, vbs, row0, col, q_cube, scale, out, zero_pad):
-        """The consumer loop (lut_attention.cuh Consumer::run) and its epilogue; `out` holds
-        the O view, lse and max_prob rows of this cube."""
+        """One cube (lut_attention.cuh Consumer::cube) and its epilogue; `out` holds the lse
+        and max_prob rows of this cube."""
         sidx, tinfo, (n, n_big) = plan_row
         dtype, ks, vs = self.spec.dtype, self.opts["k_stages"], self.opts["v_stages"]
+        self.q_tile = self.q_tiles + (self.cubes % self.q_buffers) * self.tile
+        kt0, vt0 = self.kt, self.vt
         o = np.zeros((128, self.D // 2), np.float32)
         m = np.full((128, 2), -np.inf, np.float32)
         l_part = np.zeros((128, 2), np.float32)
@@ -523,13 +538,13 @@ class _Consumer:
                                    row0 + q_cube * 64, 64)
         p_regs = None
         for j in range(max(n, 0)):
-            self.load_tile(views["k"], self.k_tiles + (j % ks) * self.tile, j, n_big, sidx,
-                           tinfo, vbs, row0, col)
-            s = self.qk(self.k_tiles + (j % ks) * self.tile)
+            k_slot = self.k_tiles + ((kt0 + j) % ks) * self.tile
+            self.load_tile(views["k"], k_slot, j, n_big, sidx, tinfo, vbs, row0, col)
+            s = self.qk(k_slot)
             if j > 0:  # P_{j-1} V_{j-1}: its V lands after K_j
-                self.load_tile(views["v"], self.v_tiles + ((j - 1) % vs) * self.tile, j - 1,
-                               n_big, sidx, tinfo, vbs, row0, col)
-                o = self.pv(o, p_regs, self.v_tiles + ((j - 1) % vs) * self.tile)
+                v_slot = self.v_tiles + ((vt0 + j - 1) % vs) * self.tile
+                self.load_tile(views["v"], v_slot, j - 1, n_big, sidx, tinfo, vbs, row0, col)
+                o = self.pv(o, p_regs, v_slot)
             fill = int(tinfo[j]) >> 16
             s = np.where(self.s_col < fill, s, -np.inf).astype(np.float32)  # a select
             alpha = np.zeros((128, 2), np.float32)
@@ -548,10 +563,13 @@ class _Consumer:
             # pack2: register c holds s[2c] (low) and s[2c + 1]
             p_regs = _round16(e, dtype).reshape(128, 16, 2)
         if n > 0:
-            self.load_tile(views["v"], self.v_tiles + ((n - 1) % vs) * self.tile, n - 1, n_big,
-                           sidx, tinfo, vbs, row0, col)
-            o = self.pv(o, p_regs, self.v_tiles + ((n - 1) % vs) * self.tile)
+            v_slot = self.v_tiles + ((vt0 + n - 1) % vs) * self.tile
+            self.load_tile(views["v"], v_slot, n - 1, n_big, sidx, tinfo, vbs, row0, col)
+            o = self.pv(o, p_regs, v_slot)
+            self.kt += n
+            self.vt += n
         self.epilogue(o, m, l_part, n < 0, views, row0, col, q_cube, scale, out, zero_pad, vbs)
+        self.cubes += 1
 
     def epilogue(self, o, m, l_part, bad, views, row0, col, q_cube, scale, out, zero_pad, vbs):
         l_row = _quad(l_part, np.add)
@@ -588,8 +606,10 @@ def _views(x: torch.Tensor, layout: str) -> np.ndarray:
     return x.float().numpy().reshape(g.dims[1], g.dims[0])
 
 
-def _emulate(cxx: dict, spec: Spec, opts: dict, q, k, v, idx, vbs, counts, zero_pad=False):
-    """Every CTA of the launch: (o, lse, max_prob, max_prob_cube, err)."""
+def _emulate(cxx: dict, spec: Spec, opts: dict, q, k, v, idx, vbs, counts, zero_pad=False,
+             sm_count: int = 2):
+    """Every CTA of the launch, each over its groups of cubes (`sm_count` SMs for a persistent
+    grid: few, so each CTA takes many cubes): (o, lse, max_prob, max_prob_cube, err)."""
     from tilegen.backends.gluon.prepass import prepass_buffers, run_prepass
 
     layout = spec.layout
@@ -609,29 +629,33 @@ def _emulate(cxx: dict, spec: Spec, opts: dict, q, k, v, idx, vbs, counts, zero_
     max_prob = np.full((B, H, S), np.nan, np.float32)
     cube_mean = np.full((B, H, nq), np.nan, np.float32)
     scale = np.float32(spec.sm_scale * LOG2E)
-    consumer_bytes = (1 + opts["k_stages"] + opts["v_stages"]) * 64 * D * 2
-    gx, gy, _ = wgmma.grid(nq, B, H, opts, SM90)
-    for bh in range(gy):
-        b, h = divmod(bh, H)
-        row0, col = (b * S, h * D) if layout == "bshd" else ((b * H + h) * S, 0)
-        for x in range(gx):
-            smem = _Smem(4096 + opts["consumers"] * consumer_bytes)
-            base = 1024  # the dynamic segment, aligned up to the swizzle atom
-            for c in range(opts["consumers"]):
-                # V rings start zeroed (rows past a packed tile's fill must be finite)
-                v0 = base + c * consumer_bytes + (1 + opts["k_stages"]) * 64 * D * 2
-                smem.data[v0 // 2: (v0 + opts["v_stages"] * 64 * D * 2) // 2] = 0
-            for c in range(opts["consumers"]):
-                q_cube = x * opts["consumers"] + c
+    per = wgmma.q_buffers(opts) + opts["k_stages"] + opts["v_stages"]
+    consumer_bytes = per * 64 * D * 2
+    gx, _, _ = wgmma.grid(nq, B, H, opts, SM90, sm_count)
+    n_groups = wgmma.groups(nq, B, H, opts)
+    per_bh = -(-nq // opts["consumers"])
+    for x in range(gx):
+        smem = _Smem(4096 + opts["consumers"] * consumer_bytes)
+        base = 1024  # the dynamic segment, aligned up to the swizzle atom
+        for c in range(opts["consumers"]):
+            # V rings start zeroed (rows past a packed tile's fill must be finite)
+            v0 = base + c * consumer_bytes + (per - opts["v_stages"]) * 64 * D * 2
+            smem.data[v0 // 2: (v0 + opts["v_stages"] * 64 * D * 2) // 2] = 0
+        for c in range(opts["consumers"]):
+            consumer = _Consumer(spec, opts, smem, base + c * consumer_bytes, cxx)
+            for g in range(x, n_groups, gx):  # Item
+                bh, q_cube = g // per_bh, (g % per_bh) * opts["consumers"] + c
                 if q_cube >= nq:
                     continue
+                b, h = divmod(bh, H)
+                row0, col = (b * S, h * D) if layout == "bshd" else ((b * H + h) * S, 0)
                 row = bh * nq + q_cube
                 plan_row = (bufs["sidx"][row].numpy(), bufs["tinfo"][row].numpy(),
                             tuple(int(t) for t in bufs["meta"][row]))
                 out = {"lse": lse[b, h, q_cube * 64:(q_cube + 1) * 64],
                        "max_prob": max_prob[b, h, q_cube * 64:(q_cube + 1) * 64]}
-                _Consumer(spec, opts, smem, base + c * consumer_bytes, cxx).run(
-                    views, plan_row, vbs.numpy(), row0, col, q_cube, scale, out, zero_pad)
+                consumer.run(views, plan_row, vbs.numpy(), row0, col, q_cube, scale, out,
+                             zero_pad)
                 cube_mean[b, h, q_cube] = out["cube"]
     o = torch.from_numpy(views["o"].reshape(q.shape))
     return o, torch.from_numpy(lse), torch.from_numpy(max_prob), torch.from_numpy(cube_mean), \
@@ -665,6 +689,9 @@ EMULATED = [
     (Spec(), dict(), False),
     (Spec(dtype="fp16", layout="bhsd", head_dim=64), dict(k_stages=3, v_stages=1), True),
     (Spec(head_dim=64), dict(consumers=1, pingpong=False, pack_partials=False), True),
+    (Spec(), dict(persistent=True, k_stages=3), True),
+    (Spec(head_dim=64, layout="bhsd"), dict(persistent=True, consumers=1, pingpong=False,
+                                            v_stages=3), False),
 ]
 
 

@@ -57,6 +57,10 @@ VARIANTS: list[tuple[str, dict, dict]] = [
     ("k3v3", {}, {"k_stages": 3, "v_stages": 3}),
     ("k3v2", {}, {"k_stages": 3}),
     ("no_pack", {}, {"pack_partials": False}),
+    ("persistent", {}, {"persistent": True}),
+    ("persistent_k3", {}, {"persistent": True, "k_stages": 3}),
+    ("persistent_free", {}, {"persistent": True, "pingpong": False}),
+    ("persistent_one", {}, {"persistent": True, "consumers": 1, "pingpong": False}),
     ("fp16_d64_bhsd", {"dtype": "fp16", "head_dim": 64, "layout": "bhsd"}, {}),
     ("d64_one_consumer", {"head_dim": 64}, {"consumers": 1, "pingpong": False}),
 ]

@@ -13,6 +13,10 @@ one, on targets whose target.toml lists a wgmma instruction (sm_90). Its knobs, 
     pingpong        two consumers take turns issuing their MMAs (named barriers), so one's
                     softmax runs under the other's MMAs (FA3); needs consumers 2
     pack_partials   the pre-pass packs partial KV cubes (vbs 32/16/8) into dense 64-key tiles
+    persistent      a grid of one wave: each CTA takes query cubes one after another, its rings
+                    running on and a second Q buffer per consumer loaded during the previous
+                    cube (the next cube's loads overlap this one's epilogue); off, one CTA per
+                    group of `consumers` cubes
 
 The register split (setmaxnreg) follows from the shape and the target's register file: 24 for
 the producer warpgroup, the rest to the consumers (on sm_90: 240 each with two consumers, 232
@@ -39,6 +43,7 @@ DEFAULTS: dict[str, Any] = {
     "v_stages": 2,
     "pingpong": True,
     "pack_partials": True,
+    "persistent": False,
 }
 #: the producer warpgroup's registers after setmaxnreg.dec (the smallest count PTX allows)
 PRODUCER_REGS = 24
@@ -76,17 +81,22 @@ def config(**options: Any) -> KernelConfig:
                         options=tuple(sorted(resolve(options).items())))
 
 
+def q_buffers(opts: Mapping[str, Any]) -> int:
+    return 2 if opts["persistent"] else 1
+
+
 def smem_bytes(opts: Mapping[str, Any], head_dim: int) -> int:
-    """Dynamic shared memory of one CTA: per consumer its Q tile and K and V rings, plus the
+    """Dynamic shared memory of one CTA: per consumer its Q buffers and K and V rings, plus the
     1024 bytes the kernel may skip to align its tiles to the swizzle atom."""
     tile = 64 * head_dim * 2
-    return opts["consumers"] * (1 + opts["k_stages"] + opts["v_stages"]) * tile + 1024
+    per = q_buffers(opts) + opts["k_stages"] + opts["v_stages"]
+    return opts["consumers"] * per * tile + 1024
 
 
 def static_smem_bytes(opts: Mapping[str, Any]) -> int:
     """The kernel's static shared memory: each consumer's mbarriers (Q, K and V full and empty)
     and its warps' max_prob partial sums, with room for alignment."""
-    barriers = 1 + 2 * (opts["k_stages"] + opts["v_stages"])
+    barriers = 2 * (q_buffers(opts) + opts["k_stages"] + opts["v_stages"])
     return opts["consumers"] * (8 * barriers + 16) + 16
 
 
@@ -129,7 +139,7 @@ def violations(spec: Spec, cfg: KernelConfig, target: Target) -> list[str]:
     for ring in ("k_stages", "v_stages"):
         if type(opts[ring]) is not int or not 1 <= opts[ring] <= 8:
             problems.append(f"{ring}={opts[ring]!r}: 1..8")
-    for flag in ("pingpong", "pack_partials"):
+    for flag in ("pingpong", "pack_partials", "persistent"):
         if type(opts[flag]) is not bool:
             problems.append(f"{flag}={opts[flag]!r}: true or false")
     if problems:
@@ -194,6 +204,8 @@ def traits(spec: Spec, cfg: KernelConfig, target: Target) -> dict[str, Any]:
         "v_stages": opts["v_stages"],
         "pingpong": opts["pingpong"],
         "pack_partials": opts["pack_partials"],
+        "persistent": opts["persistent"],
+        "q_buffers": q_buffers(opts),
         "store_lse": cfg.store_lse,
         "store_max_prob": cfg.store_max_prob,
         "threads": threads_of(opts, target),
@@ -223,23 +235,29 @@ KERNEL_SIGNATURE: tuple[tuple[str, str], ...] = (
     ("q_map", "map"), ("k_map", "map"), ("k8_map", "map"), ("v_map", "map"), ("v8_map", "map"),
     ("o_map", "map"), ("sidx", "ptr"), ("tinfo", "ptr"), ("meta", "ptr"), ("vbs", "ptr"),
     ("lse", "ptr"), ("max_prob", "ptr"), ("max_prob_cube", "ptr"), ("seq_len", "i32"),
-    ("num_heads", "i32"), ("num_q_blocks", "i32"), ("topk", "i32"), ("qk_scale", "f32"),
-    ("zero_pad_rows", "i32"),
+    ("num_heads", "i32"), ("batch_heads", "i32"), ("num_q_blocks", "i32"), ("topk", "i32"),
+    ("qk_scale", "f32"), ("zero_pad_rows", "i32"),
 )
 #: the box height of each map (rows; 64 columns wide)
 MAP_ROWS = {"q_map": 64, "k_map": 64, "k8_map": 8, "v_map": 64, "v8_map": 8, "o_map": 64}
 
 
-def grid(num_q_blocks: int, batch: int, heads: int, opts: Mapping[str, Any],
-         target: Target) -> tuple[int, int, int]:
-    """(query-cube groups of `consumers`, batch * heads, 1)."""
-    gx = -(-num_q_blocks // opts["consumers"])
-    gy = batch * heads
-    max_x, max_y, _ = target.max_grid
-    if not 0 < gx <= max_x or not 0 < gy <= max_y:
-        raise ValueError(f"grid ({gx}, {gy}) is outside {target.name}'s limits "
-                         f"(x <= {max_x}, y = batch*heads <= {max_y})")
-    return gx, gy, 1
+def groups(num_q_blocks: int, batch: int, heads: int, opts: Mapping[str, Any]) -> int:
+    """Units of work: `consumers` neighbouring query cubes of one (b, h)."""
+    return batch * heads * -(-num_q_blocks // opts["consumers"])
+
+
+def grid(num_q_blocks: int, batch: int, heads: int, opts: Mapping[str, Any], target: Target,
+         sm_count: int | None = None) -> tuple[int, int, int]:
+    """(CTAs, 1, 1): one per group, or with `persistent` one wave (`CTAS_PER_SM` CTAs on each
+    of the device's `sm_count` SMs, the target's num_sms without one), at most one per group."""
+    n = groups(num_q_blocks, batch, heads, opts)
+    if opts["persistent"]:
+        n = min(n, (sm_count or target.num_sms) * CTAS_PER_SM[opts["consumers"]])
+    if not 0 < n <= target.max_grid[0]:
+        raise ValueError(f"grid of {n} CTAs is outside {target.name}'s limits "
+                         f"(1..{target.max_grid[0]})")
+    return n, 1, 1
 
 
 def kernel_args(values: Mapping[str, Any]) -> list[tuple[str, str, Any]]:

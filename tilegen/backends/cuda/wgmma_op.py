@@ -107,7 +107,8 @@ class WgmmaLaunch:
             for name, t in tensors.items()}
         values.update(sidx=bufs["sidx"].data_ptr(), tinfo=bufs["tinfo"].data_ptr(),
                       meta=bufs["meta"].data_ptr(), vbs=vbs.data_ptr(),
-                      seq_len=seq_len, num_heads=heads, num_q_blocks=nq, topk=topk,
+                      seq_len=seq_len, num_heads=heads, batch_heads=batch * heads,
+                      num_q_blocks=nq, topk=topk,
                       qk_scale=float(sm_scale) * LOG2E,
                       zero_pad_rows=int(bool(zero_pad_rows) and nkv == nq))
         if lse is not None and self.cfg.store_lse:
@@ -115,7 +116,8 @@ class WgmmaLaunch:
         if max_prob_out is not None and self.cfg.store_max_prob:
             values["max_prob"], values["max_prob_cube"] = (t.data_ptr() for t in max_prob_out)
         index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        params = LaunchParams(grid=wgmma.grid(nq, batch, heads, self.opts, self.target),
+        sms = torch.cuda.get_device_properties(index).multi_processor_count
+        params = LaunchParams(grid=wgmma.grid(nq, batch, heads, self.opts, self.target, sms),
                               block=(self.traits["threads"], 1, 1),
                               shared_bytes=self.traits["smem_bytes"],
                               default_shared_limit=self.target.default_shared_per_block)

@@ -10,21 +10,25 @@
 // cubes packed into 64-key tiles), tinfo[t] = first sidx entry of tile t | fill << 16 (tinfo[n]
 // the sentinel), meta = (n_tiles or -1 for a row with a bad value, number of one-cube tiles).
 //
-// Grid (ceil(num_q_blocks / kConsumers), batch * heads); 128 * (1 + kConsumers) threads:
-//   warpgroup 0   producer: lowers its registers; warp c's lane 0 loads consumer c's Q once,
-//                 then K of tile j and V of tile j - 1 into their rings (a 64-row box per
+// Work: groups of kConsumers neighbouring query cubes of one (b, h), consumer c on cube c of
+// the group. CTA x takes groups x, x + gridDim.x, ...: one group each with a grid of every
+// group, several when the launch is persistent (a grid of one wave), which keeps each
+// consumer's rings and two Q buffers (kQBuffers) running from one cube into the next.
+// 128 * (1 + kConsumers) threads:
+//   warpgroup 0   producer: lowers its registers; warp c's lane 0 loads consumer c's Q of each
+//                 cube, then K of tile j and V of tile j - 1 into the rings (a 64-row box per
 //                 whole cube, 8-row boxes for packed partial cubes), each slot completing on
 //                 its full barrier once its bytes land.
 //   warpgroup 1+c consumer c: raises its registers; per tile j: S_j = Q K_j^T and O += P_{j-1}
 //                 V_{j-1} issued together (one ping-pong turn), S_j waited for and its K slot
 //                 freed, softmax(S_j) while P V runs, then P V waited for, its V slot freed and
 //                 O rescaled; finally P V of the last tile, and the epilogue.
-// A slot is freed by one arrival per consumer warp (count 4) once that warp's wgmma wait
-// returned. Outputs: o (q's dtype and layout) through shared memory and a TMA store, zero in
-// padded query rows when asked; with kStoreLse lse fp32 (B, H, S) base 2; with kStoreMaxProb
-// the softmax-normalizer signal (max_prob rows = 1 / l, max_prob_cube = its mean over the
-// cube's real rows). A row with a bad value comes out NaN; a row with no entry (counts 0) has
-// o = 0, lse = -inf.
+// A ring slot is freed by one arrival per consumer warp (count 4) once that warp's wgmma wait
+// returned; a Q buffer once the TMA store of the O staged in it has read it. Outputs: o (q's
+// dtype and layout) through shared memory and a TMA store, zero in padded query rows when
+// asked; with kStoreLse lse fp32 (B, H, S) base 2; with kStoreMaxProb the softmax-normalizer
+// signal (max_prob rows = 1 / l, max_prob_cube = its mean over the cube's real rows). A row with
+// a bad value comes out NaN; a row with no entry (counts 0) has o = 0, lse = -inf.
 #pragma once
 
 #include <cstdint>
@@ -40,21 +44,23 @@ namespace sm90 {
 
 // C provides: using Elem (Bf16 | Fp16); kBshd (token rows of q, k, v, o: BSHD, else BHSD);
 // kHeadDim (64, 128), kBlock (64: cube and tile size), kConsumers (1, 2), kKStages, kVStages,
-// kPingPong (needs 2 consumers), kStoreLse, kStoreMaxProb, kConsumerRegs, kProducerRegs.
+// kQBuffers (1, or 2 for a persistent launch), kPingPong (needs 2 consumers), kStoreLse,
+// kStoreMaxProb, kConsumerRegs, kProducerRegs.
 template <class C>
 struct WgmmaTraits : C {
   static constexpr int kThreads = 128 * (1 + C::kConsumers);
   static constexpr int kPanels = C::kHeadDim / kPanelCols;
   static constexpr int kPanelBytes = C::kBlock * 128;
   static constexpr int kTileBytes = kPanels * kPanelBytes;
-  static constexpr int kConsumerBytes = (1 + C::kKStages + C::kVStages) * kTileBytes;
+  static constexpr int kConsumerBytes = (C::kQBuffers + C::kKStages + C::kVStages) * kTileBytes;
   // + 1024: the dynamic segment's start is aligned up to the swizzle atom at run time
   static constexpr int kSmemBytes = C::kConsumers * kConsumerBytes + 1024;
-  // barriers of one consumer: Q, then K full/empty, then V full/empty
-  static constexpr int kBarriers = 1 + 2 * C::kKStages + 2 * C::kVStages;
+  // barriers of one consumer: Q full and empty per buffer, then K full/empty, V full/empty
+  static constexpr int kBarriers = 2 * C::kQBuffers + 2 * C::kKStages + 2 * C::kVStages;
   static constexpr int kPartialRows = 8;  // box height for packed partial cubes
   static_assert(C::kBlock == 64, "64-token cubes and tiles");
   static_assert(C::kConsumers == 1 || C::kConsumers == 2, "one or two consumer warpgroups");
+  static_assert(C::kQBuffers == 1 || C::kQBuffers == 2, "one or two Q buffers");
   static_assert(!C::kPingPong || C::kConsumers == 2, "ping-pong takes two consumers");
   static_assert(C::kKStages >= 1 && C::kVStages >= 1, "at least one slot a ring");
 };
@@ -69,6 +75,7 @@ struct LutArgs {
   float* max_prob_cube;  // (B, H, NQ), kStoreMaxProb
   int seq_len;
   int num_heads;
+  int batch_heads;   // B * H
   int num_q_blocks;
   int topk;
   float qk_scale;  // sm_scale * log2(e)
@@ -84,36 +91,64 @@ struct TensorMaps {
   const TensorMap& o;
 };
 
-// One consumer's slice of shared memory and its barriers.
+// One consumer's slice of shared memory, [Q buffers][K ring][V ring], and its barriers.
 template <class T>
 struct ConsumerRing {
-  uint32_t q_tile;
+  uint32_t q_tiles;
   uint32_t k_tiles;
   uint32_t v_tiles;
   uint32_t bars;  // kBarriers 8-byte words
 
-  // Consumer c's slice: [Q tile][K ring][V ring] from `base`, its barriers from `bars0`.
   static __device__ __forceinline__ ConsumerRing of(uint32_t base, uint32_t bars0, int c) {
     ConsumerRing r;
-    r.q_tile = base + c * T::kConsumerBytes;
-    r.k_tiles = r.q_tile + T::kTileBytes;
+    r.q_tiles = base + c * T::kConsumerBytes;
+    r.k_tiles = r.q_tiles + T::kQBuffers * T::kTileBytes;
     r.v_tiles = r.k_tiles + T::kKStages * T::kTileBytes;
     r.bars = bars0 + c * T::kBarriers * 8;
     return r;
   }
 
+  __device__ __forceinline__ uint32_t q_tile(int b) const { return q_tiles + b * T::kTileBytes; }
   __device__ __forceinline__ uint32_t k_tile(int s) const { return k_tiles + s * T::kTileBytes; }
   __device__ __forceinline__ uint32_t v_tile(int s) const { return v_tiles + s * T::kTileBytes; }
-  __device__ __forceinline__ uint32_t q_full() const { return bars; }
-  __device__ __forceinline__ uint32_t k_full(int s) const { return bars + 8 * (1 + s); }
+  __device__ __forceinline__ uint32_t q_full(int b) const { return bars + 8 * b; }
+  __device__ __forceinline__ uint32_t q_empty(int b) const {
+    return bars + 8 * (T::kQBuffers + b);
+  }
+  __device__ __forceinline__ uint32_t k_full(int s) const {
+    return bars + 8 * (2 * T::kQBuffers + s);
+  }
   __device__ __forceinline__ uint32_t k_empty(int s) const {
-    return bars + 8 * (1 + T::kKStages + s);
+    return bars + 8 * (2 * T::kQBuffers + T::kKStages + s);
   }
   __device__ __forceinline__ uint32_t v_full(int s) const {
-    return bars + 8 * (1 + 2 * T::kKStages + s);
+    return bars + 8 * (2 * T::kQBuffers + 2 * T::kKStages + s);
   }
   __device__ __forceinline__ uint32_t v_empty(int s) const {
-    return bars + 8 * (1 + 2 * T::kKStages + T::kVStages + s);
+    return bars + 8 * (2 * T::kQBuffers + 2 * T::kKStages + T::kVStages + s);
+  }
+};
+
+// One consumer's query cube of group g; `live` is false past the last cube of an odd count.
+template <class T>
+struct Item {
+  long long bh;
+  int q_cube;
+  long long row;  // the plan row (b, h, query cube)
+  bool live;
+
+  __device__ __forceinline__ Item(int g, int consumer, const LutArgs& a) {
+    const int groups_per_bh = (a.num_q_blocks + T::kConsumers - 1) / T::kConsumers;
+    bh = g / groups_per_bh;
+    q_cube = (g % groups_per_bh) * T::kConsumers + consumer;
+    live = q_cube < a.num_q_blocks;
+    row = bh * a.num_q_blocks + q_cube;
+  }
+  static __device__ __forceinline__ int groups(const LutArgs& a) {
+    return a.batch_heads * ((a.num_q_blocks + T::kConsumers - 1) / T::kConsumers);
+  }
+  __device__ __forceinline__ int tiles(const LutArgs& a) const {
+    return live ? __ldg(a.meta + 2 * row) : 0;
   }
 };
 
@@ -123,14 +158,33 @@ template <class T>
 struct TokenRows {
   int row0;
   int col;
-  __device__ __forceinline__ TokenRows(int b, int h, int seq_len, int num_heads) {
+  __device__ __forceinline__ TokenRows(long long bh, const LutArgs& a) {
+    const int b = static_cast<int>(bh / a.num_heads);
+    const int h = static_cast<int>(bh % a.num_heads);
     if constexpr (T::kBshd) {
-      row0 = b * seq_len;
+      row0 = b * a.seq_len;
       col = h * T::kHeadDim;
     } else {
-      row0 = (b * num_heads + h) * seq_len;
+      row0 = (b * a.num_heads + h) * a.seq_len;
       col = 0;
     }
+  }
+};
+
+// Where one consumer's rings stand, kept alike by it and its producer lane: K and V tiles
+// through the rings so far, live cubes so far (Q buffer = cubes % kQBuffers), and per Q buffer
+// the parity of its loads and of its uses (bit b: buffer b).
+struct RingCursor {
+  int k_tiles = 0;
+  int v_tiles = 0;
+  int cubes = 0;
+  uint32_t q_load_parity = 0;
+  uint32_t q_use_parity = 0;
+  uint32_t q_used = 0;  // bit b: buffer b has staged an O before
+
+  template <class T>
+  __device__ __forceinline__ int q_buffer() const {
+    return T::kQBuffers == 1 ? 0 : (cubes & 1);
   }
 };
 
@@ -171,35 +225,49 @@ struct Producer {
     }
   }
 
-  static __device__ __forceinline__ void run(const TensorMaps& maps, const LutArgs& a,
-                                             const ConsumerRing<T>& ring, long long row,
-                                             TokenRows<T> rows, int q_cube) {
-    const int n = __ldg(a.meta + 2 * row);
-    if (n <= 0) return;  // no tile, or a bad value: the consumer writes its row alone
-    const int n_big = __ldg(a.meta + 2 * row + 1);
-    const int* sidx_row = a.sidx + row * a.topk;
-    const int* tinfo_row = a.tinfo + row * (a.topk + 1);
-    barrier_expect_bytes(ring.q_full(), T::kTileBytes);
+  // Q of one cube, then K of tile j and V of tile j - 1 (the consumer needs K_j before V_{j-1}).
+  static __device__ __forceinline__ void cube(const TensorMaps& maps, const LutArgs& a,
+                                              const ConsumerRing<T>& ring, RingCursor& at,
+                                              const Item<T>& item) {
+    const int n = item.tiles(a);
+    const int qb = at.q_buffer<T>();
+    const uint32_t bit = 1u << qb;
+    if (n > 0) {
+      if (at.q_used & bit)  // the O staged there by this buffer's last cube has been stored
+        barrier_wait(ring.q_empty(qb), ((at.q_use_parity & bit) ? 0 : 1));
+      const TokenRows<T> rows(item.bh, a);
+      const int n_big = __ldg(a.meta + 2 * item.row + 1);
+      const int* sidx_row = a.sidx + item.row * a.topk;
+      const int* tinfo_row = a.tinfo + item.row * (a.topk + 1);
+      barrier_expect_bytes(ring.q_full(qb), T::kTileBytes);
 #pragma unroll
-    for (int p = 0; p < T::kPanels; ++p)
-      tma_load(ring.q_tile + p * T::kPanelBytes, maps.q, ring.q_full(), rows.col + p * kPanelCols,
-               rows.row0 + q_cube * T::kBlock);
-    // K of tile j, then V of tile j - 1: the consumer needs K_j before V_{j-1}
-    for (int j = 0; j <= n; ++j) {
-      if (j < n) {
-        const int s = j % T::kKStages;
-        barrier_wait(ring.k_empty(s), ((j / T::kKStages) & 1) ^ 1);
-        load_tile(maps.k, maps.k8, ring.k_tile(s), ring.k_full(s), j, n_big, sidx_row,
-                  tinfo_row, a.vbs, rows.row0, rows.col);
+      for (int p = 0; p < T::kPanels; ++p)
+        tma_load(ring.q_tile(qb) + p * T::kPanelBytes, maps.q, ring.q_full(qb),
+                 rows.col + p * kPanelCols, rows.row0 + item.q_cube * T::kBlock);
+      at.q_load_parity ^= bit;
+      for (int j = 0; j <= n; ++j) {
+        if (j < n) {
+          const int kt = at.k_tiles + j;
+          const int s = kt % T::kKStages;
+          barrier_wait(ring.k_empty(s), ((kt / T::kKStages) & 1) ^ 1);
+          load_tile(maps.k, maps.k8, ring.k_tile(s), ring.k_full(s), j, n_big, sidx_row,
+                    tinfo_row, a.vbs, rows.row0, rows.col);
+        }
+        if (j > 0) {
+          const int vt = at.v_tiles + j - 1;
+          const int s = vt % T::kVStages;
+          barrier_wait(ring.v_empty(s), ((vt / T::kVStages) & 1) ^ 1);
+          load_tile(maps.v, maps.v8, ring.v_tile(s), ring.v_full(s), j - 1, n_big, sidx_row,
+                    tinfo_row, a.vbs, rows.row0, rows.col);
+        }
       }
-      if (j > 0) {
-        const int jv = j - 1;
-        const int s = jv % T::kVStages;
-        barrier_wait(ring.v_empty(s), ((jv / T::kVStages) & 1) ^ 1);
-        load_tile(maps.v, maps.v8, ring.v_tile(s), ring.v_full(s), jv, n_big, sidx_row,
-                  tinfo_row, a.vbs, rows.row0, rows.col);
-      }
+      at.k_tiles += n;
+      at.v_tiles += n;
     }
+    // every live cube stages its O in its buffer (an empty or bad row too)
+    at.q_use_parity ^= bit;
+    at.q_used |= bit;
+    ++at.cubes;
   }
 };
 
@@ -216,17 +284,36 @@ struct Consumer {
     if (lane == 0) barrier_arrive(bar);
   }
 
-  static __device__ __forceinline__ void run(const TensorMaps& maps, const LutArgs& a,
-                                             const ConsumerRing<T>& ring, int consumer,
-                                             long long row, long long other_row, bool other_live,
-                                             TokenRows<T> rows, int q_cube, long long bh) {
+  // The turns of every cube this consumer and its partner take in this CTA (the ping-pong
+  // schedule pairs turns across cubes).
+  static __device__ __forceinline__ Turns schedule(const LutArgs& a, int consumer) {
+    int self = 0;
+    int other = 0;
+    for (int g = blockIdx.x; g < Item<T>::groups(a); g += gridDim.x) {
+      self += Turns::turns(Item<T>(g, consumer, a).tiles(a));
+      if constexpr (T::kConsumers == 2) other += Turns::turns(Item<T>(g, 1 - consumer, a).tiles(a));
+    }
+    Turns turns;
+    turns.init(consumer, self, other);
+    return turns;
+  }
+
+  // One cube: its tiles, then the epilogue. `turn` is the consumer's next turn.
+  static __device__ __forceinline__ void cube(const TensorMaps& maps, const LutArgs& a,
+                                              const ConsumerRing<T>& ring, RingCursor& at,
+                                              const Turns& turns, int& turn, int consumer,
+                                              const Item<T>& item) {
     const int lane = threadIdx.x & 31;
     const int warp = (threadIdx.x >> 5) & 3;  // within the warpgroup
-    const int n = __ldg(a.meta + 2 * row);
-    Turns turns;
-    turns.init(consumer, n, other_live ? __ldg(a.meta + 2 * other_row) : 0);
-    const int* tinfo_row = a.tinfo + row * (a.topk + 1);
+    const int n = item.tiles(a);
+    const int qb = at.q_buffer<T>();
+    const uint32_t bit = 1u << qb;
+    const uint32_t q_tile = ring.q_tile(qb);
+    const int* tinfo_row = a.tinfo + item.row * (a.topk + 1);
     const float scale = a.qk_scale;
+    const int kt0 = at.k_tiles;
+    const int vt0 = at.v_tiles;
+    const int turn0 = turn;
 
     float o[Mma::kORegs];
 #pragma unroll
@@ -239,18 +326,22 @@ struct Consumer {
     softmax.init();
 
     if (n > 0) {
-      barrier_wait(ring.q_full(), 0);
+      barrier_wait(ring.q_full(qb), (at.q_load_parity & bit) ? 1 : 0);
+      at.q_load_parity ^= bit;
       // tile 0: S only
       int fill = __ldg(tinfo_row) >> 16;
-      barrier_wait(ring.k_full(0), 0);
-      turns.begin(0);
-      wgmma_fence();
-      Mma::qk(s, ring.q_tile, ring.k_tile(0));
-      wgmma_commit();
-      turns.end(0);
-      wgmma_wait<0>();
-      fence_operands(s);
-      release(ring.k_empty(0), lane);
+      {
+        const int ks = kt0 % T::kKStages;
+        barrier_wait(ring.k_full(ks), (kt0 / T::kKStages) & 1);
+        turns.begin(turn0);
+        wgmma_fence();
+        Mma::qk(s, q_tile, ring.k_tile(ks));
+        wgmma_commit();
+        turns.end(turn0);
+        wgmma_wait<0>();
+        fence_operands(s);
+        release(ring.k_empty(ks), lane);
+      }
       if (fill < T::kBlock) Softmax::mask(s, fill, lane);
       softmax.template step<true>(s, p, alpha, scale);
       fill = __ldg(tinfo_row + 1) >> 16;  // tinfo[n] is the sentinel: always readable
@@ -259,21 +350,22 @@ struct Consumer {
       // Two P buffers that swap roles each tile (no copy that ptxas could fold into the
       // in-flight operand).
       auto tile = [&](int j, uint32_t (&p_in)[Mma::kPRegs], uint32_t (&p_out)[Mma::kPRegs]) {
-        const int ks = j % T::kKStages;
-        const int jv = j - 1;
-        const int vs = jv % T::kVStages;
+        const int kt = kt0 + j;
+        const int vt = vt0 + j - 1;
+        const int ks = kt % T::kKStages;
+        const int vs = vt % T::kVStages;
         const int fill_next = __ldg(tinfo_row + j + 1) >> 16;
-        barrier_wait(ring.k_full(ks), (j / T::kKStages) & 1);
-        barrier_wait(ring.v_full(vs), (jv / T::kVStages) & 1);
-        turns.begin(j);
+        barrier_wait(ring.k_full(ks), (kt / T::kKStages) & 1);
+        barrier_wait(ring.v_full(vs), (vt / T::kVStages) & 1);
+        turns.begin(turn0 + j);
         fence_operands(o);
         fence_operands(p_in);
         wgmma_fence();
-        Mma::qk(s, ring.q_tile, ring.k_tile(ks));
+        Mma::qk(s, q_tile, ring.k_tile(ks));
         wgmma_commit();
         Mma::pv(o, p_in, ring.v_tile(vs));
         wgmma_commit();
-        turns.end(j);
+        turns.end(turn0 + j);
         wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
         fence_operands(s);
         release(ring.k_empty(ks), lane);
@@ -288,16 +380,16 @@ struct Consumer {
       };
       // P V of the last tile, P_{n-1} in whichever buffer the tiles left it
       auto last = [&](uint32_t (&p_last)[Mma::kPRegs]) {
-        const int jv = n - 1;
-        const int vs = jv % T::kVStages;
-        barrier_wait(ring.v_full(vs), (jv / T::kVStages) & 1);
-        turns.begin(n);
+        const int vt = vt0 + n - 1;
+        const int vs = vt % T::kVStages;
+        barrier_wait(ring.v_full(vs), (vt / T::kVStages) & 1);
+        turns.begin(turn0 + n);
         fence_operands(o);
         fence_operands(p_last);
         wgmma_fence();
         Mma::pv(o, p_last, ring.v_tile(vs));
         wgmma_commit();
-        turns.end(n);
+        turns.end(turn0 + n);
         wgmma_wait<0>();
         fence_operands(o);
         fence_operands(p_last);
@@ -314,8 +406,14 @@ struct Consumer {
       } else {
         last(p);
       }
+      at.k_tiles += n;
+      at.v_tiles += n;
+      turn += n + 1;
     }
-    epilogue(maps, a, ring, consumer, o, softmax, n < 0, rows, q_cube, bh, warp, lane);
+    epilogue(maps, a, ring.q_empty(qb), q_tile, consumer, o, softmax, n < 0, item, warp, lane);
+    at.q_use_parity ^= bit;
+    at.q_used |= bit;
+    ++at.cubes;
   }
 
   // Byte offset of element (row, col) in a tile as TMA writes it: panel col / 64, the 16-byte
@@ -327,14 +425,15 @@ struct Consumer {
   }
 
   // o = acc / l (NaN for a bad row, 0 in padded query rows when asked) into the Q tile's
-  // panels in the swizzled layout, then one TMA store per panel; lse and max_prob by lanes.
+  // panels in the swizzled layout, then one TMA store per panel (whose reads done, the buffer
+  // is free: q_empty); lse and max_prob by lanes.
   static __device__ __forceinline__ void epilogue(const TensorMaps& maps, const LutArgs& a,
-                                                  const ConsumerRing<T>& ring, int consumer,
-                                                  float (&o)[Mma::kORegs], const Softmax& softmax,
-                                                  bool bad, TokenRows<T> rows, int q_cube,
-                                                  long long bh, int warp, int lane) {
+                                                  uint32_t q_empty, uint32_t q_tile,
+                                                  int consumer, float (&o)[Mma::kORegs],
+                                                  const Softmax& softmax, bool bad,
+                                                  const Item<T>& item, int warp, int lane) {
     const float nan = __int_as_float(0x7fc00000);
-    const int q_real = a.zero_pad_rows ? __ldg(a.vbs + q_cube) : T::kBlock;
+    const int q_real = a.zero_pad_rows ? __ldg(a.vbs + item.q_cube) : T::kBlock;
     float l[2];
     float inv[2];
 #pragma unroll
@@ -348,20 +447,21 @@ struct Consumer {
     for (int i = 0; i < Mma::kORegs; i += 2) {
       const int h = Fragment::half(i);
       const uint32_t addr =
-          ring.q_tile + tile_offset(Fragment::row(h, warp, lane), Fragment::column(i, lane));
+          q_tile + tile_offset(Fragment::row(h, warp, lane), Fragment::column(i, lane));
       const uint32_t packed = T::Elem::pack2(o[i] * inv[h], o[i + 1] * inv[h]);
       asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(packed) : "memory");
     }
     fence_proxy_async();  // the stores above, then the TMA store's reads
     named_sync(kEpilogueBarrier + consumer, 128);
+    const TokenRows<T> rows(item.bh, a);
     if (warp == 0 && lane == 0) {
 #pragma unroll
       for (int p = 0; p < T::kPanels; ++p)
-        tma_store(maps.o, ring.q_tile + p * T::kPanelBytes, rows.col + p * kPanelCols,
-                  rows.row0 + q_cube * T::kBlock);
+        tma_store(maps.o, q_tile + p * T::kPanelBytes, rows.col + p * kPanelCols,
+                  rows.row0 + item.q_cube * T::kBlock);
       tma_store_commit();
     }
-    const long long row0 = bh * a.seq_len + static_cast<long long>(q_cube) * T::kBlock;
+    const long long row0 = item.bh * a.seq_len + static_cast<long long>(item.q_cube) * T::kBlock;
     if constexpr (T::kStoreLse) {
       if ((lane & 3) == 0) {
 #pragma unroll
@@ -375,7 +475,7 @@ struct Consumer {
     if constexpr (T::kStoreMaxProb) {
       // 1 / l is the row's largest softmax weight (0 for a row with no key); the cube's share
       // is its mean over the real rows, vbs[q_cube] (NaN when that value is out of range)
-      const int n_real_raw = __ldg(a.vbs + q_cube);
+      const int n_real_raw = __ldg(a.vbs + item.q_cube);
       const int n_real = min(max(n_real_raw, 1), T::kBlock);
       float share = 0.f;
 #pragma unroll
@@ -398,10 +498,14 @@ struct Consumer {
                       warp_share[consumer][2] + warp_share[consumer][3]) /
                      static_cast<float>(n_real);
         if (n_real_raw < 1 || n_real_raw > T::kBlock) cube = nan;
-        a.max_prob_cube[bh * a.num_q_blocks + q_cube] = cube;
+        a.max_prob_cube[item.bh * a.num_q_blocks + item.q_cube] = cube;
       }
+      named_sync(kEpilogueBarrier + consumer, 128);  // the shares are read before the next cube
     }
-    if (warp == 0 && lane == 0) tma_store_wait_read();  // the tile stays until it is read
+    if (warp == 0 && lane == 0) {
+      tma_store_wait_read();  // the tile stays until it is read
+      barrier_arrive(q_empty);
+    }
   }
 };
 
@@ -414,17 +518,16 @@ __device__ __forceinline__ void lut_attention(const TensorMaps& maps, const LutA
   const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) >> 5, 0);
   const int warpgroup = warp >> 2;
   const int lane = threadIdx.x & 31;
-  const long long bh = blockIdx.y;
-  const int b = static_cast<int>(bh / a.num_heads);
-  const int h = static_cast<int>(bh % a.num_heads);
-  const TokenRows<T> rows(b, h, a.seq_len, a.num_heads);
-
   const uint32_t bars0 = smem_u32(&bars[0][0]);
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int c = 0; c < T::kConsumers; ++c) {
       const ConsumerRing<T> ring = ConsumerRing<T>::of(base, bars0, c);
-      barrier_init(ring.q_full(), 1);
+#pragma unroll
+      for (int b = 0; b < T::kQBuffers; ++b) {
+        barrier_init(ring.q_full(b), 1);
+        barrier_init(ring.q_empty(b), 1);  // the thread that issued O's TMA store
+      }
 #pragma unroll
       for (int s = 0; s < T::kKStages; ++s) {
         barrier_init(ring.k_full(s), 1);
@@ -460,20 +563,24 @@ __device__ __forceinline__ void lut_attention(const TensorMaps& maps, const LutA
         prefetch_map(maps.k);
         prefetch_map(maps.v);
       }
-      const int q_cube = blockIdx.x * T::kConsumers + warp;
-      if (q_cube < a.num_q_blocks)
-        Producer<T>::run(maps, a, ConsumerRing<T>::of(base, bars0, warp),
-                         bh * a.num_q_blocks + q_cube, rows, q_cube);
+      const ConsumerRing<T> ring = ConsumerRing<T>::of(base, bars0, warp);
+      RingCursor at;
+      for (int g = blockIdx.x; g < Item<T>::groups(a); g += gridDim.x) {
+        const Item<T> item(g, warp, a);
+        if (item.live) Producer<T>::cube(maps, a, ring, at, item);
+      }
     }
   } else {
     raise_registers<T::kConsumerRegs>();
     const int consumer = warpgroup - 1;
-    const int q_cube = blockIdx.x * T::kConsumers + consumer;
-    const int other_cube = blockIdx.x * T::kConsumers + (1 - consumer);
-    if (q_cube < a.num_q_blocks)
-      Consumer<T>::run(maps, a, ConsumerRing<T>::of(base, bars0, consumer), consumer, bh * a.num_q_blocks + q_cube,
-                       bh * a.num_q_blocks + other_cube,
-                       T::kConsumers == 2 && other_cube < a.num_q_blocks, rows, q_cube, bh);
+    const ConsumerRing<T> ring = ConsumerRing<T>::of(base, bars0, consumer);
+    const typename Consumer<T>::Turns turns = Consumer<T>::schedule(a, consumer);
+    RingCursor at;
+    int turn = 0;
+    for (int g = blockIdx.x; g < Item<T>::groups(a); g += gridDim.x) {
+      const Item<T> item(g, consumer, a);
+      if (item.live) Consumer<T>::cube(maps, a, ring, at, turns, turn, consumer, item);
+    }
   }
 }
 

@@ -4,8 +4,9 @@
 // other's MMAs instead of both bursting on the same units at once.
 //
 // The two consumers walk different LUT rows, so their turn counts differ. Both know both counts
-// (turns(n) = n + 1 for n >= 1 tiles: S of each tile, P V of the last; 0 otherwise), and a
-// turn waits only on a partner turn that exists: consumer 0's turn k (k >= 1) waits for
+// (over every cube each takes in the CTA: turns(n) = n + 1 for a cube of n >= 1 tiles, S of
+// each tile and P V of the last; 0 otherwise), and a turn waits only on a partner turn that
+// exists: consumer 0's turn k (k >= 1) waits for
 // consumer 1's turn k - 1, consumer 1's turn k for consumer 0's turn k. Every bar.sync has
 // exactly one matching bar.arrive, and once one consumer runs out of turns the other runs free.
 #pragma once
@@ -23,12 +24,15 @@ struct PingPong {
   int turns_self;  // turns of this consumer
   int turns_other;
 
-  __device__ __forceinline__ void init(int consumer, int self_tiles, int other_tiles) {
+  // The turns each consumer takes, over all its cubes (`turns` of each cube's tile count).
+  __device__ __forceinline__ void init(int consumer, int self_turns, int other_turns) {
     self = consumer;
-    turns_self = turns(self_tiles);
-    turns_other = turns(other_tiles);
+    turns_self = self_turns;
+    turns_other = other_turns;
   }
 
+  // A cube of `tiles` tiles takes one turn per tile (its S, with the previous tile's P V) and
+  // one for the last P V; none without a tile (or with a bad value, tiles -1).
   static __host__ __device__ __forceinline__ int turns(int tiles) {
     return tiles >= 1 ? tiles + 1 : 0;
   }

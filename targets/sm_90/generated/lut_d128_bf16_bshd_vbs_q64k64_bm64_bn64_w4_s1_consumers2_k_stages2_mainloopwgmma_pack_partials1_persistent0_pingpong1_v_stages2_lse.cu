@@ -3,7 +3,7 @@
 // (sm_90a): TMA producer warpgroup, 2 consumer warpgroup(s) on wgmma, ping-pong. CK-style: this
 // variant's traits over the static library under templates/cuda/include (tilegen/cuda/sm90/*.cuh).
 // 384 threads, 164864 bytes of dynamic shared memory; the plan comes from the Gluon pre-pass.
-// tilegen config: bm64_bn64_w4_s1_consumers2_k_stages2_mainloopwgmma_pack_partials1_pingpong1_v_stages2_lse
+// tilegen config: bm64_bn64_w4_s1_consumers2_k_stages2_mainloopwgmma_pack_partials1_persistent0_pingpong1_v_stages2_lse
 #define TILEGEN_THREADS 384
 #define TILEGEN_DYNAMIC_SMEM_BYTES 164864
 #define TILEGEN_MIN_BLOCKS 1
@@ -18,6 +18,7 @@ struct Config {
   static constexpr int kConsumers = 2;  // consumer warpgroups, one query cube each
   static constexpr int kKStages = 2;
   static constexpr int kVStages = 2;
+  static constexpr int kQBuffers = 1;  // 2: a persistent launch prefetches the next Q
   static constexpr bool kPingPong = true;
   static constexpr bool kStoreLse = true;
   static constexpr bool kStoreMaxProb = false;
@@ -31,7 +32,7 @@ static_assert(Traits::kSmemBytes == TILEGEN_DYNAMIC_SMEM_BYTES,
 
 // Arguments (tilegen/backends/cuda/wgmma.py KERNEL_SIGNATURE): the six tensor maps, then the plan
 // and outputs of tilegen::sm90::LutArgs.
-extern "C" __global__ void __launch_bounds__(TILEGEN_THREADS, TILEGEN_MIN_BLOCKS) tilegen_cuda_lut_d128_bf16_bshd_vbs_q64k64_bm64_bn64_w4_s1_consumers2_k_stages2_mainloopwgmma_pack_partials1_pingpong1_v_stages2_lse(
+extern "C" __global__ void __launch_bounds__(TILEGEN_THREADS, TILEGEN_MIN_BLOCKS) tilegen_cuda_lut_d128_bf16_bshd_vbs_q64k64_bm64_bn64_w4_s1_consumers2_k_stages2_mainloopwgmma_pack_partials1_persistent0_pingpong1_v_stages2_lse(
     const __grid_constant__ tilegen::sm90::TensorMap q_map,
     const __grid_constant__ tilegen::sm90::TensorMap k_map,
     const __grid_constant__ tilegen::sm90::TensorMap k8_map,
@@ -40,10 +41,11 @@ extern "C" __global__ void __launch_bounds__(TILEGEN_THREADS, TILEGEN_MIN_BLOCKS
     const __grid_constant__ tilegen::sm90::TensorMap o_map, const int* __restrict__ sidx,
     const int* __restrict__ tinfo, const int* __restrict__ meta, const int* __restrict__ vbs,
     float* __restrict__ lse, float* __restrict__ max_prob, float* __restrict__ max_prob_cube,
-    int seq_len, int num_heads, int num_q_blocks, int topk, float qk_scale, int zero_pad_rows) {
+    int seq_len, int num_heads, int batch_heads, int num_q_blocks, int topk, float qk_scale,
+    int zero_pad_rows) {
   const tilegen::sm90::TensorMaps maps{q_map, k_map, k8_map, v_map, v8_map, o_map};
-  const tilegen::sm90::LutArgs args{sidx,    tinfo,     meta,         vbs,  lse,      max_prob,
-                                    max_prob_cube, seq_len, num_heads, num_q_blocks, topk,
-                                    qk_scale, zero_pad_rows};
+  const tilegen::sm90::LutArgs args{sidx,      tinfo,       meta,         vbs,  lse,
+                                    max_prob,  max_prob_cube, seq_len,   num_heads, batch_heads,
+                                    num_q_blocks, topk,        qk_scale,  zero_pad_rows};
   tilegen::sm90::lut_attention<Traits>(maps, args);
 }

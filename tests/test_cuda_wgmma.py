@@ -33,10 +33,13 @@ import numpy as np
 import pytest
 import torch
 
+# the nvcc probe, its skip mark, the fresh-cache fixture and cvt.rn to 16 bits: the mma.sync
+# kernel's test module's (importing the fixture makes it this module's too)
+from test_cuda_backend import _cache_dir, _have_nvcc, _round16, needs_nvcc  # noqa: F401
+
 from tilegen.backends.cuda import BACKEND, wgmma
 from tilegen.backends.cuda import nvcc as nv
 from tilegen.backends.cuda.tensor_map import TileGeometry, tile_geometry
-from tilegen.compile import ToolchainMissing
 from tilegen.config import KernelConfig
 from tilegen.reference import LOG2E, attention_fp32
 from tilegen.spec import Spec
@@ -45,26 +48,6 @@ from tilegen.targets import get_target
 SM90 = get_target("sm_90")
 CUOBJDUMP = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / \
     "cuobjdump"
-
-
-def _have_nvcc() -> bool:
-    try:
-        nv.find_nvcc()
-        return True
-    except ToolchainMissing:
-        return False
-
-
-needs_nvcc = pytest.mark.skipif(
-    not _have_nvcc(), reason="nvcc not found: install the CUDA toolkit 12.8+ (nvcc) to compile "
-    "the CUDA backend; rendering and host-side tests still run")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _cache_dir(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TILEGEN_CACHE_DIR", str(tmp_path_factory.mktemp("tilegen-cache")))
-        yield
 
 
 # -- rules ---------------------------------------------------------------------------------------
@@ -379,16 +362,6 @@ def test_host_tables_are_the_ptx_layouts(cxx):
 
 
 # -- thread-level emulation ----------------------------------------------------------------------
-def _round16(x: np.ndarray, dtype: str) -> np.ndarray:
-    """fp32 -> bf16 / fp16 -> fp32, round to nearest even (cvt.rn)."""
-    x = np.asarray(x, np.float32)
-    if dtype == "fp16":
-        return x.astype(np.float16).astype(np.float32)
-    u = x.view(np.uint32).astype(np.uint64)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.astype(np.uint32).view(np.float32)
-
-
 def _swizzle(addr: np.ndarray) -> np.ndarray:
     """The 128-byte swizzle on shared-memory byte addresses: the 16-byte chunk (bits 4-6) XOR
     the 128-byte line within its 1024-byte atom (bits 7-9)."""

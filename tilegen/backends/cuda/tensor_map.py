@@ -88,9 +88,6 @@ class TensorMap:
         base = ctypes.addressof(self._raw)
         self.address = base + (-base % MAP_ALIGN)
 
-    def bytes(self) -> bytes:
-        return ctypes.string_at(self.address, MAP_BYTES)
-
 
 @functools.cache
 def _driver_encode():

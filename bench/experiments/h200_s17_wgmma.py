@@ -8,6 +8,10 @@ One call checks and times every variant beside the Gluon winner and the referenc
     ... --small-only          the small checks only (a minute: the first run of a new kernel)
     ... --variants 'consumers=1,pingpong=0;k_stages=3,v_stages=3'   more configs ('=' knobs,
                               ',' between knobs, ';' between configs) over the defaults
+    ... --only pingpong,k3v3  the named variants alone (one process per variant under `timeout`
+                              keeps a hung kernel from taking the others with it)
+    ... --prebuild            compile every variant's cubins for sm_90a here, with no GPU, into
+                              $TILEGEN_CACHE_DIR (carry that folder: the GPU minutes skip nvcc)
 
 1. Small checks, every variant (`VARIANTS`): a 7x6x10-token grid (cubes of 48, 32, 24, 16
    tokens: packed and unpacked partial cubes), two heads of which one an outlier (logits of
@@ -81,6 +85,26 @@ def parse_variants(text: str) -> list[tuple[str, dict, dict]]:
                 opts[key] = val
         out.append(("+" + part.replace(",", "_").replace("=", ""), {}, opts))
     return out
+
+
+def prebuild(variants) -> None:
+    """Every variant's cubins (with and without lse and max_prob) compiled for sm_90a into the
+    cache, with no GPU."""
+    from tilegen.backends.cuda.nvcc import compile_cuda
+    from tilegen.backends.cuda.wgmma_op import WgmmaLaunch
+    from tilegen.targets import get_target
+
+    target = get_target("sm_90")
+    for label, fields, opts in variants:
+        t0 = time.perf_counter()
+        spec = Spec(**fields)
+        cfg = wgmma.config(**opts)
+        for lse in (True, False):
+            for mp in (False, True):
+                run = WgmmaLaunch(spec.kernel_spec, cfg.replace(store_lse=lse, store_max_prob=mp),
+                                  target)
+                compile_cuda(run.source, target, None, run.digest)
+        print(f"prebuilt {label} in {time.perf_counter() - t0:.1f}s", flush=True)
 
 
 def wgmma_op(spec: Spec, opts: dict):
@@ -228,12 +252,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--sweep", action="store_true", help="also TOPK 31 and 187")
     ap.add_argument("--variants", default="")
+    ap.add_argument("--only", default="", help="comma-separated variant labels")
+    ap.add_argument("--prebuild", action="store_true")
     args = ap.parse_args(argv)
+    variants = VARIANTS + parse_variants(args.variants)
+    if args.only:
+        keep = set(args.only.split(","))
+        variants = [v for v in variants if v[0] in keep]
+    if args.prebuild:
+        prebuild(variants)
+        return 0
     import triton
 
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton "
           f"{triton.__version__}", flush=True)
-    variants = VARIANTS + parse_variants(args.variants)
     rows = []
     for label, fields, opts in variants:
         rows += check_small(label, Spec(**fields), opts)

@@ -12,6 +12,8 @@ One call checks and times every variant beside the Gluon winner and the referenc
                               keeps a hung kernel from taking the others with it)
     ... --prebuild            compile every variant's cubins for sm_90a here, with no GPU, into
                               $TILEGEN_CACHE_DIR (carry that folder: the GPU minutes skip nvcc)
+    ... --prebuild-space      the same for every feasible point of the sm_90 [tunable.cuda]
+                              space on the default spec (what `tilegen tune --backend cuda` tries)
 
 1. Small checks, every variant (`VARIANTS`): a 7x6x10-token grid (cubes of 48, 32, 24, 16
    tokens: packed and unpacked partial cubes), two heads of which one an outlier (logits of
@@ -105,6 +107,26 @@ def prebuild(variants) -> None:
                                   target)
                 compile_cuda(run.source, target, None, run.digest)
         print(f"prebuilt {label} in {time.perf_counter() - t0:.1f}s", flush=True)
+
+
+def prebuild_space() -> None:
+    from tilegen.backends.cuda import BACKEND
+    from tilegen.backends.cuda.nvcc import compile_cuda, render_cuda
+    from tilegen.targets import get_target
+    from tilegen.tune.space import SearchSpace
+
+    target = get_target("sm_90")
+    spec = Spec()
+    space = SearchSpace.from_target(spec, target, backend="cuda")
+    feasible = space.feasible()
+    print(f"{space.describe()}: {len(feasible)} feasible", flush=True)
+    for cfg in feasible:
+        for lse in (True, False):
+            c = cfg.replace(store_lse=lse)
+            src = render_cuda(spec.kernel_spec, c, target)
+            compile_cuda(src, target, None,
+                         BACKEND.variant_key(spec.kernel_spec, c, target, src).digest)
+        print(f"prebuilt {cfg.name}", flush=True)
 
 
 def wgmma_op(spec: Spec, opts: dict):
@@ -254,13 +276,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="")
     ap.add_argument("--only", default="", help="comma-separated variant labels")
     ap.add_argument("--prebuild", action="store_true")
+    ap.add_argument("--prebuild-space", action="store_true")
     args = ap.parse_args(argv)
     variants = VARIANTS + parse_variants(args.variants)
     if args.only:
         keep = set(args.only.split(","))
         variants = [v for v in variants if v[0] in keep]
-    if args.prebuild:
-        prebuild(variants)
+    if args.prebuild or args.prebuild_space:
+        if args.prebuild:
+            prebuild(variants)
+        if args.prebuild_space:
+            prebuild_space()
         return 0
     import triton
 

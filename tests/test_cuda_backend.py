@@ -141,9 +141,10 @@ def test_rendered_kernel_is_traits_over_the_headers():
     assert inc == nv.paths.TEMPLATES_DIR / "cuda" / "include"
     on_disk = sorted(p.relative_to(inc).as_posix() for p in inc.rglob("*") if p.is_file())
     hopper = nv.render_cuda(Spec(), wgmma.config().replace(store_max_prob=True), SM90)
-    included = {rel for rel, _ in src.headers} | {rel for rel, _ in hopper.headers}
+    hopper8 = nv.render_cuda(Spec(quant="int8_fp8"), wgmma.config(), SM90)  # the 8-bit kernel
+    included = {rel for s in (src, hopper, hopper8) for rel, _ in s.headers}
     assert sorted(included) == on_disk and len(on_disk) >= 10
-    for rel, data in src.headers + hopper.headers:
+    for rel, data in src.headers + hopper.headers + hopper8.headers:
         assert rel.startswith("tilegen/cuda/") and rel.endswith(".cuh")
         text = data.decode()
         # no Jinja ({{ name }}, {% if %}); PTX operand lists like "{%3, %4}" are fine

@@ -70,9 +70,11 @@ def test_targets_and_families_without_an_8bit_kernel_say_why():
     gluon = backends.get("gluon")
     (why,) = gluon.spec_violations(spec, get_target("sm_100a"))
     assert "tcgen05" in why and "i8" in why and "f8f6f4" in why
-    for name, tname in (("triton", "sm_90"), ("cuda", "sm_90"), ("hip", "gfx942")):
+    for name, tname in (("triton", "sm_90"), ("hip", "gfx942")):
         (why,) = backends.get(name).spec_violations(spec, get_target(tname))
         assert f"the {name} family has no quant='int8_fp8' kernel" in why and "gluon" in why
+    # the CUDA family's is its wgmma mainloop's (tests/test_cuda_wgmma_8bit.py)
+    assert backends.get("cuda").spec_violations(spec, get_target("sm_90")) == []
     (why,) = gluon.spec_violations(Spec(quant="int8", **SMALL), get_target("sm_90"))
     assert "the gluon family has no quant='int8' kernel" in why
     with pytest.raises(ValueError, match="has no quant='int8_fp8' kernel; families with it"):

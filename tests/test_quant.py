@@ -159,15 +159,19 @@ def test_spec_quant_is_validated_refused_where_no_kernel_and_keeps_the_old_hashe
     assert Spec.from_json(spec.to_json()) == spec
     with pytest.raises(ValueError, match="Spec.quant='fp8' is not allowed"):
         Spec(quant="fp8")
-    # the Gluon family computes int8_fp8 on Hopper (tests/test_gluon_quant.py); every other
-    # family and target refuses it by name, and no family has an "int8" kernel
-    assert backends.with_quant("int8_fp8") == ["gluon"] and not backends.with_quant("int8")
+    # the Gluon family computes int8_fp8 on Hopper (tests/test_gluon_quant.py), and the CUDA
+    # family's wgmma mainloop (tests/test_cuda_wgmma_8bit.py); every other family and target
+    # refuses it by name, and no family has an "int8" kernel
+    assert backends.with_quant("int8_fp8") == ["gluon", "cuda"]
+    assert not backends.with_quant("int8")
     for name in backends.names():
         for tname in (("gfx942",) if name == "hip" else ("sm_90", "sm_100a")):
             target = get_target(tname)
-            if name not in target.backends or (name, tname) == ("gluon", "sm_90"):
+            if name not in target.backends or tname == "sm_90" and name in ("gluon", "cuda"):
                 continue
-            problems = backends.get(name).spec_violations(spec, target)
+            b = backends.get(name)
+            problems = b.spec_violations(spec, target) or b.violations(
+                spec, target, b.default_config(spec, target))
             assert problems and "quant='int8_fp8'" in problems[0], (name, tname)
     with pytest.raises(ValueError, match="no kernel family implements this 8-bit recipe"):
         tilegen.load(Spec(quant="int8", grid=(4, 4, 8), num_heads=2, head_dim=64, topk=2))

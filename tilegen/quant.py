@@ -24,7 +24,9 @@ kernels are held to (contract.md, the quantized rule's check 4).
   ``vt_tiles=True``, as 32-key tiles ``(B, H, S / 32, D, 32)`` whose bytes lie in the order of
   the kernel's shared-memory tile (32-byte swizzle: the 16-byte halves of rows ``d`` with
   ``d // 4`` odd swapped), so that one tile is ``D / 4`` rows of 128 bytes to copy
-  (`vt_to_tiles`, `vt_natural`).
+  (`vt_to_tiles`, `vt_natural`); or, with ``vt_slots=True``, natural but with the keys of each
+  32-key half in the CUDA wgmma kernel's MMA slot order (`vt_to_slots`), so that its e4m3 P
+  fragment is S's accumulator fragment with no data moved.
 * **P** (``"int8_fp8"``): ``p = exp2(s - m)`` of the online softmax is in ``[0, 1]``; P·V takes
   ``e4m3(p * P_SCALE)`` and divides by ``P_SCALE`` afterwards; the row sum ``l`` is of the fp32
   ``p``. Each tile's P·V goes into an fp32 accumulator (Hopper's 8-bit MMA accumulates at
@@ -50,7 +52,8 @@ from tilegen.spec import QUANT_MODES  # "none", "int8" (INT8 Q·K, bf16 P·V), "
 
 __all__ = ["QUANT_MODES", "QuantizedInputs", "quantize", "quantize_torch", "quantize_triton",
            "emulate", "QuantReference", "quant_reference", "vt_to_tiles", "vt_natural",
-           "E4M3_MAX", "INT8_MAX", "P_SCALE", "V_HEADROOM", "SAMPLE_CUBES"]
+           "vt_slot_keys", "vt_to_slots", "E4M3_MAX", "INT8_MAX", "P_SCALE", "V_HEADROOM",
+           "SAMPLE_CUBES"]
 
 #: largest finite e4m3fn value (a property of the format, not of any device)
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
@@ -80,6 +83,8 @@ class QuantizedInputs:
     q_mean: torch.Tensor | None = None  # q_smooth only: (B, H, NQ, D) fp32, q̄_c of real rows
     #: v8t as 32-key tiles (B, H, S / 32, D, 32) in shared-memory order (`vt_to_tiles`)
     vt_tiles: bool = False
+    #: v8t (B, H, D, S) with each 32-key half's keys in MMA slot order (`vt_to_slots`)
+    vt_slots: bool = False
 
 
 #: keys a V^T tile holds (the kernels' half tile: 8-bit TMA boxes of V^T are 32 keys wide)
@@ -102,8 +107,30 @@ def vt_to_tiles(v8t: torch.Tensor) -> torch.Tensor:
     return _swizzle32(tiles).contiguous().view(v8t.dtype)
 
 
+def vt_slot_keys() -> list[int]:
+    """The key of a 32-key half that the CUDA wgmma kernel's P.V reads at MMA slot kk
+    (`AttentionMma8::key_of_slot` in templates/cuda/include/tilegen/cuda/sm90/wgmma.cuh): wgmma's
+    8-bit A fragment gives a thread slots 4 (lane % 4) + 0..3 and 16 + 4 (lane % 4) + 0..3, S's
+    accumulator gives it keys 8 g + 2 (lane % 4) + 0..1."""
+    return [8 * (2 * (kk // 16) + (kk % 4) // 2) + 2 * ((kk % 16) // 4) + kk % 2
+            for kk in range(VT_TILE)]
+
+
+def vt_to_slots(v8t: torch.Tensor) -> torch.Tensor:
+    """(B, H, D, S) V^T with the keys of each 32-key half in MMA slot order."""
+    B, H, D, S = v8t.shape
+    keys = torch.tensor(vt_slot_keys(), device=v8t.device)
+    halves = v8t.view(torch.uint8).view(B, H, D, S // VT_TILE, VT_TILE)
+    return halves.index_select(-1, keys).view(B, H, D, S).view(v8t.dtype)
+
+
 def vt_natural(qi: QuantizedInputs) -> torch.Tensor | None:
     """qi's V^T as (B, H, D, S), whichever layout the pre-pass wrote."""
+    if qi.v8t is not None and qi.vt_slots:
+        B, H, D, S = qi.v8t.shape
+        slots = torch.argsort(torch.tensor(vt_slot_keys(), device=qi.v8t.device))
+        halves = qi.v8t.view(torch.uint8).view(B, H, D, S // VT_TILE, VT_TILE)
+        return halves.index_select(-1, slots).view(B, H, D, S).view(qi.v8t.dtype)
     if qi.v8t is None or not qi.vt_tiles:
         return qi.v8t
     B, H, n, D, w = qi.v8t.shape
@@ -277,16 +304,25 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
 
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
              mode: str = "int8_fp8", block: int = 64, *, with_q: bool = True,
-             vt_tiles: bool = False) -> QuantizedInputs:
+             vt_tiles: bool = False, vt_slots: bool = False) -> QuantizedInputs:
     """The pre-pass: Q, K (and V for ``"int8_fp8"``) quantized by the recipe (module
     docstring). On a GPU one Triton launch, no host sync; on a CPU `quantize_torch`.
     ``with_q=False`` leaves Q out on the GPU (q8 and q_scale None: the op's kernel quantizes
-    each query cube itself). ``vt_tiles``: V^T as 32-key tiles in shared-memory order (module
-    docstring)."""
+    each query cube itself). ``vt_tiles``: V^T as 32-key tiles in shared-memory order;
+    ``vt_slots``: V^T's keys in MMA slot order, one more pass over V^T (module docstring)."""
+    import dataclasses
+
     _check_mode(mode)
+    if vt_slots and (vt_tiles or mode != "int8_fp8"):
+        raise ValueError("vt_slots orders the e4m3 V^T of int8_fp8 in its natural layout: "
+                         "not with vt_tiles, nor for mode 'int8'")
     if q.device.type == "cpu":
-        return quantize_torch(q, k, v, vbs, mode, block, vt_tiles=vt_tiles)
-    return quantize_triton(q, k, v, vbs, mode, block, with_q=with_q, vt_tiles=vt_tiles)
+        qi = quantize_torch(q, k, v, vbs, mode, block, vt_tiles=vt_tiles)
+    else:
+        qi = quantize_triton(q, k, v, vbs, mode, block, with_q=with_q, vt_tiles=vt_tiles)
+    if vt_slots:
+        qi = dataclasses.replace(qi, v8t=vt_to_slots(qi.v8t), vt_slots=True)
+    return qi
 
 
 def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,

@@ -8,6 +8,11 @@ the bf16 default op in the same process, pre-pass included and without it (`from
     ... --variants 'qk_ahead=1;pack_halves=0'   (more 8-bit configs, checked and timed beside
                                                  the default: ';' between them, ',' between knobs)
 
+    ... --backend cuda     the CUDA family's 8-bit wgmma kernel (session 18) instead of the Gluon
+                           one, the Gluon 8-bit op timed beside it; --variants then take its
+                           knobs (consumers, pingpong, k_stages, v_stages, pack_partials,
+                           persistent); the cases it refuses (head_dim 64, sliding_tile) skipped
+
 The table is printed last; every row is also in the JSON.
 """
 
@@ -34,11 +39,16 @@ def _cpu(qi):
 
 
 VARIANT: dict = {}  # the 8-bit config options under check (--variants), over the default's
+BACKEND = {"name": "gluon"}  # the family whose 8-bit kernel is checked (--backend)
 
 
 def load8(spec: Spec):
     """The 8-bit op with the options of `VARIANT` over the default config (the default op
     when empty)."""
+    if BACKEND["name"] == "cuda" and spec.quant != "none":
+        from tilegen.backends.cuda import wgmma
+
+        return tilegen.load(spec, wgmma.config(**VARIANT), backend="cuda")
     if not VARIANT or spec.quant == "none":
         return tilegen.load(spec)
     from tilegen import backends
@@ -145,12 +155,15 @@ def checks(small_only: bool, seeds=(0, 1)) -> list:
                                                    dtype=torch.int32))
     # 10 query cubes, batch 2: a CTA of 3 consumers has dead ones past the grid
     check_case("lut_ragged_b2", Spec(grid=(4, 8, 20), topk=4, batch=2, **small), 3, rows)
-    check_case("lut_hd64", Spec(grid=(8, 12, 16), topk=6, head_dim=64, **small), 0, rows)
+    cuda = BACKEND["name"] == "cuda"  # head_dim 128 and the LUT (and mask) encodings only
+    if not cuda:
+        check_case("lut_hd64", Spec(grid=(8, 12, 16), topk=6, head_dim=64, **small), 0, rows)
     check_case("lut_fp16", Spec(grid=(8, 12, 16), topk=6, dtype="fp16", **small), 0, rows)
     check_case("mask", Spec(encoding="mask", grid=(8, 12, 16), topk=6, **small), 0, rows,
                sorted_idx=True)
-    check_case("sliding_tile", Spec(encoding="sliding_tile", grid=(8, 12, 16), window=(1, 3, 3),
-                                    **small), 0, rows)
+    if not cuda:
+        check_case("sliding_tile", Spec(encoding="sliding_tile", grid=(8, 12, 16),
+                                        window=(1, 3, 3), **small), 0, rows)
     check_bad_index(rows)
     if not small_only:
         for seed in seeds:
@@ -171,6 +184,10 @@ def _time_one(spec: Spec, do_bench, block_sparse_attention) -> dict:
     t["prepass_ms"] = do_bench(lambda: quant.quantize(q, k, v, vbs, "int8_fp8"), rep=400)
     t["prepass_kv_ms"] = do_bench(lambda: quant.quantize(q, k, v, vbs, "int8_fp8",
                                                          with_q=False), rep=400)
+    if BACKEND["name"] == "cuda":  # the shipped (Gluon) 8-bit op in the same process
+        gl8 = tilegen.load(spec.replace(quant="int8_fp8"))
+        t["gluon_int8_fp8_op_ms"] = do_bench(lambda: gl8(q, k, v, idx, vbs, return_lse=False),
+                                             rep=400)
     t["bf16_op_again_ms"] = do_bench(lambda: block_sparse_attention(q, k, v, idx, vbs), rep=400)
     t["speedup"] = min(t["bf16_op_ms"], t["bf16_op_again_ms"]) / t["int8_fp8_op_ms"]
     print(t, flush=True)
@@ -198,9 +215,11 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=40)
     ap.add_argument("--variants", default="")
     ap.add_argument("--variant-topks", default="78")
+    ap.add_argument("--backend", choices=("gluon", "cuda"), default="gluon")
     args = ap.parse_args()
+    BACKEND["name"] = args.backend
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "tilegen": tilegen.__version__}
+           "tilegen": tilegen.__version__, "backend": args.backend}
     res["checks"] = checks(args.small_only)
     Path(args.out).write_text(json.dumps(res, indent=2))
     if not args.small_only:
@@ -224,7 +243,9 @@ def main() -> int:
         print(f"{t.get('variant') or 'default'} TOPK {t['topk']:4d}: bf16 {bf16:.3f} ms, "
               f"int8_fp8 {t['int8_fp8_op_ms']:.3f} ms (from_quantized "
               f"{t['int8_fp8_from_quantized_ms']:.3f}, pre-pass {t['prepass_ms']:.3f}, "
-              f"K/V only {t.get('prepass_kv_ms', float('nan')):.3f}): {t['speedup']:.2f}x")
+              f"K/V only {t.get('prepass_kv_ms', float('nan')):.3f}): {t['speedup']:.2f}x"
+              + (f"; gluon int8_fp8 {t['gluon_int8_fp8_op_ms']:.3f} ms"
+                 if "gluon_int8_fp8_op_ms" in t else ""))
     return 0
 
 

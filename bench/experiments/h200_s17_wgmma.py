@@ -56,19 +56,22 @@ from tilegen.spec import Spec  # noqa: E402
 LSE_TOL = 1e-2
 #: (label, spec fields, wgmma options): the small checks run all of them; the full workload
 #: the bf16 BSHD ones
+PINGPONG = {"consumers": 2, "pingpong": True, "k_stages": 2}  # session 17's defaults
+ONE = {"consumers": 1, "pingpong": False, "k_stages": 2}
 VARIANTS: list[tuple[str, dict, dict]] = [
-    ("pingpong", {}, {}),
-    ("two_free", {}, {"pingpong": False}),
-    ("one_consumer", {}, {"consumers": 1, "pingpong": False}),
-    ("k3v3", {}, {"k_stages": 3, "v_stages": 3}),
-    ("k3v2", {}, {"k_stages": 3}),
-    ("no_pack", {}, {"pack_partials": False}),
-    ("persistent", {}, {"persistent": True}),
-    ("persistent_k3", {}, {"persistent": True, "k_stages": 3}),
-    ("persistent_free", {}, {"persistent": True, "pingpong": False}),
-    ("persistent_one", {}, {"persistent": True, "consumers": 1, "pingpong": False}),
-    ("fp16_d64_bhsd", {"dtype": "fp16", "head_dim": 64, "layout": "bhsd"}, {}),
-    ("d64_one_consumer", {"head_dim": 64}, {"consumers": 1, "pingpong": False}),
+    ("pingpong", {}, PINGPONG),
+    ("two_free", {}, {**PINGPONG, "pingpong": False}),
+    ("one_consumer", {}, ONE),
+    ("k3v3", {}, {**PINGPONG, "k_stages": 3, "v_stages": 3}),
+    ("k3v2", {}, {**PINGPONG, "k_stages": 3}),
+    ("no_pack", {}, {**PINGPONG, "pack_partials": False}),
+    ("persistent", {}, {**PINGPONG, "persistent": True}),
+    ("persistent_k3", {}, {**PINGPONG, "persistent": True, "k_stages": 3}),
+    ("persistent_free", {}, {**PINGPONG, "persistent": True, "pingpong": False}),
+    ("persistent_one", {}, {**ONE, "persistent": True}),
+    ("fp16_d64_bhsd", {"dtype": "fp16", "head_dim": 64, "layout": "bhsd"}, PINGPONG),
+    ("d64_one_consumer", {"head_dim": 64}, ONE),
+    ("default", {}, {}),  # wgmma.DEFAULTS since session 18: one consumer, K ring 3
 ]
 
 
@@ -174,6 +177,7 @@ def small_inputs(spec: Spec, seed: int, counts: bool):
 
 def check_small(label: str, spec: Spec, opts: dict) -> list[dict]:
     rows = []
+    spec = spec.replace(grid=(7, 6, 10), num_heads=2, topk=4)  # the small captures' workload
     op = wgmma_op(spec, opts)
     for seed, counts in ((0, False), (1, True), (2, False)):
         name = f"small/{label}/seed{seed}{'/counts' if counts else ''}"
@@ -182,16 +186,21 @@ def check_small(label: str, spec: Spec, opts: dict) -> list[dict]:
             o, lse = op(*args, cnt)
             ref_o, ref_lse, ref_mp = attention_fp32(*args, cnt, layout=spec.layout,
                                                     max_prob=True)
-            s = captures.score(o, ref_o.to(o.dtype), layout=spec.layout)
+            # the contract's o_ref is the reference variant's output (bf16 like the kernel's);
+            # the fp32 oracle rounded to 16 bits is reported beside it (session 18: seed 2 sits
+            # at mean|d| 1.03e-4 against it, over the 1e-4 bound, for every variant alike)
+            o_ref = tilegen.load(spec, REFERENCE_CONFIG)(*args, cnt, return_lse=False)
+            s = captures.score(o, o_ref, layout=spec.layout)
+            oracle = captures.score(o, ref_o.to(o.dtype), layout=spec.layout)
             empty = torch.isinf(ref_lse)
             lse_ok = bool(torch.equal(torch.isinf(lse), empty))
             lse_err = float((lse[~empty] - ref_lse[~empty]).abs().max()) if (~empty).any() else 0
             res = op(*args, cnt, return_max_prob=True)
             mp_err = float((res.max_prob - ref_mp).abs().max())
             passed = s.passed and lse_ok and lse_err <= LSE_TOL and mp_err <= 1e-3
-            rows.append(dict(case=name, passed=passed, score=str(s), lse_err=lse_err,
-                             mp_err=mp_err, where="" if passed else diagnose(o, ref_o,
-                                                                             spec.layout)))
+            rows.append(dict(case=name, passed=passed, score=str(s), oracle=str(oracle),
+                             lse_err=lse_err, mp_err=mp_err,
+                             where="" if passed else diagnose(o, o_ref, spec.layout)))
         except Exception as exc:  # keep going: report every variant
             rows.append(dict(case=name, passed=False, score=f"{type(exc).__name__}: {exc}"[:300],
                              where=traceback.format_exc()[-1500:]))

@@ -47,8 +47,10 @@ def get(name: str) -> Backend:
 
 
 def with_quant(mode: str) -> list[str]:
-    """The families whose kernels compute `Spec.quant` mode `mode` (`Backend.quant_modes`)."""
-    return [n for n in names() if mode in get(n).quant_modes]
+    """The families whose kernels compute `Spec.quant` mode `mode` (`Backend.quant_modes`),
+    by `Backend.quant_rank`."""
+    having = [n for n in names() if mode in get(n).quant_modes]
+    return sorted(having, key=lambda n: get(n).quant_rank)
 
 
 def for_target(target: Target) -> list[Backend]:

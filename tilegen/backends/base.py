@@ -43,6 +43,9 @@ class Backend(ABC):
     missing_encoding_reason: ClassVar[str] = ""
     #: the `Spec.quant` modes its kernels compute (`tilegen.quant`'s recipes)
     quant_modes: ClassVar[tuple[str, ...]] = ("none",)
+    #: rank among the families computing an 8-bit mode, for a `load` that names none (lower
+    #: first: the family whose 8-bit kernel was measured and tuned comes first)
+    quant_rank: ClassVar[int] = 100
     #: the largest cube (tokens per query / KV block) its kernels are checked at
     max_cube: ClassVar[int] = 128
 

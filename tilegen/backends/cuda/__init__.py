@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 class CudaBackend(Backend):
     name = "cuda"
+    #: int8_fp8 on the wgmma mainloop only (Hopper); other targets refuse it with the reason
+    quant_modes = ("none", "int8_fp8")
+    quant_rank = 10  # not measured on a GPU yet (bench/NOTES.md, session 18)
     missing_encoding_reason = ("its kernel (templates/cuda/include/tilegen/cuda/"
                                "lut_attention.cuh) walks a LUT row; "
                                "the sliding-tile cursor branch is not written for it yet")
@@ -55,6 +58,16 @@ class CudaBackend(Backend):
         if companion is not None:
             out.append(self.render(spec, companion, target))
         return out
+
+    def default_config(self, spec: Spec, target: Target) -> KernelConfig:
+        """The target's default config; for an 8-bit spec the wgmma kernel's (the only CUDA
+        kernel that computes one), where the target runs it."""
+        cfg = super().default_config(spec, target)
+        if spec.quant != "none":
+            companion = self._wgmma_companion(spec, cfg, target)
+            if companion is not None:
+                return companion
+        return cfg
 
     def tuning_base(self, spec: Spec, target: Target) -> KernelConfig:
         """A target whose [tunable.cuda] searches the wgmma mainloop tunes from its default
@@ -90,9 +103,9 @@ class CudaBackend(Backend):
         from tilegen.backends.cuda import wgmma
 
         if cfg is not None and wgmma.mainloop_of(cfg) == "wgmma":
-            from tilegen.backends.cuda.wgmma_op import CudaWgmmaAttention
+            from tilegen.backends.cuda.wgmma_op import make_wgmma_op
 
-            return CudaWgmmaAttention(spec, cfg, target, config_source)
+            return make_wgmma_op(spec, cfg, target, config_source)
         from tilegen.backends.cuda.runtime import CudaBlockSparseAttention
 
         return CudaBlockSparseAttention(spec, cfg, config_source)

@@ -86,6 +86,9 @@ def cuda_violations(spec: Spec, cfg: KernelConfig, target: Target) -> list[str]:
     if cfg.options:
         return [f"options {sorted(dict(cfg.options))} belong to mainloop wgmma; the mma.sync "
                 "kernel has none"]
+    if spec.quant != "none":
+        return [f"quant={spec.quant!r}: the CUDA family's 8-bit kernel is its wgmma mainloop's "
+                "(Hopper, sm_90a: IGMMA and QGMMA); the mma.sync kernel is 16-bit"]
     problems = []
     if not target.mma_for("mma_sync", spec.dtype):
         return [f"target {target.name} has no mma.sync instruction for {spec.dtype}"]

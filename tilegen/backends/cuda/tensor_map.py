@@ -11,6 +11,8 @@ Every map here is a 2-D view of a contiguous 16-bit token tensor, innermost dime
 BSHD ``(B, S, H, D)`` is ``(H * D columns, B * S rows)`` with rows ``H * D`` elements apart;
 BHSD ``(B, H, S, D)`` is ``(D, B * H * S)``. A box is 64 columns (one 128-byte swizzle line)
 by 64 rows (a whole cube, Q, O) or 8 rows (a slice of a packed partial cube), swizzled 128 B.
+The 8-bit kernel's maps are of bytes ("u8": int8 Q8/K8 and e4m3 V^T alike, `byte_geometry`),
+with a 128-byte swizzle for Q8 and K8 rows and a 32-byte one for V^T's 32-key halves.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ import functools
 from dataclasses import dataclass
 
 #: cuda.h's CUtensorMapDataType codes of the element types the kernel reads
-DATA_TYPES: dict[str, int] = {"bf16": 9, "fp16": 6}
+DATA_TYPES: dict[str, int] = {"bf16": 9, "fp16": 6, "u8": 0}
 ELEM_BYTES = 2
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "u8": 1}
 #: cuda.h: CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
 #: CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
 INTERLEAVE_NONE = 0
 SWIZZLE_128B = 3
+#: cuda.h's CUtensorMapSwizzle code by swizzle width in bytes
+SWIZZLE_CODES: dict[int, int] = {32: 1, 64: 2, 128: SWIZZLE_128B}
 L2_PROMOTION_256B = 3
 OOB_FILL_NONE = 0
 #: the widest box row a 128-byte swizzle takes, and the box limit per dimension
@@ -42,17 +47,23 @@ class TileGeometry:
     dims: tuple[int, int]
     row_stride_bytes: int
     box: tuple[int, int]
+    elem_bytes: int = ELEM_BYTES
+    swizzle_bytes: int = SWIZZLE_BYTES
 
     def problems(self) -> list[str]:
         """What the driver would refuse (cuTensorMapEncodeTiled's documented rules)."""
         out = []
+        if self.swizzle_bytes not in SWIZZLE_CODES:
+            out.append(f"swizzle of {self.swizzle_bytes} B: one of {sorted(SWIZZLE_CODES)}")
         if min(self.dims) < 1 or max(self.dims) >= 2**32:
             out.append(f"dims {self.dims} outside 1..2^32-1")
         if self.row_stride_bytes % 16 or self.row_stride_bytes >= 2**40:
             out.append(f"row stride {self.row_stride_bytes} B is not a multiple of 16 below 2^40")
-        if self.box[0] * ELEM_BYTES > SWIZZLE_BYTES:
-            out.append(f"box row of {self.box[0] * ELEM_BYTES} B is wider than the 128-byte "
-                       "swizzle")
+        if self.box[0] * self.elem_bytes > self.swizzle_bytes:
+            out.append(f"box row of {self.box[0] * self.elem_bytes} B is wider than the "
+                       f"{self.swizzle_bytes}-byte swizzle")
+        if self.box[0] * self.elem_bytes % 16:
+            out.append(f"box row of {self.box[0] * self.elem_bytes} B is not a multiple of 16")
         if not all(1 <= b <= MAX_BOX for b in self.box) or self.box[0] > self.dims[0]:
             out.append(f"box {self.box} outside 1..{MAX_BOX} or wider than the tensor")
         return out
@@ -76,6 +87,16 @@ def tile_geometry(shape: tuple[int, ...], layout: str, box_rows: int,
     problems = geometry.problems()
     if problems:
         raise ValueError(f"tensor of shape {tuple(shape)} ({layout}): " + "; ".join(problems))
+    return geometry
+
+
+def byte_geometry(cols: int, rows: int, box: tuple[int, int],
+                  swizzle_bytes: int) -> TileGeometry:
+    """A (cols, rows) byte matrix, rows `cols` bytes apart, with a (box cols, box rows) box."""
+    geometry = TileGeometry((cols, rows), cols, box, 1, swizzle_bytes)
+    problems = geometry.problems()
+    if problems:
+        raise ValueError(f"byte matrix of {rows} rows x {cols} B: " + "; ".join(problems))
     return geometry
 
 
@@ -107,9 +128,13 @@ def _driver_encode():
 
 
 def encode(address: int, geometry: TileGeometry, dtype: str) -> TensorMap:
-    """Encode a 128-byte-swizzled tiled map of the 16-bit tensor at device `address`."""
+    """Encode a swizzled tiled map (the geometry's swizzle) of the tensor at device
+    `address`."""
     if dtype not in DATA_TYPES:
         raise ValueError(f"dtype {dtype!r}: the tensor maps take {sorted(DATA_TYPES)}")
+    if DTYPE_BYTES[dtype] != geometry.elem_bytes:
+        raise ValueError(f"dtype {dtype!r} has {DTYPE_BYTES[dtype]}-byte elements; the "
+                         f"geometry {geometry.elem_bytes}")
     if address % 16:
         raise ValueError(f"tensor address {address:#x} is not 16-byte aligned (TMA needs it): "
                          "pass a tensor that starts on its own allocation")
@@ -119,7 +144,8 @@ def encode(address: int, geometry: TileGeometry, dtype: str) -> TensorMap:
     box = (ctypes.c_uint32 * 2)(*geometry.box)
     element_strides = (ctypes.c_uint32 * 2)(1, 1)
     err = _driver_encode()(out.address, DATA_TYPES[dtype], 2, address, dims, strides, box,
-                           element_strides, INTERLEAVE_NONE, SWIZZLE_128B, L2_PROMOTION_256B,
+                           element_strides, INTERLEAVE_NONE,
+                           SWIZZLE_CODES[geometry.swizzle_bytes], L2_PROMOTION_256B,
                            OOB_FILL_NONE)
     if err != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err} for {geometry}")

@@ -18,6 +18,12 @@ one, on targets whose target.toml lists a wgmma instruction (sm_90). Its knobs, 
                     cube (the next cube's loads overlap this one's epilogue); off, one CTA per
                     group of `consumers` cubes
 
+With ``Spec(quant="int8_fp8")`` the same knobs build the 8-bit kernel
+(templates/cuda/lut_wgmma_quant_kernel.cu.j2 over sm90/lut_attention_8bit.cuh): the recipe of
+`tilegen.quant` on IGMMA and QGMMA, fed by the Gluon family's 8-bit pre-pass and plan (tiles in
+32-key halves; ``pack_partials`` packs cubes of at most 32 tokens two a tile). Its tiles are
+half the bytes of the 16-bit kernel's, but its Q buffer keeps the 16-bit size to stage O.
+
 The register split (setmaxnreg) follows from the shape and the target's register file: 24 for
 the producer warpgroup, the rest to the consumers (on sm_90: 240 each with two consumers, 232
 with one and two CTAs an SM). Nothing here needs torch, nvcc or a GPU.
@@ -34,14 +40,19 @@ from tilegen.spec import Spec
 from tilegen.targets import Target
 
 TEMPLATE = "cuda/lut_wgmma_kernel.cu.j2"
+QUANT_TEMPLATE = "cuda/lut_wgmma_quant_kernel.cu.j2"
+#: the 8-bit recipe this kernel computes (tilegen.quant)
+QUANT_MODE = "int8_fp8"
 MAINLOOPS = ("mma_sync", "wgmma")
-#: the knobs and their defaults (not measured yet: bench/NOTES.md, session 17)
+#: the knobs and their defaults: the fastest measured on the H200 (bench/NOTES.md, session 18:
+#: one consumer a CTA and two CTAs an SM, K ring 3, 7.24 ms at TOPK 78 against 7.58 for two
+#: consumers in ping-pong); [tunable.cuda] searches the rest
 DEFAULTS: dict[str, Any] = {
     "mainloop": "wgmma",
-    "consumers": 2,
-    "k_stages": 2,
+    "consumers": 1,
+    "k_stages": 3,
     "v_stages": 2,
-    "pingpong": True,
+    "pingpong": False,
     "pack_partials": True,
     "persistent": False,
 }
@@ -85,12 +96,18 @@ def q_buffers(opts: Mapping[str, Any]) -> int:
     return 2 if opts["persistent"] else 1
 
 
-def smem_bytes(opts: Mapping[str, Any], head_dim: int) -> int:
+def smem_bytes(opts: Mapping[str, Any], head_dim: int, quant: bool = False) -> int:
     """Dynamic shared memory of one CTA: per consumer its Q buffers and K and V rings, plus the
-    1024 bytes the kernel may skip to align its tiles to the swizzle atom."""
+    1024 bytes the kernel may skip to align its tiles to the swizzle atom. 8-bit: K and V tiles
+    of one byte an element and 256 bytes of key scales a K stage; Q buffers 16-bit (O staging)."""
     tile = 64 * head_dim * 2
-    per = q_buffers(opts) + opts["k_stages"] + opts["v_stages"]
-    return opts["consumers"] * per * tile + 1024
+    if quant:  # each consumer's slice rounded up to the 1024-byte swizzle atom
+        per = (q_buffers(opts) * tile + (opts["k_stages"] + opts["v_stages"]) * tile // 2
+               + opts["k_stages"] * 256)
+        per = -(-per // 1024) * 1024
+    else:
+        per = (q_buffers(opts) + opts["k_stages"] + opts["v_stages"]) * tile
+    return opts["consumers"] * per + 1024
 
 
 def static_smem_bytes(opts: Mapping[str, Any]) -> int:
@@ -117,11 +134,21 @@ def violations(spec: Spec, cfg: KernelConfig, target: Target) -> list[str]:
     if spec.block_q != 64 or spec.block_kv != 64:
         problems.append("the wgmma kernel takes 64-token query and KV cubes (one m64 tile a "
                         "cube)")
+    quant = spec.quant != "none"
     if spec.head_dim not in (64, 128):
         problems.append(f"head_dim {spec.head_dim}: the wgmma kernel's O is one m64n64 or "
                         "m64n128 fragment (64 or 128)")
-    if spec.quant != "none":
-        problems.append("the wgmma kernel is bf16/fp16; the 8-bit kernel is the gluon family's")
+    if quant and spec.quant != QUANT_MODE:
+        problems.append(f"quant={spec.quant!r}: the CUDA wgmma kernel's 8-bit path computes "
+                        f"{QUANT_MODE!r} (e4m3 P.V); {spec.quant!r} is the gluon family's")
+    if quant and spec.head_dim != 128:
+        problems.append(f"head_dim {spec.head_dim}: the 8-bit wgmma kernel reads Q8 and K8 rows "
+                        "as one 128-byte swizzle line (head_dim 128); the gluon family has 64")
+    if quant and spec.layout != "bshd":
+        problems.append("layout bhsd: the 8-bit pre-pass writes BSHD, so the 8-bit wgmma "
+                        "kernel takes BSHD (the gluon family converts)")
+    if quant and cfg.store_max_prob:
+        problems.append("max_prob: the 8-bit kernel does not write the softmax signal")
     if (cfg.block_m, cfg.block_n, cfg.num_warps) != (64, 64, 4):
         problems.append("the wgmma kernel runs 64x64 tiles with one 4-warp consumer "
                         "warpgroup per query cube (block_m=64, block_n=64, num_warps=4)")
@@ -144,7 +171,7 @@ def violations(spec: Spec, cfg: KernelConfig, target: Target) -> list[str]:
             problems.append(f"{flag}={opts[flag]!r}: true or false")
     if problems:
         return problems
-    smem = smem_bytes(opts, spec.head_dim) + static_smem_bytes(opts)
+    smem = smem_bytes(opts, spec.head_dim, quant) + static_smem_bytes(opts)
     ctas = CTAS_PER_SM[opts["consumers"]]
     if smem > target.max_shared_bytes:
         problems.append(f"needs {smem} B of shared memory, more than the "
@@ -192,8 +219,10 @@ def traits(spec: Spec, cfg: KernelConfig, target: Target) -> dict[str, Any]:
         raise ValueError(f"config {cfg.name} cannot be built as the CUDA wgmma kernel: "
                          + "; ".join(problems))
     opts = options_of(cfg)
+    quant = spec.quant != "none"
     return {
         "mainloop": "wgmma",
+        "quant": quant,
         "dtype": spec.dtype,
         "elem": {"bf16": "Bf16", "fp16": "Fp16"}[spec.dtype],
         "layout": spec.layout,
@@ -209,7 +238,7 @@ def traits(spec: Spec, cfg: KernelConfig, target: Target) -> dict[str, Any]:
         "store_lse": cfg.store_lse,
         "store_max_prob": cfg.store_max_prob,
         "threads": threads_of(opts, target),
-        "smem_bytes": smem_bytes(opts, spec.head_dim),
+        "smem_bytes": smem_bytes(opts, spec.head_dim, quant),
         "min_blocks": CTAS_PER_SM[opts["consumers"]],
         "consumer_regs": consumer_registers(opts, target),
         "producer_regs": PRODUCER_REGS,
@@ -217,7 +246,8 @@ def traits(spec: Spec, cfg: KernelConfig, target: Target) -> dict[str, Any]:
 
 
 def kernel_name(spec: Spec, cfg: KernelConfig) -> str:
-    return f"tilegen_cuda_{spec_basename(spec)}_{cfg.name}"
+    quant = f"_{spec.quant}" if spec.quant != "none" else ""
+    return f"tilegen_cuda_{spec_basename(spec)}{quant}_{cfg.name}"
 
 
 def render_wgmma(spec: Spec, cfg: KernelConfig, target: Target) -> Source:
@@ -225,8 +255,8 @@ def render_wgmma(spec: Spec, cfg: KernelConfig, target: Target) -> Source:
     render_cuda` adds the headers it includes)."""
     t = traits(spec, cfg, target)
     name = kernel_name(spec, cfg)
-    return render(TEMPLATE, "cuda", spec, cfg, f"{name[len('tilegen_cuda_'):]}.cu", name,
-                  target=target, t=t)
+    return render(QUANT_TEMPLATE if t["quant"] else TEMPLATE, "cuda", spec, cfg,
+                  f"{name[len('tilegen_cuda_'):]}.cu", name, target=target, t=t)
 
 
 #: The kernel's parameters in order: (name, kind), kind "map" (a 128-byte tensor map by
@@ -240,6 +270,14 @@ KERNEL_SIGNATURE: tuple[tuple[str, str], ...] = (
 )
 #: the box height of each map (rows; 64 columns wide)
 MAP_ROWS = {"q_map": 64, "k_map": 64, "k8_map": 8, "v_map": 64, "v8_map": 8, "o_map": 64}
+#: The 8-bit kernel's parameters (lut_wgmma_quant_kernel.cu.j2).
+QUANT_KERNEL_SIGNATURE: tuple[tuple[str, str], ...] = (
+    ("q8_map", "map"), ("k8_map", "map"), ("vt_map", "map"), ("o_map", "map"),
+    ("plan", "ptr"), ("meta", "ptr"), ("vbs", "ptr"), ("lse", "ptr"), ("q_scale", "ptr"),
+    ("k_scale", "ptr"), ("v_scale", "ptr"), ("v_mean", "ptr"), ("seq_len", "i32"),
+    ("num_heads", "i32"), ("batch_heads", "i32"), ("num_q_blocks", "i32"), ("topk", "i32"),
+    ("qk_scale", "f32"), ("zero_pad_rows", "i32"),
+)
 
 
 def groups(num_q_blocks: int, batch: int, heads: int, opts: Mapping[str, Any]) -> int:
@@ -260,11 +298,12 @@ def grid(num_q_blocks: int, batch: int, heads: int, opts: Mapping[str, Any], tar
     return n, 1, 1
 
 
-def kernel_args(values: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
-    """The arguments in `KERNEL_SIGNATURE` order as (name, kind, value); a missing pointer is
-    0 (nullptr: lse or max_prob not stored), every other value must be there."""
+def kernel_args(values: Mapping[str, Any], quant: bool = False) -> list[tuple[str, str, Any]]:
+    """The arguments in `KERNEL_SIGNATURE` (`QUANT_KERNEL_SIGNATURE`) order as (name, kind,
+    value); a missing pointer is 0 (nullptr: lse or max_prob not stored), every other value
+    must be there."""
     out: list[tuple[str, str, Any]] = []
-    for name, kind in KERNEL_SIGNATURE:
+    for name, kind in QUANT_KERNEL_SIGNATURE if quant else KERNEL_SIGNATURE:
         if name not in values and kind != "ptr":
             raise ValueError(f"the wgmma kernel's argument {name} is missing")
         value = values.get(name, 0)

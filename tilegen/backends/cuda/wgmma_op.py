@@ -75,9 +75,6 @@ class WgmmaLaunch:
         """Pre-pass and kernel (`GluonLaunch.__call__`'s arguments; a sliding-tile plan comes
         from `windows`). O for a backward (``o32``) and separate K/V (``q_vbs``) are not written
         for this kernel."""
-        import torch
-
-        from tilegen.backends.cuda.runtime import LaunchParams
         from tilegen.backends.cuda.tensor_map import encode, tile_geometry
         from tilegen.backends.gluon.prepass import run_prepass, run_window_prepass
 
@@ -115,14 +112,89 @@ class WgmmaLaunch:
             values["lse"] = lse.data_ptr()
         if max_prob_out is not None and self.cfg.store_max_prob:
             values["max_prob"], values["max_prob_cube"] = (t.data_ptr() for t in max_prob_out)
-        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        self._launch(q.device, values, nq, batch, heads)
+
+    def _launch(self, device, values: dict[str, Any], nq: int, batch: int, heads: int) -> None:
+        import torch
+
+        from tilegen.backends.cuda.runtime import LaunchParams
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
         sms = torch.cuda.get_device_properties(index).multi_processor_count
         params = LaunchParams(grid=wgmma.grid(nq, batch, heads, self.opts, self.target, sms),
                               block=(self.traits["threads"], 1, 1),
                               shared_bytes=self.traits["smem_bytes"],
                               default_shared_limit=self.target.default_shared_per_block)
-        self.kernel(index).launch(params, wgmma.kernel_args(values),
-                                  torch.cuda.current_stream(q.device).cuda_stream)
+        self.kernel(index).launch(params, wgmma.kernel_args(values, self.traits["quant"]),
+                                  torch.cuda.current_stream(device).cuda_stream)
+
+
+class WgmmaQuantLaunch(WgmmaLaunch):
+    """The 8-bit variant (quant int8_fp8): the recipe's pre-pass (`tilegen.quant.quantize`, V^T
+    in MMA slot order) unless the inputs come quantized, the Gluon family's 8-bit plan (tiles
+    in 32-key halves), then the kernel; lse gets the smoothing term back on the host side."""
+
+    def _buffers(self, device, rows: int, topk: int, nkv: int = 0) -> dict:
+        from tilegen.backends.gluon.prepass import halves_buffers
+
+        key = (str(device), rows, topk, nkv)
+        bufs = self._bufs.get(key)
+        if bufs is None:
+            bufs = self._bufs[key] = halves_buffers(device, rows, topk, nkv)
+        return bufs
+
+    def __call__(self, q, k, v, topk_idx, vbs, counts, o, lse, err, sm_scale: float,
+                 zero_pad_rows: bool = False, max_prob_out=None, windows=None,
+                 cube_grid: tuple[int, int, int] | None = None, topk: int = 0, o32=None,
+                 q_vbs=None, quantized=None) -> None:
+        from tilegen import quant
+        from tilegen.backends.cuda.tensor_map import byte_geometry, encode, tile_geometry
+        from tilegen.backends.gluon.prepass import run_halves_prepass, run_halves_window_prepass
+        from tilegen.backends.gluon.quant import add_smoothing_to_lse
+
+        if o32 is not None or q_vbs is not None or max_prob_out is not None:
+            raise ValueError("the 8-bit CUDA wgmma kernel writes neither an O for a backward "
+                             "nor max_prob, and takes no separate K/V")
+        qi = quantized if quantized is not None else quant.quantize(
+            q, k, v, vbs, self.spec.quant, with_q=True, vt_slots=True)
+        if not qi.vt_slots:
+            raise ValueError("the CUDA wgmma 8-bit kernel reads V^T with its keys in MMA slot "
+                             "order: quantize with tilegen.quant.quantize(..., vt_slots=True) "
+                             "(or op.quantize)")
+        batch, seq_len, heads, dim = qi.k8.shape
+        nq, nkv = seq_len // self.spec.block_q, vbs.shape[0]
+        if windows is None:
+            topk = topk_idx.shape[3]
+        rows = batch * heads * nq
+        bufs = self._buffers(qi.k8.device, rows, topk, nkv)
+        pack = self.opts["pack_partials"]
+        if windows is not None:
+            run_halves_window_prepass(windows, vbs, bufs, rows, heads, nq, cube_grid, topk, err,
+                                      pack=pack)
+        else:
+            run_halves_prepass(topk_idx, vbs, counts, bufs, rows, nkv, topk, err, pack=pack)
+        cols = heads * dim
+        values: dict[str, Any] = {
+            "q8_map": encode(qi.q8.data_ptr(),
+                             byte_geometry(cols, batch * seq_len, (dim, 64), 128), "u8"),
+            "k8_map": encode(qi.k8.data_ptr(),
+                             byte_geometry(cols, batch * seq_len, (dim, 32), 128), "u8"),
+            "vt_map": encode(qi.v8t.data_ptr(),
+                             byte_geometry(seq_len, batch * heads * dim, (32, dim), 32), "u8"),
+            "o_map": encode(o.data_ptr(), tile_geometry(tuple(o.shape), "bshd", 64),
+                            self.spec.dtype),
+            "plan": bufs["plan"].data_ptr(), "meta": bufs["meta"].data_ptr(),
+            "vbs": vbs.data_ptr(), "q_scale": qi.q_scale.data_ptr(),
+            "k_scale": qi.k_scale.data_ptr(), "v_scale": qi.v_scale.data_ptr(),
+            "v_mean": qi.v_mean.data_ptr(), "seq_len": seq_len, "num_heads": heads,
+            "batch_heads": batch * heads, "num_q_blocks": nq, "topk": topk,
+            "qk_scale": float(sm_scale) * LOG2E,
+            "zero_pad_rows": int(bool(zero_pad_rows) and nkv == nq)}
+        if lse is not None and self.cfg.store_lse:
+            values["lse"] = lse.data_ptr()
+        self._launch(qi.k8.device, values, nq, batch, heads)
+        if lse is not None and self.cfg.store_lse:
+            add_smoothing_to_lse(lse, qi, float(sm_scale) * LOG2E)
 
 
 class CudaWgmmaAttention(GluonBlockSparseAttention):
@@ -195,3 +267,89 @@ class CudaWgmmaAttention(GluonBlockSparseAttention):
                                      check_values=False)
         return self._launch_plan(q, k, v, vbs, shapes, dict(topk_idx=topk_idx, counts=counts),
                                  sm_scale, store_lse, out, max_prob_out)
+
+
+#: whether the 8-bit kernel has passed its GPU check (bench/experiments/h200_quant_op.py
+#: --backend cuda): not yet. Its first H200 run (session 18) computed the second consumer's
+#: cubes wrong: that consumer's shared-memory slice did not start on a 1024-byte swizzle atom.
+#: Fixed offline (QuantTraits::kConsumerBytes), not run again yet.
+QUANT_GPU_CHECKED = False
+
+
+def _quant_op_class():
+    from tilegen.backends.gluon.quant import _from_quantized, _QuantOp
+
+    class CudaWgmmaQuantAttention(_QuantOp, CudaWgmmaAttention):
+        """The 8-bit op (``Spec(quant="int8_fp8")``) on the CUDA family's Hopper kernel:
+        ``o, lse = op(q, k, v, topk_idx, vbs, counts=None)`` with bf16/fp16 q, k, v of one
+        shape (BSHD), quantized here by `tilegen.quant`'s pre-pass; o in q's dtype. Forward
+        only; `from_quantized` takes inputs already quantized (`quantize`)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if not QUANT_GPU_CHECKED:
+                import logging
+
+                logging.getLogger("tilegen").warning(
+                    "the CUDA family's 8-bit kernel has not passed its GPU check yet (its "
+                    "first H200 run found a bug, fixed but not run again: bench/NOTES.md, "
+                    "session 18); the Gluon family's 8-bit kernel, which tilegen.load(spec) "
+                    "takes, is the checked one")
+
+        def __repr__(self) -> str:
+            return "Quant" + super().__repr__()
+
+        def _launch_for(self, store_lse: bool, store_max_prob: bool = False,
+                        separate_kv: bool = False):
+            if store_max_prob or separate_kv:
+                raise ValueError("the 8-bit kernel writes no max_prob and reads no separate K/V")
+            key = (store_lse, False, False)
+            run = self._launches.get(key)
+            if run is None:
+                cfg = self.config.replace(store_lse=store_lse)
+                run = self._launches[key] = WgmmaQuantLaunch(self.spec.kernel_spec, cfg,
+                                                             self.target)
+            return run
+
+        def __call__(self, q, k, v, topk_idx, vbs, counts=None, *, sm_scale=None,
+                     return_lse: bool = True, return_max_prob: bool = False,
+                     check_values: bool = False, q_vbs=None):
+            if q_vbs is not None or k.shape != q.shape or v.shape != q.shape:
+                raise ValueError(f"the 8-bit kernel takes q, k and v of one shape (got "
+                                 f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+                                 f"{', and q_vbs' if q_vbs is not None else ''})")
+            return super().__call__(q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale,
+                                    return_lse=return_lse, return_max_prob=return_max_prob,
+                                    check_values=check_values)
+
+        def quantize(self, q, k, v, vbs, *, with_q: bool = True):
+            """The pre-pass in the layout this kernel reads (V^T keys in MMA slot order):
+            what `from_quantized` takes. Q is always quantized (``with_q`` must be True)."""
+            from tilegen import quant
+
+            if not with_q:
+                raise ValueError("with_q=False: the CUDA 8-bit kernel reads Q quantized by the "
+                                 "pre-pass")
+            return quant.quantize(q, k, v, vbs, self.spec.quant, vt_slots=True)
+
+        def from_quantized(self, quantized, topk_idx, vbs, counts=None, *, sm_scale=None,
+                           return_lse: bool = True):
+            """The kernel on inputs already quantized by the recipe (`quantize`): a
+            `tilegen.quant.QuantizedInputs` with V^T in slot order."""
+            B, S, H, _ = quantized.q8.shape
+            if topk_idx.dim() != 4 or tuple(topk_idx.shape[:3]) != (B, H, S // 64):
+                raise ValueError(f"topk_idx of shape {tuple(topk_idx.shape)}: want "
+                                 f"({B}, {H}, {S // 64}, topk)")
+            return _from_quantized(self, quantized, vbs,
+                                   {"topk_idx": topk_idx, "counts": counts},
+                                   sm_scale=sm_scale, return_lse=return_lse)
+
+    return CudaWgmmaQuantAttention
+
+
+def make_wgmma_op(spec: Spec, cfg: KernelConfig, target: Target | None,
+                  config_source: str = "explicit"):
+    """The op of a wgmma config: the 8-bit one for a quantized spec."""
+    if spec.quant != "none":
+        return _quant_op_class()(spec, cfg, target, config_source)
+    return CudaWgmmaAttention(spec, cfg, target, config_source)

@@ -70,6 +70,16 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const TensorMap& map, uin
       : "memory");
 }
 
+// A contiguous global -> shared copy of `bytes` (a multiple of 16; both addresses 16-byte
+// aligned), completing on `bar` like a tile.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes,
+                                          uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
 // Shared -> global; completion is tracked per thread by bulk groups.
 __device__ __forceinline__ void tma_store(const TensorMap& map, uint32_t src, int col, int row) {
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n"

@@ -188,6 +188,30 @@ struct RingCursor {
   }
 };
 
+// The turns of every cube this consumer and its partner take in this CTA (the ping-pong
+// schedule pairs turns across cubes).
+template <class T, class Turns>
+__device__ __forceinline__ Turns pingpong_schedule(const LutArgs& a, int consumer) {
+  int self = 0;
+  int other = 0;
+  for (int g = blockIdx.x; g < Item<T>::groups(a); g += gridDim.x) {
+    self += Turns::turns(Item<T>(g, consumer, a).tiles(a));
+    if constexpr (T::kConsumers == 2) other += Turns::turns(Item<T>(g, 1 - consumer, a).tiles(a));
+  }
+  Turns turns;
+  turns.init(consumer, self, other);
+  return turns;
+}
+
+// Byte offset of 16-bit element (row, col) in a tile as TMA writes it (the O staged for its
+// store): panel col / 64, the 16-byte chunk XOR the row within its 8-row swizzle atom.
+template <class T>
+__host__ __device__ __forceinline__ uint32_t staged_offset(int row, int col) {
+  const int chunk = (col % kPanelCols) / 8;
+  return (col / kPanelCols) * T::kPanelBytes + row * 128 + ((chunk ^ (row % 8)) * 16) +
+         (col % 8) * 2;
+}
+
 // ---- the producer: one lane per consumer ------------------------------------------------------
 template <class T>
 struct Producer {
@@ -284,18 +308,8 @@ struct Consumer {
     if (lane == 0) barrier_arrive(bar);
   }
 
-  // The turns of every cube this consumer and its partner take in this CTA (the ping-pong
-  // schedule pairs turns across cubes).
   static __device__ __forceinline__ Turns schedule(const LutArgs& a, int consumer) {
-    int self = 0;
-    int other = 0;
-    for (int g = blockIdx.x; g < Item<T>::groups(a); g += gridDim.x) {
-      self += Turns::turns(Item<T>(g, consumer, a).tiles(a));
-      if constexpr (T::kConsumers == 2) other += Turns::turns(Item<T>(g, 1 - consumer, a).tiles(a));
-    }
-    Turns turns;
-    turns.init(consumer, self, other);
-    return turns;
+    return pingpong_schedule<T, Turns>(a, consumer);
   }
 
   // One cube: its tiles, then the epilogue. `turn` is the consumer's next turn.
@@ -416,12 +430,8 @@ struct Consumer {
     ++at.cubes;
   }
 
-  // Byte offset of element (row, col) in a tile as TMA writes it: panel col / 64, the 16-byte
-  // chunk XOR the row within its 8-row swizzle atom.
   static __host__ __device__ __forceinline__ uint32_t tile_offset(int row, int col) {
-    const int chunk = (col % kPanelCols) / 8;
-    return (col / kPanelCols) * T::kPanelBytes + row * 128 + ((chunk ^ (row % 8)) * 16) +
-           (col % 8) * 2;
+    return staged_offset<T>(row, col);
   }
 
   // o = acc / l (NaN for a bad row, 0 in padded query rows when asked) into the Q tile's

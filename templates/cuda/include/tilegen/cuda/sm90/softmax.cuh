@@ -93,5 +93,97 @@ struct OnlineSoftmax {
   __device__ __forceinline__ float row_sum(int h) const { return Fragment::quad_sum(l[h]); }
 };
 
+// The online softmax of the 8-bit recipe (issue #19, int8_fp8; tilegen/quant.py): S comes as
+// int32 from Q8 K8^T, its logit is q_scale_i k_scale_j S_ij (sm_scale and log2 e folded into the
+// row's scale `c`), and P goes to the P V MMA as e4m3(p * 448) in the A fragment (AttentionMma8).
+// The running max m is of the row-unscaled scores f = k_scale_j S_ij (c > 0 per row, so the max
+// commutes with it); l sums the same p * 448 that P V multiplies, so o / l needs no rescale.
+template <int kBlock>
+struct QuantSoftmax {
+  static constexpr int kSRegs = kBlock / 2;
+  static constexpr int kPRegs = kBlock / 8;
+  static constexpr float kLog2PScale = 8.807354922057604f;  // log2(448): P's e4m3 scale
+  float m[2];
+  float l[2];
+
+  __device__ __forceinline__ void init() {
+    m[0] = m[1] = neg_inf();
+    l[0] = l[1] = 0.f;
+  }
+
+  // f = k_scale_j * S_ij from the tile's 64 key scales in shared memory; keys at or past their
+  // half's fill (fill0 for keys 0..31, fill1 for 32..63) get -inf.
+  static __device__ __forceinline__ void scores(const int (&s)[kSRegs], float (&f)[kSRegs],
+                                                uint32_t key_scales, int fill0, int fill1,
+                                                int lane) {
+#pragma unroll
+    for (int g = 0; g < kSRegs / 4; ++g) {
+      const int col = 8 * g + 2 * (lane & 3);
+      float k0, k1;
+      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                   : "=f"(k0), "=f"(k1)
+                   : "r"(key_scales + 4 * col));
+      const int fill = g < 4 ? fill0 : fill1;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 4 * g + e;
+        const float x = static_cast<float>(s[i]) * ((e & 1) ? k1 : k0);
+        f[i] = (col + (e & 1)) % 32 < fill ? x : neg_inf();
+      }
+    }
+  }
+
+  // One e4m3x4 register: bytes (low first) a, b, c, d.
+  static __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {
+    uint16_t lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(b), "f"(a));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(d), "f"(c));
+    uint32_t r;
+    asm("mov.b32 %0, {%1, %2};\n" : "=r"(r) : "h"(lo), "h"(hi));
+    return r;
+  }
+
+  // f (scores) -> p (the e4m3 A fragment of P V: register 4 t + 2 hi + h of k-step t packs S's
+  // groups 4 t + 2 hi and 4 t + 2 hi + 1 of row half h) and alpha (O's rescale per row half;
+  // unset on the first tile). `c` is each row half's scale (q_scale sm_scale log2 e, > 0).
+  template <bool kFirst>
+  __device__ __forceinline__ void step(float (&f)[kSRegs], uint32_t (&p)[kPRegs],
+                                       float (&alpha)[2], const float (&c)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = neg_inf();
+#pragma unroll
+      for (int i = 0; i < kSRegs; ++i)
+        if (Fragment::half(i) == h) mx = fmaxf(mx, f[i]);
+      // the first half of every tile holds a real key (fill0 >= 1): mx and m_new are finite
+      const float m_new = fmaxf(m[h], Fragment::quad_max(mx));
+      if constexpr (!kFirst) alpha[h] = fast_exp2((m[h] - m_new) * c[h]);
+      m[h] = m_new;
+    }
+    const float shift[2] = {fmaf(m[0], c[0], -kLog2PScale), fmaf(m[1], c[1], -kLog2PScale)};
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < kSRegs; ++i) {
+      const int h = Fragment::half(i);
+      f[i] = fast_exp2(fmaf(f[i], c[h], -shift[h]));
+      sum[h] += f[i];
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l[h] = kFirst ? sum[h] : fmaf(l[h], alpha[h], sum[h]);
+#pragma unroll
+    for (int t = 0; t < kPRegs / 4; ++t)
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int g = 4 * t + 2 * hi;
+          p[4 * t + 2 * hi + h] = pack_e4m3x4(f[4 * g + 2 * h], f[4 * g + 2 * h + 1],
+                                              f[4 * g + 4 + 2 * h], f[4 * g + 4 + 2 * h + 1]);
+        }
+  }
+
+  __device__ __forceinline__ float row_sum(int h) const { return Fragment::quad_sum(l[h]); }
+};
+
 }  // namespace sm90
 }  // namespace tilegen

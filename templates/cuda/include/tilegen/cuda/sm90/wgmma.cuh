@@ -31,6 +31,20 @@
   "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), \
   "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
 
+#define TILEGEN_SM90_S32_OPERANDS(d) \
+  "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), \
+  "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), \
+  "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), \
+  "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), \
+  "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+
+#define TILEGEN_SM90_S32_RESULTS(d) \
+  "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]), "=r"(d[4]), "=r"(d[5]), "=r"(d[6]), "=r"(d[7]), \
+  "=r"(d[8]), "=r"(d[9]), "=r"(d[10]), "=r"(d[11]), "=r"(d[12]), "=r"(d[13]), "=r"(d[14]), \
+  "=r"(d[15]), "=r"(d[16]), "=r"(d[17]), "=r"(d[18]), "=r"(d[19]), "=r"(d[20]), "=r"(d[21]), \
+  "=r"(d[22]), "=r"(d[23]), "=r"(d[24]), "=r"(d[25]), "=r"(d[26]), "=r"(d[27]), "=r"(d[28]), \
+  "=r"(d[29]), "=r"(d[30]), "=r"(d[31])
+
 #define TILEGEN_SM90_D64 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, " \
@@ -48,6 +62,17 @@
   "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), \
   "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
+#define TILEGEN_SM90_D64_RESULTS(d) \
+  "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), \
+  "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), \
+  "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), \
+  "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), \
+  "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), \
+  "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), \
+  "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]), \
+  "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]), "=f"(d[56]), \
+  "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63])
+
 namespace tilegen {
 namespace sm90 {
 
@@ -61,6 +86,13 @@ __host__ __device__ __forceinline__ uint64_t sw128_descriptor(uint32_t smem_addr
   return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) |
          (static_cast<uint64_t>(leading_bytes >> 4) << 16) |
          (static_cast<uint64_t>(stride_bytes >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+// The same for tiles under the 32-byte swizzle (layout type 3): 8-bit V^T halves of 32 keys.
+__host__ __device__ __forceinline__ uint64_t sw32_descriptor(uint32_t smem_addr,
+                                                             uint32_t stride_bytes) {
+  return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>(stride_bytes >> 4) << 32) | (static_cast<uint64_t>(3) << 62);
 }
 
 __device__ __forceinline__ void wgmma_fence() {
@@ -81,6 +113,11 @@ template <int N>
 __device__ __forceinline__ void fence_operands(float (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_operands(int (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 template <int N>
 __device__ __forceinline__ void fence_operands(uint32_t (&r)[N]) {
@@ -177,6 +214,94 @@ struct AttentionMma {
         Wgmma<Elem>::rs_n64(o, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], b);
       }
     }
+  }
+};
+
+// ---- 8-bit attention (issue #19's int8_fp8 recipe) ---------------------------------------------
+// S = Q8 K8^T exactly in int32 (IGMMA), then O += P V with P in e4m3 from registers and V^T in
+// e4m3 (QGMMA). Tiles: Q8 and K8 are 64 rows of kHeadDim bytes (one 128-byte swizzle panel for
+// kHeadDim 128); V^T is two 32-key halves, each kHeadDim rows of 32 bytes under the 32-byte
+// swizzle (one TMA box of (32 keys, kHeadDim rows) a half), so a k-step of P V is one half.
+//
+// The P fragment needs no data movement: wgmma's 8-bit A fragment gives thread (lane) of row r
+// the keys 4 (lane % 4) + 0..3 (registers 0, 1: rows r, r + 8) and 16 + 4 (lane % 4) + 0..3
+// (registers 2, 3) of a 32-key step, while S's accumulator gives it keys 8 g + 2 (lane % 4) +
+// 0..1. Register 2 hi + h of step t packs S's groups g = 4 t + 2 hi and g + 1 of row half h, and
+// the pre-pass stores V^T's keys permuted within each 32-key half to match: MMA key slot kk of a
+// half reads key `key_of_slot(kk)` (tilegen/quant.py: vt_key_permutation).
+struct Wgmma8 {
+  // d (m64n64 int32) = / += A (smem, K-major) x B (smem, K-major), s8 x s8
+  static __device__ __forceinline__ void ss_n64_first(int (&d)[32], uint64_t a, uint64_t b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 " TILEGEN_SM90_D32
+                 ", %32, %33, 0;\n"
+                 : TILEGEN_SM90_S32_RESULTS(d)
+                 : "l"(a), "l"(b));
+  }
+  static __device__ __forceinline__ void ss_n64(int (&d)[32], uint64_t a, uint64_t b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 " TILEGEN_SM90_D32
+                 ", %32, %33, 1;\n"
+                 : TILEGEN_SM90_S32_OPERANDS(d)
+                 : "l"(a), "l"(b));
+  }
+  // d (m64n128 fp32) = / += A (registers, e4m3) x B (smem, K-major V^T, e4m3)
+  static __device__ __forceinline__ void rs_n128_first(float (&d)[64], uint32_t a0, uint32_t a1,
+                                                       uint32_t a2, uint32_t a3, uint64_t b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " TILEGEN_SM90_D64
+                 ", {%64, %65, %66, %67}, %68, 0, 1, 1;\n"
+                 : TILEGEN_SM90_D64_RESULTS(d)
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
+  }
+  static __device__ __forceinline__ void rs_n128(float (&d)[64], uint32_t a0, uint32_t a1,
+                                                 uint32_t a2, uint32_t a3, uint64_t b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " TILEGEN_SM90_D64
+                 ", {%64, %65, %66, %67}, %68, 1, 1, 1;\n"
+                 : TILEGEN_SM90_D64_OPERANDS(d)
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
+  }
+};
+
+template <int kHeadDim, int kBlock>
+struct AttentionMma8 {
+  static_assert(kHeadDim == 128, "Q8 and K8 rows are one 128-byte swizzle line");
+  static_assert(kBlock == 64, "S is one m64n64 fragment, two 32-key halves");
+  static constexpr int kSRegs = kBlock / 2;     // S fragment: int32 per thread
+  static constexpr int kORegs = kHeadDim / 2;   // O fragment: fp32 per thread
+  static constexpr int kPRegs = kBlock / 8;     // P fragment: four e4m3 a register
+  static constexpr int kHalfKeys = 32;
+  static constexpr int kHalfBytes = kHeadDim * kHalfKeys;  // one V^T half
+
+  // S: kHeadDim / 32 k-steps, each 32 bytes further along the 128-byte lines (K-major).
+  static __host__ __device__ __forceinline__ uint64_t qk_descriptor(uint32_t tile, int t) {
+    return sw128_descriptor(tile + t * 32, 0, 1024);
+  }
+  // P V: k-step t is V^T half t (K-major, 8-row groups 256 bytes apart).
+  static __host__ __device__ __forceinline__ uint64_t pv_descriptor(uint32_t vt_tile, int t) {
+    return sw32_descriptor(vt_tile + t * kHalfBytes, 256);
+  }
+  // The key of a V^T half that MMA key slot kk (0..31) reads (the pre-pass's permutation).
+  static __host__ __device__ __forceinline__ constexpr int key_of_slot(int kk) {
+    return 8 * (2 * (kk / 16) + (kk % 4) / 2) + 2 * ((kk % 16) / 4) + kk % 2;
+  }
+
+  static __device__ __forceinline__ void qk(int (&s)[kSRegs], uint32_t q_tile, uint32_t k_tile) {
+#pragma unroll
+    for (int t = 0; t < kHeadDim / 32; ++t) {
+      const uint64_t a = qk_descriptor(q_tile, t);
+      const uint64_t b = qk_descriptor(k_tile, t);
+      if (t == 0) {
+        Wgmma8::ss_n64_first(s, a, b);
+      } else {
+        Wgmma8::ss_n64(s, a, b);
+      }
+    }
+  }
+
+  // acc = P V (a fresh accumulator: two-level accumulation), register 4t + j is A register j of
+  // k-step t.
+  static __device__ __forceinline__ void pv(float (&acc)[kORegs], const uint32_t (&p)[kPRegs],
+                                            uint32_t vt_tile) {
+    Wgmma8::rs_n128_first(acc, p[0], p[1], p[2], p[3], pv_descriptor(vt_tile, 0));
+    Wgmma8::rs_n128(acc, p[4], p[5], p[6], p[7], pv_descriptor(vt_tile, 1));
   }
 };
 

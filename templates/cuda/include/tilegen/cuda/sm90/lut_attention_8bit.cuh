@@ -1,0 +1,445 @@
+// tilegen CUDA library, 8-bit block-sparse attention over a tile plan on Hopper (sm_90a): the
+// int8_fp8 recipe of tilegen/quant.py (INT8 Q K^T with per-token scales, K smoothed; e4m3 P and
+// V^T with per-channel V scales, V smoothed) on lut_attention.cuh's structure: a TMA producer
+// warpgroup, kConsumers consumer warpgroups with their own rings, ping-pong, persistent launches.
+//
+// What differs from the 16-bit kernel:
+//   - the plan is the 8-bit Gluon pre-pass's (tilegen/backends/gluon/prepass.py, "halves"):
+//     plan[row, 2 t + u] = the first key row (within the batch) of half u of tile t | its fill
+//     << 25. A K stage is two 32-row boxes of K8 plus the halves' 2 x 32 key scales (bulk
+//     copies); a V stage is two V^T boxes of (32 keys, kHeadDim rows) under the 32-byte swizzle.
+//   - S = Q8 K8^T is int32 (IGMMA); f = k_scale_j S_ij; the row's scale c = q_scale_i sm_scale
+//     log2 e multiplies f inside exp2 (QuantSoftmax).
+//   - P V takes P in e4m3 from registers (QGMMA) into a fresh accumulator each tile, added into
+//     O in fp32 (two-level accumulation): O = O alpha_{j-1} + P_{j-1} V_{j-1}, one FFMA an
+//     element, where the 16-bit kernel rescales O in place.
+//   - the epilogue applies V's per-channel scale and adds V's mean back (rows with no key
+//     stay 0); lse is of the smoothed keys (the host adds q.k̄: add_smoothing_to_lse).
+//   - the Q buffer is 16-bit sized: Q8 fills its first half, the 16-bit O is staged over it.
+// Inputs come from the pre-pass in BSHD (q8, k8: (B, S, H, D) int8; v8t: (B, H, D, S) e4m3 with
+// its keys permuted within each 32-key half, AttentionMma8::key_of_slot); o is BSHD.
+#pragma once
+
+#include <cstdint>
+
+#include "tilegen/cuda/sm90/lut_attention.cuh"
+
+namespace tilegen {
+namespace sm90 {
+
+// C provides what WgmmaTraits's C does (kBshd true, kStoreMaxProb false, kHeadDim 128).
+template <class C>
+struct QuantTraits : C {
+  static constexpr int kThreads = 128 * (1 + C::kConsumers);
+  static constexpr int kPanelBytes = C::kBlock * 128;            // a 16-bit O panel (staging)
+  static constexpr int kQBytes = C::kBlock * C::kHeadDim * 2;    // Q8, then the staged 16-bit O
+  static constexpr int kTileBytes = C::kBlock * C::kHeadDim;     // K8 tile; V^T tile (2 halves)
+  static constexpr int kHalfRows = C::kBlock / 2;                // keys a half
+  static constexpr int kHalfBytes = kTileBytes / 2;
+  static constexpr int kScaleBytes = C::kBlock * 4;              // a K stage's key scales
+  // rounded up to the 1024-byte swizzle atom, so the next consumer's tiles start on one
+  static constexpr int kConsumerBytes = (C::kQBuffers * kQBytes +
+                                         (C::kKStages + C::kVStages) * kTileBytes +
+                                         C::kKStages * kScaleBytes + 1023) / 1024 * 1024;
+  static constexpr int kSmemBytes = C::kConsumers * kConsumerBytes + 1024;
+  static constexpr int kBarriers = 2 * C::kQBuffers + 2 * C::kKStages + 2 * C::kVStages;
+  static constexpr int kFillShift = 25;  // plan word: key row | fill << 25
+  static_assert(C::kBshd && !C::kStoreMaxProb, "the 8-bit pre-pass writes BSHD; no max_prob");
+  static_assert(C::kBlock == 64 && C::kHeadDim == 128, "64-token cubes, head_dim 128");
+  static_assert(C::kConsumers == 1 || C::kConsumers == 2, "one or two consumer warpgroups");
+  static_assert(C::kQBuffers == 1 || C::kQBuffers == 2, "one or two Q buffers");
+  static_assert(!C::kPingPong || C::kConsumers == 2, "ping-pong takes two consumers");
+};
+
+struct QuantArgs : LutArgs {  // sidx, tinfo, max_prob unused
+  const int* plan;        // (rows, 2 topk)
+  const float* q_scale;   // (B, H, S)
+  const float* k_scale;   // (B, H, S)
+  const float* v_scale;   // (B, H, D)
+  const float* v_mean;    // (B, H, D)
+};
+
+struct QuantMaps {
+  const TensorMap& q8;  // (H * D, B * S) int8, (128, 64) boxes
+  const TensorMap& k8;  // (128, 32) boxes
+  const TensorMap& vt;  // (S, B * H * D) e4m3, (32, D) boxes, 32-byte swizzle
+  const TensorMap& o;   // (H * D, B * S) 16-bit, (64, 64) boxes
+};
+
+// One consumer's slice: [Q buffers][K ring][V ring][K scales], and its barriers (the 16-bit
+// ring's order).
+template <class T>
+struct QuantRing {
+  uint32_t q_tiles;
+  uint32_t k_tiles;
+  uint32_t v_tiles;
+  uint32_t k_scales;
+  uint32_t bars;
+
+  static __device__ __forceinline__ QuantRing of(uint32_t base, uint32_t bars0, int c) {
+    QuantRing r;
+    r.q_tiles = base + c * T::kConsumerBytes;
+    r.k_tiles = r.q_tiles + T::kQBuffers * T::kQBytes;
+    r.v_tiles = r.k_tiles + T::kKStages * T::kTileBytes;
+    r.k_scales = r.v_tiles + T::kVStages * T::kTileBytes;
+    r.bars = bars0 + c * T::kBarriers * 8;
+    return r;
+  }
+
+  __device__ __forceinline__ uint32_t q_tile(int b) const { return q_tiles + b * T::kQBytes; }
+  __device__ __forceinline__ uint32_t k_tile(int s) const { return k_tiles + s * T::kTileBytes; }
+  __device__ __forceinline__ uint32_t v_tile(int s) const { return v_tiles + s * T::kTileBytes; }
+  __device__ __forceinline__ uint32_t k_scale(int s) const {
+    return k_scales + s * T::kScaleBytes;
+  }
+  __device__ __forceinline__ uint32_t q_full(int b) const { return bars + 8 * b; }
+  __device__ __forceinline__ uint32_t q_empty(int b) const {
+    return bars + 8 * (T::kQBuffers + b);
+  }
+  __device__ __forceinline__ uint32_t k_full(int s) const {
+    return bars + 8 * (2 * T::kQBuffers + s);
+  }
+  __device__ __forceinline__ uint32_t k_empty(int s) const {
+    return bars + 8 * (2 * T::kQBuffers + T::kKStages + s);
+  }
+  __device__ __forceinline__ uint32_t v_full(int s) const {
+    return bars + 8 * (2 * T::kQBuffers + 2 * T::kKStages + s);
+  }
+  __device__ __forceinline__ uint32_t v_empty(int s) const {
+    return bars + 8 * (2 * T::kQBuffers + 2 * T::kKStages + T::kVStages + s);
+  }
+};
+
+// ---- the producer -------------------------------------------------------------------------------
+template <class T>
+struct QuantProducer {
+  // Q8 of one cube, then per tile j: K8 and key scales of tile j, V^T of tile j - 1.
+  static __device__ __forceinline__ void cube(const QuantMaps& maps, const QuantArgs& a,
+                                              const QuantRing<T>& ring, RingCursor& at,
+                                              const Item<T>& item) {
+    const int n = item.tiles(a);
+    const int qb = at.q_buffer<T>();
+    const uint32_t bit = 1u << qb;
+    if (n > 0) {
+      if (at.q_used & bit) barrier_wait(ring.q_empty(qb), ((at.q_use_parity & bit) ? 0 : 1));
+      const TokenRows<T> rows(item.bh, a);
+      const int* plan_row = a.plan + item.row * 2 * a.topk;
+      const float* k_scale = a.k_scale + item.bh * a.seq_len;
+      const int vt_row = static_cast<int>(item.bh) * T::kHeadDim;
+      barrier_expect_bytes(ring.q_full(qb), T::kTileBytes);
+      tma_load(ring.q_tile(qb), maps.q8, ring.q_full(qb), rows.col,
+               rows.row0 + item.q_cube * T::kBlock);
+      at.q_load_parity ^= bit;
+      for (int j = 0; j <= n; ++j) {
+        if (j < n) {
+          const int kt = at.k_tiles + j;
+          const int s = kt % T::kKStages;
+          barrier_wait(ring.k_empty(s), ((kt / T::kKStages) & 1) ^ 1);
+          barrier_expect_bytes(ring.k_full(s), T::kTileBytes + T::kScaleBytes);
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            const int key = __ldg(plan_row + 2 * j + u) & ((1 << T::kFillShift) - 1);
+            tma_load(ring.k_tile(s) + u * T::kHalfBytes, maps.k8, ring.k_full(s), rows.col,
+                     rows.row0 + key);
+            bulk_load(ring.k_scale(s) + u * T::kScaleBytes / 2, k_scale + key,
+                      T::kScaleBytes / 2, ring.k_full(s));
+          }
+        }
+        if (j > 0) {
+          const int vt = at.v_tiles + j - 1;
+          const int s = vt % T::kVStages;
+          barrier_wait(ring.v_empty(s), ((vt / T::kVStages) & 1) ^ 1);
+          barrier_expect_bytes(ring.v_full(s), T::kTileBytes);
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            const int key = __ldg(plan_row + 2 * (j - 1) + u) & ((1 << T::kFillShift) - 1);
+            tma_load(ring.v_tile(s) + u * T::kHalfBytes, maps.vt, ring.v_full(s), key, vt_row);
+          }
+        }
+      }
+      at.k_tiles += n;
+      at.v_tiles += n;
+    }
+    at.q_use_parity ^= bit;
+    at.q_used |= bit;
+    ++at.cubes;
+  }
+};
+
+// ---- a consumer warpgroup -----------------------------------------------------------------------
+template <class T>
+struct QuantConsumer {
+  using Mma = AttentionMma8<T::kHeadDim, T::kBlock>;
+  using Softmax = QuantSoftmax<T::kBlock>;
+  using Turns = PingPong<T::kPingPong, 1>;  // named barriers 1, 2
+  static constexpr int kEpilogueBarrier = 3;  // + consumer index
+
+  static __device__ __forceinline__ void release(uint32_t bar, int lane) {
+    if (lane == 0) barrier_arrive(bar);
+  }
+
+  static __device__ __forceinline__ int fill(const int* plan_row, int j, int u) {
+    return __ldg(plan_row + 2 * j + u) >> T::kFillShift;
+  }
+
+  static __device__ __forceinline__ void cube(const QuantMaps& maps, const QuantArgs& a,
+                                              const QuantRing<T>& ring, RingCursor& at,
+                                              const Turns& turns, int& turn, int consumer,
+                                              const Item<T>& item) {
+    const int lane = threadIdx.x & 31;
+    const int warp = (threadIdx.x >> 5) & 3;
+    const int n = item.tiles(a);
+    const int qb = at.q_buffer<T>();
+    const uint32_t bit = 1u << qb;
+    const uint32_t q_tile = ring.q_tile(qb);
+    const int* plan_row = a.plan + item.row * 2 * a.topk;
+    const int kt0 = at.k_tiles;
+    const int vt0 = at.v_tiles;
+    const int turn0 = turn;
+
+    // each row half's scale: q_scale sm_scale log2 e (a padded query row's q_scale is 0; its
+    // floor keeps f * c finite where f is -inf)
+    const long long q_row0 = item.bh * a.seq_len + static_cast<long long>(item.q_cube) * T::kBlock;
+    float c[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      c[h] = fmaxf(__ldg(a.q_scale + q_row0 + Fragment::row(h, warp, lane)) * a.qk_scale,
+                   1.17549435e-38f);
+
+    float o[Mma::kORegs];
+#pragma unroll
+    for (int i = 0; i < Mma::kORegs; ++i) o[i] = 0.f;
+    float acc[Mma::kORegs];
+    int s[Mma::kSRegs];
+    float f[Mma::kSRegs];
+    uint32_t p[Mma::kPRegs];
+    uint32_t p_next[Mma::kPRegs];
+    float alpha[2];
+    float alpha_prev[2] = {1.f, 1.f};  // O's rescale for the P V being added (tile j - 1's)
+    Softmax softmax;
+    softmax.init();
+
+    if (n > 0) {
+      barrier_wait(ring.q_full(qb), (at.q_load_parity & bit) ? 1 : 0);
+      at.q_load_parity ^= bit;
+      {
+        const int ks = kt0 % T::kKStages;
+        barrier_wait(ring.k_full(ks), (kt0 / T::kKStages) & 1);
+        turns.begin(turn0);
+        wgmma_fence();
+        Mma::qk(s, q_tile, ring.k_tile(ks));
+        wgmma_commit();
+        turns.end(turn0);
+        wgmma_wait<0>();
+        fence_operands(s);
+        Softmax::scores(s, f, ring.k_scale(ks), fill(plan_row, 0, 0), fill(plan_row, 0, 1),
+                        lane);
+        release(ring.k_empty(ks), lane);  // after its key scales are read
+      }
+      softmax.template step<true>(f, p, alpha, c);
+
+      auto tile = [&](int j, uint32_t (&p_in)[Mma::kPRegs], uint32_t (&p_out)[Mma::kPRegs]) {
+        const int kt = kt0 + j;
+        const int vt = vt0 + j - 1;
+        const int ks = kt % T::kKStages;
+        const int vs = vt % T::kVStages;
+        const int fill0 = fill(plan_row, j, 0);
+        const int fill1 = fill(plan_row, j, 1);
+        barrier_wait(ring.k_full(ks), (kt / T::kKStages) & 1);
+        barrier_wait(ring.v_full(vs), (vt / T::kVStages) & 1);
+        turns.begin(turn0 + j);
+        fence_operands(acc);
+        fence_operands(p_in);
+        wgmma_fence();
+        Mma::qk(s, q_tile, ring.k_tile(ks));
+        wgmma_commit();
+        Mma::pv(acc, p_in, ring.v_tile(vs));
+        wgmma_commit();
+        turns.end(turn0 + j);
+        wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
+        fence_operands(s);
+        Softmax::scores(s, f, ring.k_scale(ks), fill0, fill1, lane);
+        release(ring.k_empty(ks), lane);
+        softmax.template step<false>(f, p_out, alpha, c);
+        wgmma_wait<0>();
+        fence_operands(acc);
+        fence_operands(p_in);
+        release(ring.v_empty(vs), lane);
+#pragma unroll
+        for (int i = 0; i < Mma::kORegs; ++i)
+          o[i] = fmaf(o[i], alpha_prev[Fragment::half(i)], acc[i]);
+        alpha_prev[0] = alpha[0];
+        alpha_prev[1] = alpha[1];
+      };
+      auto last = [&](uint32_t (&p_last)[Mma::kPRegs]) {
+        const int vt = vt0 + n - 1;
+        const int vs = vt % T::kVStages;
+        barrier_wait(ring.v_full(vs), (vt / T::kVStages) & 1);
+        turns.begin(turn0 + n);
+        fence_operands(acc);
+        fence_operands(p_last);
+        wgmma_fence();
+        Mma::pv(acc, p_last, ring.v_tile(vs));
+        wgmma_commit();
+        turns.end(turn0 + n);
+        wgmma_wait<0>();
+        fence_operands(acc);
+        fence_operands(p_last);
+        release(ring.v_empty(vs), lane);
+#pragma unroll
+        for (int i = 0; i < Mma::kORegs; ++i)
+          o[i] = fmaf(o[i], alpha_prev[Fragment::half(i)], acc[i]);
+      };
+      int j = 1;
+      for (; j + 1 < n; j += 2) {
+        tile(j, p, p_next);
+        tile(j + 1, p_next, p);
+      }
+      if (j < n) {
+        tile(j, p, p_next);
+        last(p_next);
+      } else {
+        last(p);
+      }
+      at.k_tiles += n;
+      at.v_tiles += n;
+      turn += n + 1;
+    }
+    epilogue(maps, a, ring.q_empty(qb), q_tile, consumer, o, softmax, c, n < 0, item, warp,
+             lane);
+    at.q_use_parity ^= bit;
+    at.q_used |= bit;
+    ++at.cubes;
+  }
+
+  // o = (acc / l) v_scale + v_mean (0 for a row with no key or a padded row when asked, NaN for
+  // a bad row), staged over the Q buffer and stored by TMA; lse base 2 of the smoothed keys.
+  static __device__ __forceinline__ void epilogue(const QuantMaps& maps, const QuantArgs& a,
+                                                  uint32_t q_empty, uint32_t q_tile,
+                                                  int consumer, float (&o)[Mma::kORegs],
+                                                  const Softmax& softmax, const float (&c)[2],
+                                                  bool bad, const Item<T>& item, int warp,
+                                                  int lane) {
+    const float nan = __int_as_float(0x7fc00000);
+    const int q_real = a.zero_pad_rows ? __ldg(a.vbs + item.q_cube) : T::kBlock;
+    float l[2];
+    float inv[2];
+    float keep[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l[h] = softmax.row_sum(h);
+      inv[h] = l[h] > 0.f ? 1.f / l[h] : 0.f;
+      keep[h] = l[h] > 0.f ? 1.f : 0.f;
+      if (Fragment::row(h, warp, lane) >= q_real) inv[h] = keep[h] = 0.f;
+      if (bad) inv[h] = nan;
+    }
+    const float* v_scale = a.v_scale + item.bh * T::kHeadDim;
+    const float* v_mean = a.v_mean + item.bh * T::kHeadDim;
+#pragma unroll
+    for (int i = 0; i < Mma::kORegs; i += 2) {
+      const int h = Fragment::half(i);
+      const int col = Fragment::column(i, lane);
+      const float2 sc = __ldg(reinterpret_cast<const float2*>(v_scale + col));
+      const float2 mu = __ldg(reinterpret_cast<const float2*>(v_mean + col));
+      const float x0 = fmaf(o[i] * inv[h], sc.x, mu.x * keep[h]);
+      const float x1 = fmaf(o[i + 1] * inv[h], sc.y, mu.y * keep[h]);
+      const uint32_t addr = q_tile + staged_offset<T>(Fragment::row(h, warp, lane), col);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(T::Elem::pack2(x0, x1))
+                   : "memory");
+    }
+    fence_proxy_async();
+    named_sync(kEpilogueBarrier + consumer, 128);
+    const TokenRows<T> rows(item.bh, a);
+    if (warp == 0 && lane == 0) {
+#pragma unroll
+      for (int p = 0; p < T::kHeadDim / kPanelCols; ++p)
+        tma_store(maps.o, q_tile + p * T::kPanelBytes, rows.col + p * kPanelCols,
+                  rows.row0 + item.q_cube * T::kBlock);
+      tma_store_commit();
+    }
+    if constexpr (T::kStoreLse) {
+      const long long row0 =
+          item.bh * a.seq_len + static_cast<long long>(item.q_cube) * T::kBlock;
+      if ((lane & 3) == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float lse = l[h] > 0.f
+                          ? fmaf(softmax.m[h], c[h], log2f(l[h]) - Softmax::kLog2PScale)
+                          : neg_inf();
+          if (bad) lse = nan;
+          a.lse[row0 + Fragment::row(h, warp, lane)] = lse;
+        }
+      }
+    }
+    if (warp == 0 && lane == 0) {
+      tma_store_wait_read();
+      barrier_arrive(q_empty);
+    }
+  }
+};
+
+// ---- the kernel body ----------------------------------------------------------------------------
+template <class T>
+__device__ __forceinline__ void lut_attention_8bit(const QuantMaps& maps, const QuantArgs& a) {
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t bars[T::kConsumers][T::kBarriers];
+  const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) >> 5, 0);
+  const int warpgroup = warp >> 2;
+  const int lane = threadIdx.x & 31;
+  const uint32_t bars0 = smem_u32(&bars[0][0]);
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int c = 0; c < T::kConsumers; ++c) {
+      const QuantRing<T> ring = QuantRing<T>::of(base, bars0, c);
+#pragma unroll
+      for (int b = 0; b < T::kQBuffers; ++b) {
+        barrier_init(ring.q_full(b), 1);
+        barrier_init(ring.q_empty(b), 1);
+      }
+#pragma unroll
+      for (int s = 0; s < T::kKStages; ++s) {
+        barrier_init(ring.k_full(s), 1);
+        barrier_init(ring.k_empty(s), 4);
+      }
+#pragma unroll
+      for (int s = 0; s < T::kVStages; ++s) {
+        barrier_init(ring.v_full(s), 1);
+        barrier_init(ring.v_empty(s), 4);
+      }
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();  // every V^T slot a half reads is written by its own copy (padded keys: 0)
+
+  if (warpgroup == 0) {
+    lower_registers<T::kProducerRegs>();
+    if (warp < T::kConsumers && lane == 0) {
+      if (warp == 0) {
+        prefetch_map(maps.k8);
+        prefetch_map(maps.vt);
+      }
+      const QuantRing<T> ring = QuantRing<T>::of(base, bars0, warp);
+      RingCursor at;
+      for (int g = blockIdx.x; g < Item<T>::groups(a); g += gridDim.x) {
+        const Item<T> item(g, warp, a);
+        if (item.live) QuantProducer<T>::cube(maps, a, ring, at, item);
+      }
+    }
+  } else {
+    raise_registers<T::kConsumerRegs>();
+    const int consumer = warpgroup - 1;
+    const QuantRing<T> ring = QuantRing<T>::of(base, bars0, consumer);
+    using Turns = typename QuantConsumer<T>::Turns;
+    const Turns turns = pingpong_schedule<T, Turns>(a, consumer);
+    RingCursor at;
+    int turn = 0;
+    for (int g = blockIdx.x; g < Item<T>::groups(a); g += gridDim.x) {
+      const Item<T> item(g, consumer, a);
+      if (item.live) QuantConsumer<T>::cube(maps, a, ring, at, turns, turn, consumer, item);
+    }
+  }
+}
+
+}  // namespace sm90
+}  // namespace tilegen

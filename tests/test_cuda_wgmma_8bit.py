@@ -1,0 +1,229 @@
+"""The CUDA family's 8-bit Hopper kernel (``Spec(quant="int8_fp8")`` on the wgmma mainloop) on a
+CPU-only machine: its rules and the reasons it gives, the render (traits over
+tilegen/cuda/sm90/lut_attention_8bit.cuh, the launcher's signature), the sm_90a build (IGMMA
+and QGMMA, wgmma kept asynchronous, register split, spills no more than known), and the layout
+identity its P.V rests on: S's int32 accumulator fragment, packed to e4m3 by the kernel's
+register order, is wgmma's 8-bit A fragment over V^T whose keys the pre-pass put in MMA slot
+order (`tilegen.quant.vt_slot_keys`, the header's `AttentionMma8::key_of_slot`).
+
+What no CPU shows: the kernel's numbers on the GPU (bench/experiments/h200_quant_op.py
+--backend cuda checks it with the quantized rule and check 4, and times it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import known_spills
+import numpy as np
+import pytest
+import torch
+from test_cuda_backend import _cache_dir, _have_nvcc, needs_nvcc  # noqa: F401
+from test_cuda_wgmma import CUOBJDUMP, SM90, _acc_layout, _signature
+
+import tilegen
+from tilegen import quant
+from tilegen.backends.cuda import BACKEND, wgmma
+from tilegen.backends.cuda import nvcc as nv
+from tilegen.backends.cuda.tensor_map import byte_geometry
+from tilegen.spec import Spec
+from tilegen.targets import get_target
+
+Q8 = Spec(quant="int8_fp8")
+
+
+def test_rules_say_why():
+    cfg = wgmma.config()
+    assert wgmma.violations(Q8.kernel_spec, cfg, SM90) == []
+    why = " ".join(wgmma.violations(Spec(quant="int8_fp8", head_dim=64), cfg, SM90))
+    assert "head_dim 128" in why
+    assert "BSHD" in " ".join(wgmma.violations(Spec(quant="int8_fp8", layout="bhsd"), cfg, SM90))
+    assert "max_prob" in " ".join(
+        wgmma.violations(Q8.kernel_spec, cfg.replace(store_max_prob=True), SM90))
+    for target in ("sm_80", "sm_100a"):  # the mma.sync kernel is 16-bit: said, not built
+        t = get_target(target)
+        why = " ".join(BACKEND.violations(Q8, t, BACKEND.default_config(Q8, t)))
+        assert "wgmma mainloop" in why and "16-bit" in why
+    assert "no quant='int8' kernel" in " ".join(
+        BACKEND.spec_violations(Spec(quant="int8"), SM90))
+
+
+def test_load_keeps_the_measured_family_first(caplog):
+    """`load` without a backend takes the Gluon 8-bit kernel (measured, tuned); the CUDA one
+    only when asked for, as an 8-bit op, saying that it has not passed its GPU check."""
+    from tilegen.backends.cuda import wgmma_op
+
+    assert tilegen.backends.with_quant("int8_fp8") == ["gluon", "cuda"]
+    assert type(tilegen.load(Q8, target="sm_90")).__name__ == "GluonQuantAttention"
+    op = tilegen.load(Q8, backend="cuda", target="sm_90")
+    if not wgmma_op.QUANT_GPU_CHECKED:
+        assert "has not passed its GPU check" in caplog.text
+    assert type(op).__name__ == "CudaWgmmaQuantAttention"
+    assert wgmma.mainloop_of(op.config) == "wgmma" and not op.provides_max_prob
+    q = torch.zeros(1, 128, 1, 128, dtype=torch.bfloat16)
+    idx = torch.zeros(1, 1, 2, 1, dtype=torch.int32)
+    vbs = torch.full((2,), 64, dtype=torch.int32)
+    with pytest.raises(ValueError, match="one shape"):
+        op(q, q[:, :64], q, idx, vbs)
+    with pytest.raises(ValueError, match="with_q"):
+        op.quantize(q, q, q, vbs, with_q=False)
+    with pytest.raises(ValueError, match="forward only"):
+        op.forward_for_grad(q, q, q, idx, vbs)
+
+
+def test_render_and_signature():
+    cfg = wgmma.config(consumers=2, pingpong=True, k_stages=3)
+    src = nv.render_cuda(Q8, cfg, SM90)
+    assert src.template == wgmma.QUANT_TEMPLATE
+    assert '#include "tilegen/cuda/sm90/lut_attention_8bit.cuh"' in src.text
+    assert "asm" not in src.text
+    name = wgmma.kernel_name(Q8, cfg)
+    assert "_int8_fp8_" in name and name != wgmma.kernel_name(Spec(), cfg)
+    assert _signature(src.text, name) == [n for n, _ in wgmma.QUANT_KERNEL_SIGNATURE]
+    values = {n: 1 for n, kind in wgmma.QUANT_KERNEL_SIGNATURE if kind != "ptr"}
+    args = wgmma.kernel_args(values, quant=True)
+    assert [a[0] for a in args] == [n for n, _ in wgmma.QUANT_KERNEL_SIGNATURE]
+    # Q buffers 16-bit (O staged there), K and V tiles of bytes, 256 B of key scales a K stage
+    opts = wgmma.options_of(cfg)
+    # each consumer's slice rounded up to 1024 B: the second consumer's tiles start on a
+    # swizzle atom (unaligned, its TMA boxes and descriptors disagree: its cubes came out wrong
+    # on the H200 in session 18 while the first consumer's were right)
+    per = -(-(16384 + (3 + 2) * 8192 + 3 * 256) // 1024) * 1024
+    assert per % 1024 == 0 and per > 16384 + 5 * 8192 + 3 * 256
+    assert nv.cuda_traits(Q8, cfg, SM90)["smem_bytes"] == 2 * per + 1024 == \
+        wgmma.smem_bytes(opts, 128, True)
+
+
+def test_byte_maps():
+    g = byte_geometry(40 * 128, 2 * 640, (128, 64), 128)
+    assert g.dims == (5120, 1280) and g.row_stride_bytes == 5120 and g.elem_bytes == 1
+    assert byte_geometry(640, 80 * 128, (32, 128), 32).swizzle_bytes == 32
+    with pytest.raises(ValueError, match="wider than the 32-byte swizzle"):
+        byte_geometry(640, 128, (64, 128), 32)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("opts", [{}, {"consumers": 2, "pingpong": True, "k_stages": 2},
+                                  {"consumers": 2, "persistent": True, "k_stages": 3}])
+def test_the_8bit_kernel_compiles_to_igmma_and_qgmma(opts):
+    cfg = wgmma.config(**opts)
+    art = nv.compile_cuda(nv.render_cuda(Q8, cfg, SM90), SM90)
+    log = json.loads((art.path.parent / "meta.json").read_text())["ptxas_log"]
+    assert not re.search(r"C75(10|13|15)|serialized", log), log  # wgmma kept asynchronous
+    assert art.spill_bytes <= known_spills.allowed("sm_90", art.path.name), log
+    assert art.registers == wgmma.registers_at_entry(wgmma.options_of(cfg), SM90)
+    assert art.shared_bytes <= SM90.max_shared_bytes
+    sass = subprocess.run([str(CUOBJDUMP), "-sass", str(art.path)], capture_output=True,
+                          text=True, check=True).stdout
+    assert len(re.findall(r"\bIGMMA\.64x64x32\.S8\.S8", sass)) == art.matrix_ops["IGMMA"] > 0
+    assert len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3", sass)) == \
+        art.matrix_ops["QGMMA"] > 0
+    assert "HGMMA" not in art.matrix_ops
+    assert "USETMAXREG" in sass and "UBLKCP" in sass  # the key scales' bulk copies
+
+
+HOST_TABLES = r"""
+#include <cstdio>
+#include "tilegen/cuda/sm90/lut_attention_8bit.cuh"
+int main() {
+  using M = tilegen::sm90::AttentionMma8<128, 64>;
+  for (int kk = 0; kk < 32; ++kk) printf("slot %d %d\n", kk, M::key_of_slot(kk));
+  for (int t = 0; t < 4; ++t)
+    printf("qk %d %llu\n", t, (unsigned long long)M::qk_descriptor(4096, t));
+  for (int t = 0; t < 2; ++t)
+    printf("pv %d %llu\n", t, (unsigned long long)M::pv_descriptor(8192, t));
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    if not _have_nvcc():
+        pytest.skip("nvcc not found: the tables come from the kernel's own headers")
+    tmp = tmp_path_factory.mktemp("host-tables-8bit")
+    (tmp / "t.cu").write_text(HOST_TABLES)
+    subprocess.run([str(nv.find_nvcc()), "-std=c++17", "-I", str(nv.include_dir()), "-o",
+                    str(tmp / "t"), str(tmp / "t.cu")], check=True, capture_output=True,
+                   timeout=300)
+    out: dict = {"slot": {}, "qk": {}, "pv": {}}
+    for line in subprocess.run([str(tmp / "t")], check=True, capture_output=True, text=True,
+                               timeout=60).stdout.splitlines():
+        kind, a, b = line.split()
+        out[kind][int(a)] = int(b)
+    return out
+
+
+def _decode(desc: int) -> tuple[int, int, int, int]:
+    """(layout type, start, leading, stride) of a wgmma descriptor."""
+    return (desc >> 62, (desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4,
+            ((desc >> 32) & 0x3FFF) << 4)
+
+
+@needs_nvcc
+def test_descriptors_and_slot_order_are_the_headers(tables):
+    """The header's slot order is the pre-pass's; Q8/K8 steps walk 32 bytes along 128-byte
+    swizzled lines (layout 1, 8-row groups 1024 B apart), V^T steps take one 32-byte-swizzled
+    half each (layout 3, 8-row groups 256 B apart): the values Triton 3.6 emits for the same
+    tiles in the Gluon 8-bit kernel."""
+    assert [tables["slot"][kk] for kk in range(32)] == quant.vt_slot_keys()
+    assert [_decode(tables["qk"][t]) for t in range(4)] == [(1, 4096 + 32 * t, 0, 1024)
+                                                            for t in range(4)]
+    assert [_decode(tables["pv"][t]) for t in range(2)] == [(3, 8192 + 4096 * t, 0, 256)
+                                                            for t in range(2)]
+
+
+def _a8_layout() -> tuple[np.ndarray, np.ndarray]:
+    """(row, k) of byte b of A register j, per thread, of an m64nNk32 wgmma with 8-bit A in
+    registers (PTX ISA): each register is 8 rows x 16 bytes shared by a warp, 4 bytes a thread;
+    registers 0, 1 rows r, r + 8 at k 0..15, registers 2, 3 the same rows at k 16..31."""
+    t = np.arange(128)[:, None, None]
+    j = np.arange(4)[None, :, None]
+    b = np.arange(4)[None, None, :]
+    row = 16 * (t // 32) + (t % 32) // 4 + 8 * (j % 2)
+    k = 4 * ((t % 32) % 4) + 16 * (j // 2) + b
+    return np.broadcast_to(row, (128, 4, 4)), np.broadcast_to(k, (128, 4, 4))
+
+
+def test_p_fragment_times_slot_ordered_vt_is_pv():
+    """The kernel's register order (QuantSoftmax::step: register 4t + 2hi + h of k-step t packs
+    S's groups 4t + 2hi and 4t + 2hi + 1 of row half h, two columns each) placed by the PTX
+    8-bit A layout, times V^T with its keys in slot order, is P V: no data moves in the kernel."""
+    rng = np.random.default_rng(0)
+    p = rng.random((64, 64))
+    v = rng.standard_normal((64, 128))
+    s_row, s_col = _acc_layout(64)  # S's fragment: (128 threads, 32 values)
+    frag = p[s_row, s_col]
+    a_row, a_k = _a8_layout()
+    slots = quant.vt_slot_keys()
+    out = np.zeros((64, 128))
+    for t in range(2):  # k-steps: V^T halves of 32 keys
+        a = np.full((64, 32), np.nan)
+        regs = np.zeros((128, 4, 4))
+        for hi in range(2):
+            for h in range(2):
+                g = 4 * t + 2 * hi
+                regs[:, 2 * hi + h] = np.stack([frag[:, 4 * g + 2 * h], frag[:, 4 * g + 2 * h + 1],
+                                                frag[:, 4 * g + 4 + 2 * h],
+                                                frag[:, 4 * g + 5 + 2 * h]], axis=-1)
+        a[a_row, a_k] = regs
+        assert not np.isnan(a).any()
+        vt_half = v[32 * t:32 * t + 32][slots]  # (slot, d): V^T's columns in slot order
+        out += a @ vt_half
+    np.testing.assert_allclose(out, p @ v, rtol=1e-12, atol=1e-12)
+
+
+def test_vt_slots_round_trip_and_rules():
+    q = torch.randn(1, 128, 2, 128, dtype=torch.bfloat16)
+    vbs = torch.tensor([64, 40], dtype=torch.int32)
+    plain = quant.quantize(q, q, q, vbs, "int8_fp8")
+    slotted = quant.quantize(q, q, q, vbs, "int8_fp8", vt_slots=True)
+    assert slotted.vt_slots and not plain.vt_slots
+    assert torch.equal(quant.vt_natural(slotted).view(torch.uint8), plain.v8t.view(torch.uint8))
+    keys = torch.tensor(quant.vt_slot_keys())
+    assert torch.equal(slotted.v8t.view(torch.uint8)[..., 32 + 5],
+                       plain.v8t.view(torch.uint8)[..., 32 + int(keys[5])])
+    with pytest.raises(ValueError, match="vt_slots"):
+        quant.quantize(q, q, q, vbs, "int8_fp8", vt_tiles=True, vt_slots=True)

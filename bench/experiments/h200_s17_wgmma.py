@@ -1,6 +1,7 @@
 """Question: Does the CUDA family's Hopper kernel (mainloop wgmma: TMA producer, consumer
 warpgroups, ping-pong) compute the contract's function, and is it faster than the Gluon winner?
-(issue #20, item 3; written in session 17 with no GPU: nothing here has run yet)
+(issue #20, item 3; written in session 17 with no GPU, first run on the H200 in session 18:
+bench/RESULTS.md)
 
 One call checks and times every variant beside the Gluon winner and the reference kernel:
 

@@ -10,6 +10,10 @@ and sets the error word that a later call, or `op.check()`, raises.
 The kernel is compiled by nvcc (cached) for the device's ISA and launched through the CUDA
 driver (`tilegen.backends.cuda.runtime`), its TMA tensor maps encoded per call
 (`tilegen.backends.cuda.tensor_map`).
+
+An 8-bit spec (``quant="int8_fp8"``) gets the same op with the 8-bit launch
+(`WgmmaQuantLaunch`: `tilegen.quant`'s pre-pass with V^T in MMA slot order, the Gluon 8-bit
+plan, the 8-bit kernel) and the 8-bit ops' entry points (`quantize`, `from_quantized`).
 """
 
 from __future__ import annotations

@@ -281,9 +281,9 @@ QUANT_GPU_CHECKED = False
 
 
 def _quant_op_class():
-    from tilegen.backends.gluon.quant import _from_quantized, _QuantOp
+    from tilegen.backends.gluon.quant import _QuantLutOp
 
-    class CudaWgmmaQuantAttention(_QuantOp, CudaWgmmaAttention):
+    class CudaWgmmaQuantAttention(_QuantLutOp, CudaWgmmaAttention):
         """The 8-bit op (``Spec(quant="int8_fp8")``) on the CUDA family's Hopper kernel:
         ``o, lse = op(q, k, v, topk_idx, vbs, counts=None)`` with bf16/fp16 q, k, v of one
         shape (BSHD), quantized here by `tilegen.quant`'s pre-pass; o in q's dtype. Forward
@@ -300,9 +300,6 @@ def _quant_op_class():
                     "session 18); the Gluon family's 8-bit kernel, which tilegen.load(spec) "
                     "takes, is the checked one")
 
-        def __repr__(self) -> str:
-            return "Quant" + super().__repr__()
-
         def _launch_for(self, store_lse: bool, store_max_prob: bool = False,
                         separate_kv: bool = False):
             if store_max_prob or separate_kv:
@@ -315,17 +312,6 @@ def _quant_op_class():
                                                              self.target)
             return run
 
-        def __call__(self, q, k, v, topk_idx, vbs, counts=None, *, sm_scale=None,
-                     return_lse: bool = True, return_max_prob: bool = False,
-                     check_values: bool = False, q_vbs=None):
-            if q_vbs is not None or k.shape != q.shape or v.shape != q.shape:
-                raise ValueError(f"the 8-bit kernel takes q, k and v of one shape (got "
-                                 f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-                                 f"{', and q_vbs' if q_vbs is not None else ''})")
-            return super().__call__(q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale,
-                                    return_lse=return_lse, return_max_prob=return_max_prob,
-                                    check_values=check_values)
-
         def quantize(self, q, k, v, vbs, *, with_q: bool = True):
             """The pre-pass in the layout this kernel reads (V^T keys in MMA slot order):
             what `from_quantized` takes. Q is always quantized (``with_q`` must be True)."""
@@ -335,18 +321,6 @@ def _quant_op_class():
                 raise ValueError("with_q=False: the CUDA 8-bit kernel reads Q quantized by the "
                                  "pre-pass")
             return quant.quantize(q, k, v, vbs, self.spec.quant, vt_slots=True)
-
-        def from_quantized(self, quantized, topk_idx, vbs, counts=None, *, sm_scale=None,
-                           return_lse: bool = True):
-            """The kernel on inputs already quantized by the recipe (`quantize`): a
-            `tilegen.quant.QuantizedInputs` with V^T in slot order."""
-            B, S, H, _ = quantized.q8.shape
-            if topk_idx.dim() != 4 or tuple(topk_idx.shape[:3]) != (B, H, S // 64):
-                raise ValueError(f"topk_idx of shape {tuple(topk_idx.shape)}: want "
-                                 f"({B}, {H}, {S // 64}, topk)")
-            return _from_quantized(self, quantized, vbs,
-                                   {"topk_idx": topk_idx, "counts": counts},
-                                   sm_scale=sm_scale, return_lse=return_lse)
 
     return CudaWgmmaQuantAttention
 

@@ -477,40 +477,44 @@ def _from_quantized(op, qi, vbs, plan: dict, *, sm_scale, return_lse: bool):
     return (o, lse) if return_lse else o
 
 
+class _QuantLutOp(_QuantOp):
+    """The 8-bit LUT op's call and pre-quantized entry point, over any family's 8-bit launch
+    (this family's, and the CUDA family's wgmma kernel: `tilegen.backends.cuda.wgmma_op`)."""
+
+    def __repr__(self) -> str:
+        return "Quant" + super().__repr__()
+
+    def __call__(self, q, k, v, topk_idx, vbs, counts=None, *, sm_scale=None,
+                 return_lse: bool = True, return_max_prob: bool = False,
+                 check_values: bool = False, q_vbs=None):
+        if q_vbs is not None or k.shape != q.shape or v.shape != q.shape:
+            raise ValueError(f"the 8-bit kernel takes q, k and v of one shape (got "
+                             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+                             f"{', and q_vbs' if q_vbs is not None else ''})")
+        return super().__call__(q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale,  # type: ignore[misc]
+                                return_lse=return_lse, return_max_prob=return_max_prob,
+                                check_values=check_values)
+
+    def from_quantized(self, quantized, topk_idx, vbs, counts=None, *, sm_scale=None,
+                       return_lse: bool = True):
+        """The kernel on inputs already quantized by the recipe (`quantize`, or a model's own
+        K/V kept in its format across steps): ``quantized`` is a
+        `tilegen.quant.QuantizedInputs` in the layout this op reads. Index values are checked
+        on the GPU, as in a call; shapes here."""
+        B, S, H, _ = quantized.q8.shape
+        if topk_idx.dim() != 4 or tuple(topk_idx.shape[:3]) != (B, H, S // 64):
+            raise ValueError(f"topk_idx of shape {tuple(topk_idx.shape)}: want "
+                             f"({B}, {H}, {S // 64}, topk)")
+        return _from_quantized(self, quantized, vbs, {"topk_idx": topk_idx, "counts": counts},
+                               sm_scale=sm_scale, return_lse=return_lse)
+
+
 def _lut_op():
     from tilegen.backends.gluon.op import GluonBlockSparseAttention
 
-    class GluonQuantAttention(_QuantOp, GluonBlockSparseAttention):
+    class GluonQuantAttention(_QuantLutOp, GluonBlockSparseAttention):
         """The 8-bit op, LUT encoding: ``o, lse = op(q, k, v, topk_idx, vbs, counts=None)`` with
         bf16/fp16 q, k, v of one shape (quantized here), o in q's dtype. Forward only."""
-
-        def __repr__(self) -> str:
-            return "Quant" + super().__repr__()
-
-        def __call__(self, q, k, v, topk_idx, vbs, counts=None, *, sm_scale=None,
-                     return_lse: bool = True, return_max_prob: bool = False,
-                     check_values: bool = False, q_vbs=None):
-            if q_vbs is not None or k.shape != q.shape or v.shape != q.shape:
-                raise ValueError(f"the 8-bit kernel takes q, k and v of one shape (got "
-                                 f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-                                 f"{', and q_vbs' if q_vbs is not None else ''})")
-            return super().__call__(q, k, v, topk_idx, vbs, counts, sm_scale=sm_scale,
-                                    return_lse=return_lse, return_max_prob=return_max_prob,
-                                    check_values=check_values)
-
-        def from_quantized(self, quantized, topk_idx, vbs, counts=None, *, sm_scale=None,
-                           return_lse: bool = True):
-            """The kernel on inputs already quantized by the recipe (`tilegen.quant.quantize`,
-            or a model's own K/V kept in its format across steps): ``quantized`` is a
-            `tilegen.quant.QuantizedInputs`. Index values are checked on the GPU, as in a
-            call; shapes here."""
-            B, S, H, _ = quantized.q8.shape
-            if topk_idx.dim() != 4 or tuple(topk_idx.shape[:3]) != (B, H, S // 64):
-                raise ValueError(f"topk_idx of shape {tuple(topk_idx.shape)}: want "
-                                 f"({B}, {H}, {S // 64}, topk)")
-            return _from_quantized(self, quantized, vbs,
-                                   {"topk_idx": topk_idx, "counts": counts},
-                                   sm_scale=sm_scale, return_lse=return_lse)
 
     return GluonQuantAttention
 

@@ -89,28 +89,19 @@ struct TensorMaps {
   const TensorMap& v;
   const TensorMap& v8;
   const TensorMap& o;
+
+  __device__ __forceinline__ void prefetch() const {  // the maps of every tile's loads
+    prefetch_map(k);
+    prefetch_map(v);
+  }
 };
 
-// One consumer's slice of shared memory, [Q buffers][K ring][V ring], and its barriers.
+// One consumer's barriers, kBarriers 8-byte words from `bars`: Q full and empty per buffer,
+// then K full/empty, V full/empty per ring slot.
 template <class T>
-struct ConsumerRing {
-  uint32_t q_tiles;
-  uint32_t k_tiles;
-  uint32_t v_tiles;
-  uint32_t bars;  // kBarriers 8-byte words
+struct RingBarriers {
+  uint32_t bars;
 
-  static __device__ __forceinline__ ConsumerRing of(uint32_t base, uint32_t bars0, int c) {
-    ConsumerRing r;
-    r.q_tiles = base + c * T::kConsumerBytes;
-    r.k_tiles = r.q_tiles + T::kQBuffers * T::kTileBytes;
-    r.v_tiles = r.k_tiles + T::kKStages * T::kTileBytes;
-    r.bars = bars0 + c * T::kBarriers * 8;
-    return r;
-  }
-
-  __device__ __forceinline__ uint32_t q_tile(int b) const { return q_tiles + b * T::kTileBytes; }
-  __device__ __forceinline__ uint32_t k_tile(int s) const { return k_tiles + s * T::kTileBytes; }
-  __device__ __forceinline__ uint32_t v_tile(int s) const { return v_tiles + s * T::kTileBytes; }
   __device__ __forceinline__ uint32_t q_full(int b) const { return bars + 8 * b; }
   __device__ __forceinline__ uint32_t q_empty(int b) const {
     return bars + 8 * (T::kQBuffers + b);
@@ -127,6 +118,47 @@ struct ConsumerRing {
   __device__ __forceinline__ uint32_t v_empty(int s) const {
     return bars + 8 * (2 * T::kQBuffers + 2 * T::kKStages + T::kVStages + s);
   }
+
+  // A full barrier completes on its producer lane's arrival and the bytes it announced; an
+  // empty one on each consumer warp's arrival (4), or for Q on the O store's issuing thread.
+  __device__ __forceinline__ void init() const {
+#pragma unroll
+    for (int b = 0; b < T::kQBuffers; ++b) {
+      barrier_init(q_full(b), 1);
+      barrier_init(q_empty(b), 1);
+    }
+#pragma unroll
+    for (int s = 0; s < T::kKStages; ++s) {
+      barrier_init(k_full(s), 1);
+      barrier_init(k_empty(s), 4);
+    }
+#pragma unroll
+    for (int s = 0; s < T::kVStages; ++s) {
+      barrier_init(v_full(s), 1);
+      barrier_init(v_empty(s), 4);
+    }
+  }
+};
+
+// One consumer's slice of shared memory, [Q buffers][K ring][V ring], and its barriers.
+template <class T>
+struct ConsumerRing : RingBarriers<T> {
+  uint32_t q_tiles;
+  uint32_t k_tiles;
+  uint32_t v_tiles;
+
+  static __device__ __forceinline__ ConsumerRing of(uint32_t base, uint32_t bars0, int c) {
+    ConsumerRing r;
+    r.q_tiles = base + c * T::kConsumerBytes;
+    r.k_tiles = r.q_tiles + T::kQBuffers * T::kTileBytes;
+    r.v_tiles = r.k_tiles + T::kKStages * T::kTileBytes;
+    r.bars = bars0 + c * T::kBarriers * 8;
+    return r;
+  }
+
+  __device__ __forceinline__ uint32_t q_tile(int b) const { return q_tiles + b * T::kTileBytes; }
+  __device__ __forceinline__ uint32_t k_tile(int s) const { return k_tiles + s * T::kTileBytes; }
+  __device__ __forceinline__ uint32_t v_tile(int s) const { return v_tiles + s * T::kTileBytes; }
 };
 
 // One consumer's query cube of group g; `live` is false past the last cube of an odd count.
@@ -306,10 +338,6 @@ struct Consumer {
   // Free a ring slot: one arrival per warp, after this warp's wgmma wait.
   static __device__ __forceinline__ void release(uint32_t bar, int lane) {
     if (lane == 0) barrier_arrive(bar);
-  }
-
-  static __device__ __forceinline__ Turns schedule(const LutArgs& a, int consumer) {
-    return pingpong_schedule<T, Turns>(a, consumer);
   }
 
   // One cube: its tiles, then the epilogue. `turn` is the consumer's next turn.
@@ -520,37 +548,56 @@ struct Consumer {
 };
 
 // ---- the kernel body ---------------------------------------------------------------------------
+// What the 16- and 8-bit kernels share: the barriers, then the producer warpgroup (lane 0 of
+// warp c loads consumer c's tiles) and the consumer warpgroups over the CTA's groups.
+template <class T, class Ring>
+__device__ __forceinline__ void init_barriers(uint32_t base, uint32_t bars0) {
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int c = 0; c < T::kConsumers; ++c) Ring::of(base, bars0, c).init();
+    fence_barrier_init();
+  }
+}
+
+template <class T, class Ring, class ProducerT, class ConsumerT, class Maps, class Args>
+__device__ __forceinline__ void run_warpgroups(const Maps& maps, const Args& a, uint32_t base,
+                                               uint32_t bars0) {
+  const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) >> 5, 0);
+  const int warpgroup = warp >> 2;
+  const int lane = threadIdx.x & 31;
+  if (warpgroup == 0) {
+    lower_registers<T::kProducerRegs>();
+    if (warp < T::kConsumers && lane == 0) {
+      if (warp == 0) maps.prefetch();
+      const Ring ring = Ring::of(base, bars0, warp);
+      RingCursor at;
+      for (int g = blockIdx.x; g < Item<T>::groups(a); g += gridDim.x) {
+        const Item<T> item(g, warp, a);
+        if (item.live) ProducerT::cube(maps, a, ring, at, item);
+      }
+    }
+  } else {
+    raise_registers<T::kConsumerRegs>();
+    const int consumer = warpgroup - 1;
+    const Ring ring = Ring::of(base, bars0, consumer);
+    using Turns = typename ConsumerT::Turns;
+    const Turns turns = pingpong_schedule<T, Turns>(a, consumer);
+    RingCursor at;
+    int turn = 0;
+    for (int g = blockIdx.x; g < Item<T>::groups(a); g += gridDim.x) {
+      const Item<T> item(g, consumer, a);
+      if (item.live) ConsumerT::cube(maps, a, ring, at, turns, turn, consumer, item);
+    }
+  }
+}
+
 template <class T>
 __device__ __forceinline__ void lut_attention(const TensorMaps& maps, const LutArgs& a) {
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t bars[T::kConsumers][T::kBarriers];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) >> 5, 0);
-  const int warpgroup = warp >> 2;
-  const int lane = threadIdx.x & 31;
   const uint32_t bars0 = smem_u32(&bars[0][0]);
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int c = 0; c < T::kConsumers; ++c) {
-      const ConsumerRing<T> ring = ConsumerRing<T>::of(base, bars0, c);
-#pragma unroll
-      for (int b = 0; b < T::kQBuffers; ++b) {
-        barrier_init(ring.q_full(b), 1);
-        barrier_init(ring.q_empty(b), 1);  // the thread that issued O's TMA store
-      }
-#pragma unroll
-      for (int s = 0; s < T::kKStages; ++s) {
-        barrier_init(ring.k_full(s), 1);
-        barrier_init(ring.k_empty(s), 4);  // one arrival per consumer warp
-      }
-#pragma unroll
-      for (int s = 0; s < T::kVStages; ++s) {
-        barrier_init(ring.v_full(s), 1);
-        barrier_init(ring.v_empty(s), 4);
-      }
-    }
-    fence_barrier_init();
-  }
+  init_barriers<T, ConsumerRing<T>>(base, bars0);
   // V rows past a packed tile's fill keep what an earlier tile left there; zero them once so
   // that is never NaN (P is 0 there, and 0 * NaN would be NaN)
   {
@@ -565,33 +612,7 @@ __device__ __forceinline__ void lut_attention(const TensorMaps& maps, const LutA
     fence_proxy_async();
   }
   __syncthreads();
-
-  if (warpgroup == 0) {
-    lower_registers<T::kProducerRegs>();
-    if (warp < T::kConsumers && lane == 0) {
-      if (warp == 0) {
-        prefetch_map(maps.k);
-        prefetch_map(maps.v);
-      }
-      const ConsumerRing<T> ring = ConsumerRing<T>::of(base, bars0, warp);
-      RingCursor at;
-      for (int g = blockIdx.x; g < Item<T>::groups(a); g += gridDim.x) {
-        const Item<T> item(g, warp, a);
-        if (item.live) Producer<T>::cube(maps, a, ring, at, item);
-      }
-    }
-  } else {
-    raise_registers<T::kConsumerRegs>();
-    const int consumer = warpgroup - 1;
-    const ConsumerRing<T> ring = ConsumerRing<T>::of(base, bars0, consumer);
-    const typename Consumer<T>::Turns turns = Consumer<T>::schedule(a, consumer);
-    RingCursor at;
-    int turn = 0;
-    for (int g = blockIdx.x; g < Item<T>::groups(a); g += gridDim.x) {
-      const Item<T> item(g, consumer, a);
-      if (item.live) Consumer<T>::cube(maps, a, ring, at, turns, turn, consumer, item);
-    }
-  }
+  run_warpgroups<T, ConsumerRing<T>, Producer<T>, Consumer<T>>(maps, a, base, bars0);
 }
 
 }  // namespace sm90

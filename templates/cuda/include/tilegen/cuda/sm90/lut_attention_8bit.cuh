@@ -64,17 +64,21 @@ struct QuantMaps {
   const TensorMap& k8;  // (128, 32) boxes
   const TensorMap& vt;  // (S, B * H * D) e4m3, (32, D) boxes, 32-byte swizzle
   const TensorMap& o;   // (H * D, B * S) 16-bit, (64, 64) boxes
+
+  __device__ __forceinline__ void prefetch() const {
+    prefetch_map(k8);
+    prefetch_map(vt);
+  }
 };
 
 // One consumer's slice: [Q buffers][K ring][V ring][K scales], and its barriers (the 16-bit
-// ring's order).
+// ring's).
 template <class T>
-struct QuantRing {
+struct QuantRing : RingBarriers<T> {
   uint32_t q_tiles;
   uint32_t k_tiles;
   uint32_t v_tiles;
   uint32_t k_scales;
-  uint32_t bars;
 
   static __device__ __forceinline__ QuantRing of(uint32_t base, uint32_t bars0, int c) {
     QuantRing r;
@@ -91,22 +95,6 @@ struct QuantRing {
   __device__ __forceinline__ uint32_t v_tile(int s) const { return v_tiles + s * T::kTileBytes; }
   __device__ __forceinline__ uint32_t k_scale(int s) const {
     return k_scales + s * T::kScaleBytes;
-  }
-  __device__ __forceinline__ uint32_t q_full(int b) const { return bars + 8 * b; }
-  __device__ __forceinline__ uint32_t q_empty(int b) const {
-    return bars + 8 * (T::kQBuffers + b);
-  }
-  __device__ __forceinline__ uint32_t k_full(int s) const {
-    return bars + 8 * (2 * T::kQBuffers + s);
-  }
-  __device__ __forceinline__ uint32_t k_empty(int s) const {
-    return bars + 8 * (2 * T::kQBuffers + T::kKStages + s);
-  }
-  __device__ __forceinline__ uint32_t v_full(int s) const {
-    return bars + 8 * (2 * T::kQBuffers + 2 * T::kKStages + s);
-  }
-  __device__ __forceinline__ uint32_t v_empty(int s) const {
-    return bars + 8 * (2 * T::kQBuffers + 2 * T::kKStages + T::kVStages + s);
   }
 };
 
@@ -378,67 +366,16 @@ struct QuantConsumer {
   }
 };
 
-// ---- the kernel body ----------------------------------------------------------------------------
+// ---- the kernel body ---------------------------------------------------------------------------
 template <class T>
 __device__ __forceinline__ void lut_attention_8bit(const QuantMaps& maps, const QuantArgs& a) {
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t bars[T::kConsumers][T::kBarriers];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) >> 5, 0);
-  const int warpgroup = warp >> 2;
-  const int lane = threadIdx.x & 31;
   const uint32_t bars0 = smem_u32(&bars[0][0]);
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int c = 0; c < T::kConsumers; ++c) {
-      const QuantRing<T> ring = QuantRing<T>::of(base, bars0, c);
-#pragma unroll
-      for (int b = 0; b < T::kQBuffers; ++b) {
-        barrier_init(ring.q_full(b), 1);
-        barrier_init(ring.q_empty(b), 1);
-      }
-#pragma unroll
-      for (int s = 0; s < T::kKStages; ++s) {
-        barrier_init(ring.k_full(s), 1);
-        barrier_init(ring.k_empty(s), 4);
-      }
-#pragma unroll
-      for (int s = 0; s < T::kVStages; ++s) {
-        barrier_init(ring.v_full(s), 1);
-        barrier_init(ring.v_empty(s), 4);
-      }
-    }
-    fence_barrier_init();
-  }
+  init_barriers<T, QuantRing<T>>(base, bars0);
   __syncthreads();  // every V^T slot a half reads is written by its own copy (padded keys: 0)
-
-  if (warpgroup == 0) {
-    lower_registers<T::kProducerRegs>();
-    if (warp < T::kConsumers && lane == 0) {
-      if (warp == 0) {
-        prefetch_map(maps.k8);
-        prefetch_map(maps.vt);
-      }
-      const QuantRing<T> ring = QuantRing<T>::of(base, bars0, warp);
-      RingCursor at;
-      for (int g = blockIdx.x; g < Item<T>::groups(a); g += gridDim.x) {
-        const Item<T> item(g, warp, a);
-        if (item.live) QuantProducer<T>::cube(maps, a, ring, at, item);
-      }
-    }
-  } else {
-    raise_registers<T::kConsumerRegs>();
-    const int consumer = warpgroup - 1;
-    const QuantRing<T> ring = QuantRing<T>::of(base, bars0, consumer);
-    using Turns = typename QuantConsumer<T>::Turns;
-    const Turns turns = pingpong_schedule<T, Turns>(a, consumer);
-    RingCursor at;
-    int turn = 0;
-    for (int g = blockIdx.x; g < Item<T>::groups(a); g += gridDim.x) {
-      const Item<T> item(g, consumer, a);
-      if (item.live) QuantConsumer<T>::cube(maps, a, ring, at, turns, turn, consumer, item);
-    }
-  }
+  run_warpgroups<T, QuantRing<T>, QuantProducer<T>, QuantConsumer<T>>(maps, a, base, bars0);
 }
 
 }  // namespace sm90

@@ -227,3 +227,68 @@ def test_vt_slots_round_trip_and_rules():
                        plain.v8t.view(torch.uint8)[..., 32 + int(keys[5])])
     with pytest.raises(ValueError, match="vt_slots"):
         quant.quantize(q, q, q, vbs, "int8_fp8", vt_tiles=True, vt_slots=True)
+
+
+RING_LAYOUT = r"""
+#include <cstdio>
+#include "tilegen/cuda/sm90/lut_attention_8bit.cuh"
+template <int kC, int kQ, int kK, int kV>
+struct Cfg {
+  using Elem = tilegen::Bf16;
+  static constexpr bool kBshd = true;
+  static constexpr int kHeadDim = 128;
+  static constexpr int kBlock = 64;
+  static constexpr int kConsumers = kC;
+  static constexpr int kKStages = kK;
+  static constexpr int kVStages = kV;
+  static constexpr int kQBuffers = kQ;
+  static constexpr bool kPingPong = kC == 2;
+  static constexpr bool kStoreLse = true;
+  static constexpr bool kStoreMaxProb = false;
+  static constexpr int kConsumerRegs = 240;
+  static constexpr int kProducerRegs = 24;
+};
+// every tile of every consumer, from a 1024-aligned base: kind, address, the dynamic bytes
+template <class T, class Ring>
+void rings(const char* name) {
+  for (int c = 0; c < T::kConsumers; ++c) {
+    const Ring r = Ring::of(0, 0, c);
+    for (int b = 0; b < T::kQBuffers; ++b) printf("%s q %u %d\n", name, r.q_tile(b), T::kSmemBytes);
+    for (int s = 0; s < T::kKStages; ++s) printf("%s k %u %d\n", name, r.k_tile(s), T::kSmemBytes);
+    for (int s = 0; s < T::kVStages; ++s) printf("%s v %u %d\n", name, r.v_tile(s), T::kSmemBytes);
+  }
+}
+template <int kC, int kQ, int kK, int kV>
+void both() {
+  using Q = tilegen::sm90::QuantTraits<Cfg<kC, kQ, kK, kV>>;
+  using W = tilegen::sm90::WgmmaTraits<Cfg<kC, kQ, kK, kV>>;
+  rings<Q, tilegen::sm90::QuantRing<Q>>("8bit");
+  rings<W, tilegen::sm90::ConsumerRing<W>>("16bit");
+}
+int main() {
+  both<1, 1, 2, 2>(); both<1, 1, 3, 2>(); both<2, 1, 2, 2>(); both<2, 1, 3, 3>();
+  both<2, 2, 3, 2>(); both<2, 1, 4, 4>(); both<1, 2, 5, 3>();
+  return 0;
+}
+"""
+
+
+@needs_nvcc
+def test_every_tile_starts_on_its_swizzle_atom(tmp_path):
+    """Each ring's tiles, for every consumer, start where TMA's and wgmma's swizzles agree:
+    Q, K and the 16-bit V tiles on 1024 bytes (the 128-byte swizzle's atom), the 8-bit V^T on 256
+    (the 32-byte swizzle's), all inside the dynamic shared memory (less the 1024 bytes the base
+    may be moved by). The first 8-bit H200 run broke this for its second consumer."""
+    (tmp_path / "r.cu").write_text(RING_LAYOUT)
+    subprocess.run([str(nv.find_nvcc()), "-std=c++17", "-I", str(nv.include_dir()), "-o",
+                    str(tmp_path / "r"), str(tmp_path / "r.cu")], check=True,
+                   capture_output=True, timeout=300)
+    out = subprocess.run([str(tmp_path / "r")], check=True, capture_output=True, text=True,
+                         timeout=60).stdout.splitlines()
+    assert len(out) > 100
+    for line in out:
+        kernel, kind, addr, smem = line.split()
+        atom = 256 if (kernel, kind) == ("8bit", "v") else 1024
+        assert int(addr) % atom == 0, line
+        tile = 64 * 128 * (2 if kernel == "16bit" or kind == "q" else 1)
+        assert int(addr) + tile <= int(smem) - 1024, line

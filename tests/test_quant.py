@@ -248,3 +248,23 @@ def test_vt_tiles_are_the_natural_layout_reordered(interpreter):
     assert torch.equal(oe, quant.emulate(q, k, v, idx, vbs, quantized=natural))
     with pytest.raises(ValueError, match="cover a 32-key tile"):
         quant.quantize_triton(q, k, v, vbs, "int8_fp8", tokens=16, vt_tiles=True)
+
+
+@pytest.mark.parametrize("tokens", [16, 32])
+def test_vt_slots_are_written_by_the_prepass_itself(interpreter, tokens):
+    """``vt_slots=True`` (the CUDA wgmma kernel's V^T): the Triton pre-pass writes each key at
+    its MMA slot in the same pass, the bytes of `vt_to_slots` over the natural layout, also with
+    a 32-key half split over two programs (16 tokens a program); `vt_natural` undoes it."""
+    q, k, v, vbs, _ = _qkv(4)
+    idx = torch.arange(6, dtype=torch.int32).flip(0).expand(1, 2, 6, 6).contiguous()
+    natural = quant.quantize_triton(q, k, v, vbs, "int8_fp8", tokens=tokens)
+    slotted = quant.quantize_triton(q, k, v, vbs, "int8_fp8", tokens=tokens, vt_slots=True)
+    assert slotted.vt_slots and not natural.vt_slots
+    assert torch.equal(slotted.v8t.view(torch.uint8),
+                       quant.vt_to_slots(natural.v8t).view(torch.uint8))
+    assert torch.equal(quant.vt_natural(slotted).view(torch.uint8),
+                       natural.v8t.view(torch.uint8))
+    assert torch.equal(quant.emulate(q, k, v, idx, vbs, quantized=slotted),
+                       quant.emulate(q, k, v, idx, vbs, quantized=natural))
+    with pytest.raises(ValueError, match="vt_slots"):
+        quant.quantize_triton(q, k, v, vbs, "int8_fp8", vt_tiles=True, vt_slots=True)

@@ -240,8 +240,8 @@ def _int8_per_token(x):
 @triton.jit
 def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, VMEAN,
                      seq_len, num_heads, n_cubes, n_sample, FIRST_PART,
-                     FP8_V: tl.constexpr, VT_TILES: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK: tl.constexpr,
+                     FP8_V: tl.constexpr, VT_TILES: tl.constexpr, VT_SLOTS: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                      TOKENS: tl.constexpr, SAMPLE: tl.constexpr, E4M3: tl.constexpr,
                      HEADROOM: tl.constexpr):
     # a program quantizes TOKENS tokens of one cube and one tensor (axis 2: 0 Q, 1 K, 2 V):
@@ -295,7 +295,12 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
             vt_off = ((bh * (seq_len // 32) + tok // 32)[None, :] * HEAD_DIM + d[:, None]) * 32 \
                 + half * 16 + (key % 16)[None, :]
         else:  # (B, H, D, S): the transposed tile, so that a warp writes runs of keys
-            vt_off = (bh * HEAD_DIM + d)[:, None] * seq_len + tok[None, :]
+            col = tok
+            if VT_SLOTS:  # each key at its MMA slot within its 32-key half (vt_slot_keys)
+                key = tok % 32
+                col = tok - key + 16 * (key // 16) + 4 * ((key % 8) // 2) \
+                    + 2 * ((key % 16) // 8) + key % 2
+            vt_off = (bh * HEAD_DIM + d)[:, None] * seq_len + col[None, :]
         tl.store(V8T + vt_off, tl.trans(v).to(tl.float8e4nv))
         if first:
             tl.store(VSCALE + bh * HEAD_DIM + d, v_scale)
@@ -318,22 +323,25 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tenso
                          "not with vt_tiles, nor for mode 'int8'")
     if q.device.type == "cpu":
         qi = quantize_torch(q, k, v, vbs, mode, block, vt_tiles=vt_tiles)
-    else:
-        qi = quantize_triton(q, k, v, vbs, mode, block, with_q=with_q, vt_tiles=vt_tiles)
-    if vt_slots:
-        qi = dataclasses.replace(qi, v8t=vt_to_slots(qi.v8t), vt_slots=True)
-    return qi
+        if vt_slots:
+            qi = dataclasses.replace(qi, v8t=vt_to_slots(qi.v8t), vt_slots=True)
+        return qi
+    return quantize_triton(q, k, v, vbs, mode, block, with_q=with_q, vt_tiles=vt_tiles,
+                           vt_slots=vt_slots)
 
 
 def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
                     mode: str = "int8_fp8", block: int = 64, *,
                     num_warps: int = 2, tokens: int = 32, with_q: bool = True,
-                    vt_tiles: bool = False) -> QuantizedInputs:
+                    vt_tiles: bool = False, vt_slots: bool = False) -> QuantizedInputs:
     """The Triton pre-pass (what `quantize` runs on a GPU; the tests run it under the
     interpreter on CPU tensors); ``tokens`` a program: a power of two from 16 to ``block``.
     The defaults are the H200's fastest (bench/NOTES.md, session 15: K and V in 0.51 ms at the
-    default workload against 0.59 for a whole cube on 4 warps)."""
+    default workload against 0.59 for a whole cube on 4 warps). ``vt_slots``: V^T's keys
+    written at their MMA slots (`vt_to_slots`), in the same pass."""
     _check_mode(mode)
+    if vt_slots and vt_tiles:
+        raise ValueError("vt_slots orders V^T's keys in its natural layout, not with vt_tiles")
     if vt_tiles and tokens < VT_TILE:
         raise ValueError(f"vt_tiles: tokens={tokens} must cover a {VT_TILE}-key tile")
     if tokens & (tokens - 1) or block % tokens or tokens < 16:
@@ -362,16 +370,17 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     _quantize_kernel[(n * block // tokens, B * H, parts)](
         q, k, v, vbs, q8, q_scale, k8, k_scale, k_mean,
         v8t if fp8 else q8, v_scale if fp8 else q_scale, v_mean if fp8 else q_scale,
-        S, H, n, n_sample, 0 if with_q else 1, FP8_V=fp8, VT_TILES=vt_tiles, HEAD_DIM=D,
+        S, H, n, n_sample, 0 if with_q else 1, FP8_V=fp8, VT_TILES=vt_tiles,
+        VT_SLOTS=vt_slots, HEAD_DIM=D,
         BLOCK=block, TOKENS=tokens,
         SAMPLE=triton.next_power_of_2(SAMPLE_CUBES), E4M3=E4M3_MAX, HEADROOM=V_HEADROOM,
         num_warps=num_warps)
-    tiles = vt_tiles and fp8
+    tiles, slots = vt_tiles and fp8, vt_slots and fp8
     if not with_q:
         return QuantizedInputs(mode, None, None, k8, k_scale, k_mean, v8t, v_scale, v_mean,
-                               vt_tiles=tiles)
+                               vt_tiles=tiles, vt_slots=slots)
     return QuantizedInputs(mode, q8, q_scale, k8, k_scale, k_mean, v8t, v_scale, v_mean,
-                           vt_tiles=tiles)
+                           vt_tiles=tiles, vt_slots=slots)
 
 
 # -- the emulation --------------------------------------------------------------------------------

@@ -147,7 +147,8 @@ struct ConsumerRing : RingBarriers<T> {
   uint32_t k_tiles;
   uint32_t v_tiles;
 
-  static __device__ __forceinline__ ConsumerRing of(uint32_t base, uint32_t bars0, int c) {
+  static __host__ __device__ __forceinline__ ConsumerRing of(uint32_t base, uint32_t bars0,
+                                                             int c) {
     ConsumerRing r;
     r.q_tiles = base + c * T::kConsumerBytes;
     r.k_tiles = r.q_tiles + T::kQBuffers * T::kTileBytes;
@@ -156,9 +157,15 @@ struct ConsumerRing : RingBarriers<T> {
     return r;
   }
 
-  __device__ __forceinline__ uint32_t q_tile(int b) const { return q_tiles + b * T::kTileBytes; }
-  __device__ __forceinline__ uint32_t k_tile(int s) const { return k_tiles + s * T::kTileBytes; }
-  __device__ __forceinline__ uint32_t v_tile(int s) const { return v_tiles + s * T::kTileBytes; }
+  __host__ __device__ __forceinline__ uint32_t q_tile(int b) const {
+    return q_tiles + b * T::kTileBytes;
+  }
+  __host__ __device__ __forceinline__ uint32_t k_tile(int s) const {
+    return k_tiles + s * T::kTileBytes;
+  }
+  __host__ __device__ __forceinline__ uint32_t v_tile(int s) const {
+    return v_tiles + s * T::kTileBytes;
+  }
 };
 
 // One consumer's query cube of group g; `live` is false past the last cube of an odd count.

@@ -80,7 +80,7 @@ struct QuantRing : RingBarriers<T> {
   uint32_t v_tiles;
   uint32_t k_scales;
 
-  static __device__ __forceinline__ QuantRing of(uint32_t base, uint32_t bars0, int c) {
+  static __host__ __device__ __forceinline__ QuantRing of(uint32_t base, uint32_t bars0, int c) {
     QuantRing r;
     r.q_tiles = base + c * T::kConsumerBytes;
     r.k_tiles = r.q_tiles + T::kQBuffers * T::kQBytes;
@@ -90,10 +90,16 @@ struct QuantRing : RingBarriers<T> {
     return r;
   }
 
-  __device__ __forceinline__ uint32_t q_tile(int b) const { return q_tiles + b * T::kQBytes; }
-  __device__ __forceinline__ uint32_t k_tile(int s) const { return k_tiles + s * T::kTileBytes; }
-  __device__ __forceinline__ uint32_t v_tile(int s) const { return v_tiles + s * T::kTileBytes; }
-  __device__ __forceinline__ uint32_t k_scale(int s) const {
+  __host__ __device__ __forceinline__ uint32_t q_tile(int b) const {
+    return q_tiles + b * T::kQBytes;
+  }
+  __host__ __device__ __forceinline__ uint32_t k_tile(int s) const {
+    return k_tiles + s * T::kTileBytes;
+  }
+  __host__ __device__ __forceinline__ uint32_t v_tile(int s) const {
+    return v_tiles + s * T::kTileBytes;
+  }
+  __host__ __device__ __forceinline__ uint32_t k_scale(int s) const {
     return k_scales + s * T::kScaleBytes;
   }
 };

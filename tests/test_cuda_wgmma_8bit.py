@@ -262,7 +262,7 @@ template <int kC, int kQ, int kK, int kV>
 void both() {
   using Q = tilegen::sm90::QuantTraits<Cfg<kC, kQ, kK, kV>>;
   using W = tilegen::sm90::WgmmaTraits<Cfg<kC, kQ, kK, kV>>;
-  rings<Q, tilegen::sm90::QuantRing<Q>>("8bit");
+  rings<Q, tilegen::sm90::ConsumerRing<Q>>("8bit");
   rings<W, tilegen::sm90::ConsumerRing<W>>("16bit");
 }
 int main() {

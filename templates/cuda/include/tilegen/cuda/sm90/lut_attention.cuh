@@ -52,6 +52,8 @@ struct WgmmaTraits : C {
   static constexpr int kPanels = C::kHeadDim / kPanelCols;
   static constexpr int kPanelBytes = C::kBlock * 128;
   static constexpr int kTileBytes = kPanels * kPanelBytes;
+  static constexpr int kQBytes = kTileBytes;  // a Q buffer (and the O staged in it)
+  static constexpr int kScaleBytes = 0;       // no key scales (the 8-bit kernel has them)
   static constexpr int kConsumerBytes = (C::kQBuffers + C::kKStages + C::kVStages) * kTileBytes;
   // + 1024: the dynamic segment's start is aligned up to the swizzle atom at run time
   static constexpr int kSmemBytes = C::kConsumers * kConsumerBytes + 1024;
@@ -140,31 +142,37 @@ struct RingBarriers {
   }
 };
 
-// One consumer's slice of shared memory, [Q buffers][K ring][V ring], and its barriers.
+// One consumer's slice of shared memory, [Q buffers][K ring][V ring][K scales], and its
+// barriers; T gives the sizes (kQBytes, kTileBytes, kScaleBytes: 0 in the 16-bit kernel).
 template <class T>
 struct ConsumerRing : RingBarriers<T> {
   uint32_t q_tiles;
   uint32_t k_tiles;
   uint32_t v_tiles;
+  uint32_t k_scales;
 
   static __host__ __device__ __forceinline__ ConsumerRing of(uint32_t base, uint32_t bars0,
                                                              int c) {
     ConsumerRing r;
     r.q_tiles = base + c * T::kConsumerBytes;
-    r.k_tiles = r.q_tiles + T::kQBuffers * T::kTileBytes;
+    r.k_tiles = r.q_tiles + T::kQBuffers * T::kQBytes;
     r.v_tiles = r.k_tiles + T::kKStages * T::kTileBytes;
+    r.k_scales = r.v_tiles + T::kVStages * T::kTileBytes;
     r.bars = bars0 + c * T::kBarriers * 8;
     return r;
   }
 
   __host__ __device__ __forceinline__ uint32_t q_tile(int b) const {
-    return q_tiles + b * T::kTileBytes;
+    return q_tiles + b * T::kQBytes;
   }
   __host__ __device__ __forceinline__ uint32_t k_tile(int s) const {
     return k_tiles + s * T::kTileBytes;
   }
   __host__ __device__ __forceinline__ uint32_t v_tile(int s) const {
     return v_tiles + s * T::kTileBytes;
+  }
+  __host__ __device__ __forceinline__ uint32_t k_scale(int s) const {
+    return k_scales + s * T::kScaleBytes;
   }
 };
 

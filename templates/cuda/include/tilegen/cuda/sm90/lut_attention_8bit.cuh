@@ -71,45 +71,12 @@ struct QuantMaps {
   }
 };
 
-// One consumer's slice: [Q buffers][K ring][V ring][K scales], and its barriers (the 16-bit
-// ring's).
-template <class T>
-struct QuantRing : RingBarriers<T> {
-  uint32_t q_tiles;
-  uint32_t k_tiles;
-  uint32_t v_tiles;
-  uint32_t k_scales;
-
-  static __host__ __device__ __forceinline__ QuantRing of(uint32_t base, uint32_t bars0, int c) {
-    QuantRing r;
-    r.q_tiles = base + c * T::kConsumerBytes;
-    r.k_tiles = r.q_tiles + T::kQBuffers * T::kQBytes;
-    r.v_tiles = r.k_tiles + T::kKStages * T::kTileBytes;
-    r.k_scales = r.v_tiles + T::kVStages * T::kTileBytes;
-    r.bars = bars0 + c * T::kBarriers * 8;
-    return r;
-  }
-
-  __host__ __device__ __forceinline__ uint32_t q_tile(int b) const {
-    return q_tiles + b * T::kQBytes;
-  }
-  __host__ __device__ __forceinline__ uint32_t k_tile(int s) const {
-    return k_tiles + s * T::kTileBytes;
-  }
-  __host__ __device__ __forceinline__ uint32_t v_tile(int s) const {
-    return v_tiles + s * T::kTileBytes;
-  }
-  __host__ __device__ __forceinline__ uint32_t k_scale(int s) const {
-    return k_scales + s * T::kScaleBytes;
-  }
-};
-
 // ---- the producer -------------------------------------------------------------------------------
 template <class T>
 struct QuantProducer {
   // Q8 of one cube, then per tile j: K8 and key scales of tile j, V^T of tile j - 1.
   static __device__ __forceinline__ void cube(const QuantMaps& maps, const QuantArgs& a,
-                                              const QuantRing<T>& ring, RingCursor& at,
+                                              const ConsumerRing<T>& ring, RingCursor& at,
                                               const Item<T>& item) {
     const int n = item.tiles(a);
     const int qb = at.q_buffer<T>();
@@ -177,7 +144,7 @@ struct QuantConsumer {
   }
 
   static __device__ __forceinline__ void cube(const QuantMaps& maps, const QuantArgs& a,
-                                              const QuantRing<T>& ring, RingCursor& at,
+                                              const ConsumerRing<T>& ring, RingCursor& at,
                                               const Turns& turns, int& turn, int consumer,
                                               const Item<T>& item) {
     const int lane = threadIdx.x & 31;
@@ -379,9 +346,9 @@ __device__ __forceinline__ void lut_attention_8bit(const QuantMaps& maps, const 
   __shared__ __align__(8) uint64_t bars[T::kConsumers][T::kBarriers];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t bars0 = smem_u32(&bars[0][0]);
-  init_barriers<T, QuantRing<T>>(base, bars0);
+  init_barriers<T, ConsumerRing<T>>(base, bars0);
   __syncthreads();  // every V^T slot a half reads is written by its own copy (padded keys: 0)
-  run_warpgroups<T, QuantRing<T>, QuantProducer<T>, QuantConsumer<T>>(maps, a, base, bars0);
+  run_warpgroups<T, ConsumerRing<T>, QuantProducer<T>, QuantConsumer<T>>(maps, a, base, bars0);
 }
 
 }  // namespace sm90

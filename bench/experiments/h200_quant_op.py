@@ -8,6 +8,8 @@ the bf16 default op in the same process, pre-pass included and without it (`from
     ... --variants 'qk_ahead=1;pack_halves=0'   (more 8-bit configs, checked and timed beside
                                                  the default: ';' between them, ',' between knobs)
 
+    ... --backend cuda --prebuild   compile the CUDA 8-bit cubins (default and --variants, with
+                           and without lse) for sm_90a here, with no GPU, into $TILEGEN_CACHE_DIR
     ... --backend cuda     the CUDA family's 8-bit wgmma kernel (session 18) instead of the Gluon
                            one, the Gluon 8-bit op timed beside it; --variants then take its
                            knobs (consumers, pingpong, k_stages, v_stages, pack_partials,
@@ -207,6 +209,24 @@ def timing(topks, heads: int) -> list:
     return rows
 
 
+def prebuild(variants: list[dict]) -> None:
+    """The CUDA 8-bit cubins of the default config and each variant, compiled with no GPU."""
+    from tilegen.backends.cuda import wgmma
+    from tilegen.backends.cuda.nvcc import compile_cuda
+    from tilegen.backends.cuda.wgmma_op import WgmmaQuantLaunch
+    from tilegen.targets import get_target
+
+    target = get_target("sm_90")
+    spec = Spec(quant="int8_fp8")
+    for opts in [{}, *variants]:
+        t0 = time.perf_counter()
+        for lse in (True, False):
+            run = WgmmaQuantLaunch(spec.kernel_spec, wgmma.config(**opts).replace(store_lse=lse),
+                                   target)
+            compile_cuda(run.source, target, None, run.digest)
+        print(f"prebuilt {opts or 'default'} in {time.perf_counter() - t0:.1f}s", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="quant_op.json")
@@ -216,7 +236,11 @@ def main() -> int:
     ap.add_argument("--variants", default="")
     ap.add_argument("--variant-topks", default="78")
     ap.add_argument("--backend", choices=("gluon", "cuda"), default="gluon")
+    ap.add_argument("--prebuild", action="store_true")
     args = ap.parse_args()
+    if args.prebuild:
+        prebuild(parse_variants(args.variants))
+        return 0
     BACKEND["name"] = args.backend
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "tilegen": tilegen.__version__, "backend": args.backend}

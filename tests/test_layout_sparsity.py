@@ -71,6 +71,24 @@ def test_to_cubes_matches_brute_force(grid, cube):
     assert torch.equal(layout.from_cubes(xc, grid, cube), x)
 
 
+@pytest.mark.parametrize("grid,cube", [((5, 6, 8), (4, 4, 4)), ((5, 6, 7), (2, 3, 4))])
+def test_cube_sources_are_the_gather_of_to_cubes(grid, cube):
+    """Slot i of the cube-major sequence reads token ``cube_sources[i]``: the real tokens where
+    `to_cubes` puts them, padded slots their cube's first token (``zero_padding=False``)."""
+    n = grid[0] * grid[1] * grid[2]
+    x = torch.randn(1, n, 2)
+    src = layout.cube_sources(grid, cube)
+    assert src.dtype == torch.int64 and 0 <= int(src.min()) and int(src.max()) < n
+    xc, vbs = layout.to_cubes(x, grid, cube, zero_padding=False)
+    assert torch.equal(x[:, src], xc)
+    ref, _ = _brute_force_to_cubes(x, grid, cube)
+    vol = math.prod(cube)
+    real = (torch.arange(vol)[None, :] < vbs[:, None]).reshape(-1)
+    assert torch.equal(x[:, src][:, real], ref[:, real])
+    src[0] = -1  # a copy: the cached index is untouched
+    assert int(layout.cube_sources(grid, cube)[0]) == 0
+
+
 def test_small_grid_has_all_partial_kinds():
     assert set(layout.vbs_for_grid((5, 6, 8)).tolist()) == {64, 32, 16, 8}
 

@@ -268,3 +268,34 @@ def test_vt_slots_are_written_by_the_prepass_itself(interpreter, tokens):
                        quant.emulate(q, k, v, idx, vbs, quantized=natural))
     with pytest.raises(ValueError, match="vt_slots"):
         quant.quantize_triton(q, k, v, vbs, "int8_fp8", vt_tiles=True, vt_slots=True)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8_fp8"])
+def test_prepass_reorders_token_order_inputs_as_to_cubes_does(interpreter, mode):
+    """``sources=cube_sources(grid)``: THW-ordered q, k, v of a grid with partial cubes in
+    every axis, reordered to cubes by the pre-pass itself, give the bytes of `to_cubes` then
+    the pre-pass (Triton under the interpreter and the PyTorch model alike)."""
+    from tilegen import layout
+
+    grid, cube = (5, 6, 7), (4, 4, 4)
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 5 * 6 * 7, 2, 64, generator=g).to(torch.bfloat16)
+               for _ in range(3))
+    src = layout.cube_sources(grid, cube)
+    (qc, vbs), (kc, _), (vc, _) = (layout.to_cubes(t, grid, cube, zero_padding=False)
+                                   for t in (q, k, v))
+    for fn in (quant.quantize_triton, quant.quantize_torch):
+        want = fn(qc, kc, vc, vbs, mode)
+        got = fn(q, k, v, vbs, mode, sources=src)
+        for name in ("q8", "q_scale", "k8", "k_scale", "k_mean", "v8t", "v_scale", "v_mean"):
+            a, b = getattr(got, name), getattr(want, name)
+            if a is None or b is None:
+                assert a is None and b is None, name
+                continue
+            assert a.shape == b.shape, name
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), name
+    with pytest.raises(ValueError, match="sources"):
+        quant.quantize_triton(q, k, v, vbs, mode, sources=src[:-3])
+    with pytest.raises(ValueError, match="sources"):
+        quant.quantize_triton(q, k, v, vbs, mode, sources=src.float())

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["cube_grid", "vbs_for_grid", "cube_coords", "token_slots", "to_cubes", "from_cubes"]
+__all__ = ["cube_grid", "vbs_for_grid", "cube_coords", "token_slots", "cube_sources", "to_cubes",
+           "from_cubes"]
 
 Triple = tuple[int, int, int]
 
@@ -185,6 +186,19 @@ def _sources_on(grid: Triple, cube: Triple, device: torch.device) -> torch.Tenso
     if torch.compiler.is_compiling():  # as _vbs_on
         return _build_sources(grid, cube, device)
     return _sources_cached(grid, cube, device)
+
+
+def cube_sources(
+    grid: Sequence[int], cube: Sequence[int] = (4, 4, 4), device: torch.device | str | None = None
+) -> torch.Tensor:
+    """``(NC * ct*ch*cw,)`` int64: the row-major token each slot of the cube-major padded
+    sequence reads in ``to_cubes(x, grid, cube, zero_padding=False)`` (a padded slot: its
+    cube's first token). What the 8-bit pre-pass takes to reorder while it quantizes
+    (`tilegen.quant.quantize(..., sources=...)`)."""
+    g, c = _triple(grid, "grid"), _triple(cube, "cube")
+    dev = torch.device(device if device is not None else "cpu")
+    return _sources_on(g, c, dev) if torch.compiler.is_compiling() \
+        else _sources_on(g, c, dev).clone()
 
 
 def to_cubes(

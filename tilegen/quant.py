@@ -153,6 +153,22 @@ def sample_cubes(nkv: int) -> list[int]:
 
 
 # -- the pre-pass: PyTorch (CPU, and the model) --------------------------------------------------
+def _check_sources(sources: torch.Tensor | None, in_len: int, block: int,
+                   device: torch.device) -> int:
+    """The cube-major length the pre-pass writes: ``in_len`` without ``sources``, else the
+    length of ``sources`` (a 1-D int tensor on the inputs' device, whole cubes of ``block``
+    slots). No value check here (it would sync): `tilegen.layout.cube_sources` makes them."""
+    if sources is None:
+        return in_len
+    if not isinstance(sources, torch.Tensor) or sources.dim() != 1 \
+            or sources.dtype not in (torch.int32, torch.int64) or sources.numel() % block:
+        raise ValueError(f"sources must be a 1-D int32/int64 tensor of whole {block}-slot "
+                         "cubes (tilegen.layout.cube_sources(grid, cube))")
+    if sources.device != device:
+        raise ValueError(f"sources is on {sources.device}, the inputs on {device}")
+    return sources.numel()
+
+
 def _round_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     # x times the IEEE reciprocal of its scale: one division per token, the kernel's arithmetic
     inv = 1.0 / torch.where(scale > 0, scale, 1.0)
@@ -161,11 +177,15 @@ def _round_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def quantize_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
                    mode: str = "int8_fp8", block: int = 64, *, q_smooth: bool = False,
-                   v_smooth: bool = True, vt_tiles: bool = False) -> QuantizedInputs:
+                   v_smooth: bool = True, vt_tiles: bool = False,
+                   sources: torch.Tensor | None = None) -> QuantizedInputs:
     """The pre-pass's arithmetic in PyTorch (fp32), for any device. ``q_smooth=True`` and
     ``v_smooth=False`` are the recipe's ablations (`bench/experiments/int8_recipe.py`); the
-    defaults are what the kernels read."""
+    defaults are what the kernels read. ``sources``: inputs in token order (`quantize`)."""
     _check_mode(mode)
+    if sources is not None:
+        _check_sources(sources, q.shape[1], block, q.device)
+        q, k, v = (t.index_select(1, sources.to(t.device).long()) for t in (q, k, v))
     B, S, H, D = q.shape
     n = S // block
     real = (torch.arange(block, device=q.device)[None, :] < vbs.to(q.device)[:, None].long())
@@ -238,8 +258,9 @@ def _int8_per_token(x):
 
 
 @triton.jit
-def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, VMEAN,
-                     seq_len, num_heads, n_cubes, n_sample, FIRST_PART,
+def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, VMEAN, SRC,
+                     seq_len, in_len, num_heads, n_cubes, n_sample, FIRST_PART,
+                     GATHER: tl.constexpr,
                      FP8_V: tl.constexpr, VT_TILES: tl.constexpr, VT_SLOTS: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                      TOKENS: tl.constexpr, SAMPLE: tl.constexpr, E4M3: tl.constexpr,
@@ -263,10 +284,16 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
     s = tl.arange(0, SAMPLE)
     s_ok = s < n_sample
     s_tok = ((s * n_cubes) // n_sample) * BLOCK
-    s_off = ((b * seq_len + s_tok) * num_heads + h)[:, None] * HEAD_DIM + d[None, :]
+    if GATHER:  # inputs in token order: each cube slot reads its source token (to_cubes' order)
+        src = tl.load(SRC + tok)
+        s_tok = tl.load(SRC + s_tok, mask=s_ok, other=0)
+    else:
+        src = tok
+    in_off = ((b * in_len + src) * num_heads + h)[:, None] * HEAD_DIM + d[None, :]
+    s_off = ((b * in_len + s_tok) * num_heads + h)[:, None] * HEAD_DIM + d[None, :]
     if part == 0:
         # Q: per-token int8 (no smoothing: the module docstring)
-        q8, q_scale = _int8_per_token(tl.where(valid[:, None], tl.load(Q + off).to(tl.float32),
+        q8, q_scale = _int8_per_token(tl.where(valid[:, None], tl.load(Q + in_off).to(tl.float32),
                                                0.0))
         tl.store(Q8 + off, q8.to(tl.int8))
         tl.store(QSCALE + bh * seq_len + tok, q_scale)
@@ -275,7 +302,7 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
         # tile's load first was slower on the H200, bench/NOTES.md)
         k_smp = tl.load(K + s_off, mask=s_ok[:, None], other=0.0).to(tl.float32)
         k_mean = tl.sum(k_smp, 0) / n_sample
-        k = tl.load(K + off).to(tl.float32)
+        k = tl.load(K + in_off).to(tl.float32)
         k8, k_scale = _int8_per_token(tl.where(valid[:, None], k - k_mean[None, :], 0.0))
         tl.store(K8 + off, k8.to(tl.int8))
         tl.store(KSCALE + bh * seq_len + tok, k_scale)
@@ -287,7 +314,7 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
         v_amax = tl.max(tl.where(s_ok[:, None], tl.abs(v_smp - v_mean[None, :]), 0.0), 0)
         v_scale = tl.maximum(v_amax * (HEADROOM / E4M3), 1e-30)
         v_inv = tl.div_rn(1.0, v_scale)
-        v = (tl.load(V + off).to(tl.float32) - v_mean[None, :]) * v_inv[None, :]
+        v = (tl.load(V + in_off).to(tl.float32) - v_mean[None, :]) * v_inv[None, :]
         v = tl.minimum(tl.maximum(tl.where(valid[:, None], v, 0.0), -E4M3), E4M3)
         if VT_TILES:  # (B, H, S / 32, D, 32), 16-byte halves swizzled (vt_to_tiles)
             key = tok % 32
@@ -309,12 +336,16 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
 
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
              mode: str = "int8_fp8", block: int = 64, *, with_q: bool = True,
-             vt_tiles: bool = False, vt_slots: bool = False) -> QuantizedInputs:
+             vt_tiles: bool = False, vt_slots: bool = False,
+             sources: torch.Tensor | None = None) -> QuantizedInputs:
     """The pre-pass: Q, K (and V for ``"int8_fp8"``) quantized by the recipe (module
     docstring). On a GPU one Triton launch, no host sync; on a CPU `quantize_torch`.
     ``with_q=False`` leaves Q out on the GPU (q8 and q_scale None: the op's kernel quantizes
     each query cube itself). ``vt_tiles``: V^T as 32-key tiles in shared-memory order;
-    ``vt_slots``: V^T's keys in MMA slot order, one more pass over V^T (module docstring)."""
+    ``vt_slots``: V^T's keys in MMA slot order, in the same pass (module docstring).
+    ``sources``: q, k, v come in token order and cube slot ``i`` of the output reads token
+    ``sources[i]`` (`tilegen.layout.cube_sources`): the reorder to cubes done by the same pass,
+    the outputs cube-major as without it."""
     import dataclasses
 
     _check_mode(mode)
@@ -322,18 +353,19 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tenso
         raise ValueError("vt_slots orders the e4m3 V^T of int8_fp8 in its natural layout: "
                          "not with vt_tiles, nor for mode 'int8'")
     if q.device.type == "cpu":
-        qi = quantize_torch(q, k, v, vbs, mode, block, vt_tiles=vt_tiles)
+        qi = quantize_torch(q, k, v, vbs, mode, block, vt_tiles=vt_tiles, sources=sources)
         if vt_slots:
             qi = dataclasses.replace(qi, v8t=vt_to_slots(qi.v8t), vt_slots=True)
         return qi
     return quantize_triton(q, k, v, vbs, mode, block, with_q=with_q, vt_tiles=vt_tiles,
-                           vt_slots=vt_slots)
+                           vt_slots=vt_slots, sources=sources)
 
 
 def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
                     mode: str = "int8_fp8", block: int = 64, *,
                     num_warps: int = 2, tokens: int = 32, with_q: bool = True,
-                    vt_tiles: bool = False, vt_slots: bool = False) -> QuantizedInputs:
+                    vt_tiles: bool = False, vt_slots: bool = False,
+                    sources: torch.Tensor | None = None) -> QuantizedInputs:
     """The Triton pre-pass (what `quantize` runs on a GPU; the tests run it under the
     interpreter on CPU tensors); ``tokens`` a program: a power of two from 16 to ``block``.
     The defaults are the H200's fastest (bench/NOTES.md, session 15: K and V in 0.51 ms at the
@@ -347,7 +379,8 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     if tokens & (tokens - 1) or block % tokens or tokens < 16:
         raise ValueError(f"tokens={tokens}: a power of two from 16 that divides the cube "
                          f"({block})")
-    B, S, H, D = q.shape
+    B, S_in, H, D = q.shape
+    S = _check_sources(sources, S_in, block, q.device)
     if D & (D - 1):
         raise ValueError(f"head_dim {D}: the pre-pass kernel takes a power-of-two head dim")
     n = S // block
@@ -370,7 +403,9 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     _quantize_kernel[(n * block // tokens, B * H, parts)](
         q, k, v, vbs, q8, q_scale, k8, k_scale, k_mean,
         v8t if fp8 else q8, v_scale if fp8 else q_scale, v_mean if fp8 else q_scale,
-        S, H, n, n_sample, 0 if with_q else 1, FP8_V=fp8, VT_TILES=vt_tiles,
+        vbs if sources is None else sources,
+        S, S_in, H, n, n_sample, 0 if with_q else 1, GATHER=sources is not None,
+        FP8_V=fp8, VT_TILES=vt_tiles,
         VT_SLOTS=vt_slots, HEAD_DIM=D,
         BLOCK=block, TOKENS=tokens,
         SAMPLE=triton.next_power_of_2(SAMPLE_CUBES), E4M3=E4M3_MAX, HEADROOM=V_HEADROOM,

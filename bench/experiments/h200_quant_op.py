@@ -186,6 +186,24 @@ def _time_one(spec: Spec, do_bench, block_sparse_attention) -> dict:
     t["prepass_ms"] = do_bench(lambda: quant.quantize(q, k, v, vbs, "int8_fp8"), rep=400)
     t["prepass_kv_ms"] = do_bench(lambda: quant.quantize(q, k, v, vbs, "int8_fp8",
                                                          with_q=False), rep=400)
+    # the reorder to cubes inside the pre-pass (token-order inputs, as a Wan layer has them)
+    from tilegen import layout
+
+    src = layout.cube_sources(spec.grid, device=DEV)
+    qt, kt, vt = (layout.from_cubes(x, spec.grid) for x in (q, k, v))
+    gathered = op8.quantize(qt, kt, vt, vbs, sources=src)
+    t["prepass_gather_equal"] = all(
+        torch.equal(getattr(gathered, n).view(torch.uint8), getattr(qi, n).view(torch.uint8))
+        if getattr(qi, n).dtype == torch.float8_e4m3fn else
+        torch.equal(getattr(gathered, n), getattr(qi, n))
+        for n in ("q8", "q_scale", "k8", "k_scale", "v8t", "v_scale", "v_mean"))
+    t["prepass_op_layout_ms"] = do_bench(lambda: op8.quantize(q, k, v, vbs), rep=400)
+    t["prepass_gather_ms"] = do_bench(lambda: op8.quantize(qt, kt, vt, vbs, sources=src),
+                                      rep=400)
+    t["to_cubes_qkv_ms"] = do_bench(
+        lambda: [layout.to_cubes(x, spec.grid, zero_padding=False) for x in (qt, kt, vt)],
+        rep=400)
+    gathered = qt = kt = vt = None  # free before the next rows
     if BACKEND["name"] == "cuda":  # the shipped (Gluon) 8-bit op in the same process
         gl8 = tilegen.load(spec.replace(quant="int8_fp8"))
         t["gluon_int8_fp8_op_ms"] = do_bench(lambda: gl8(q, k, v, idx, vbs, return_lse=False),
@@ -267,7 +285,11 @@ def main() -> int:
         print(f"{t.get('variant') or 'default'} TOPK {t['topk']:4d}: bf16 {bf16:.3f} ms, "
               f"int8_fp8 {t['int8_fp8_op_ms']:.3f} ms (from_quantized "
               f"{t['int8_fp8_from_quantized_ms']:.3f}, pre-pass {t['prepass_ms']:.3f}, "
-              f"K/V only {t.get('prepass_kv_ms', float('nan')):.3f}): {t['speedup']:.2f}x"
+              f"K/V only {t.get('prepass_kv_ms', float('nan')):.3f}; op's layout "
+              f"{t.get('prepass_op_layout_ms', float('nan')):.3f}, token order in "
+              f"{t.get('prepass_gather_ms', float('nan')):.3f} "
+              f"(equal {t.get('prepass_gather_equal')}), to_cubes x3 "
+              f"{t.get('to_cubes_qkv_ms', float('nan')):.3f}): {t['speedup']:.2f}x"
               + (f"; gluon int8_fp8 {t['gluon_int8_fp8_op_ms']:.3f} ms"
                  if "gluon_int8_fp8_op_ms" in t else ""))
     return 0

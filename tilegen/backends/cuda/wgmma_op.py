@@ -312,15 +312,17 @@ def _quant_op_class():
                                                              self.target)
             return run
 
-        def quantize(self, q, k, v, vbs, *, with_q: bool = True):
+        def quantize(self, q, k, v, vbs, *, with_q: bool = True, sources=None):
             """The pre-pass in the layout this kernel reads (V^T keys in MMA slot order):
-            what `from_quantized` takes. Q is always quantized (``with_q`` must be True)."""
+            what `from_quantized` takes. Q is always quantized (``with_q`` must be True).
+            ``sources``: token-order inputs reordered by the same pass (`quant.quantize`)."""
             from tilegen import quant
 
             if not with_q:
                 raise ValueError("with_q=False: the CUDA 8-bit kernel reads Q quantized by the "
                                  "pre-pass")
-            return quant.quantize(q, k, v, vbs, self.spec.quant, vt_slots=True)
+            return quant.quantize(q, k, v, vbs, self.spec.quant, vt_slots=True,
+                                  sources=sources)
 
     return CudaWgmmaQuantAttention
 

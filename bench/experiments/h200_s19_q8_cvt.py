@@ -153,7 +153,7 @@ def main() -> int:
         keys = ("pipe", "issue_active", "duration", "inst_executed.avg.per_cycle", "throughput",
                 "warps_active", "cycles_elapsed")
         for row in rows:
-            for name, unit, value in zip(head, units, row):
+            for name, unit, value in zip(head, units, row, strict=False):
                 if any(key in name for key in keys):
                     print(f"{name} [{unit}] {value}")
         return 0

@@ -35,12 +35,22 @@ from tilegen import captures, encodings, quant
 from tilegen.spec import Spec
 
 #: label -> (wgmma knobs over the defaults, preprocessor defines before the kernel's includes)
+AT_TILE = "TILEGEN_EXP_PRODUCER_AT_TILE"
+PINGPONG = {"consumers": 2, "pingpong": True, "k_stages": 2}
 VARIANTS: dict[str, tuple[dict, tuple[str, ...]]] = {
-    "cvt": ({}, ("TILEGEN_SCORES_CVT",)),          # the conversion instruction (baseline)
-    "exact_add": ({}, ()),                          # the magic-number add (the code now)
-    "exact_add_k4v3": ({"k_stages": 4, "v_stages": 3}, ()),
-    "cvt_k4v3": ({"k_stages": 4, "v_stages": 3}, ("TILEGEN_SCORES_CVT",)),
-    "exact_add_2c": ({"consumers": 2, "k_stages": 2, "v_stages": 2}, ()),
+    # runs 2-3 (the consumer's arithmetic: none helped; the code is back to run 1's)
+    #   base; the magic-number add; fills a tile ahead; four max / two sum chains; no select
+    #   on full tiles (their defines are gone from the headers)
+    # run 4: the producer's plan loads a tile ahead (the code now) against loads at the tile
+    "at_tile": ({}, (AT_TILE,)),
+    "ahead": ({}, ()),
+    "at_tile_2c_pp": (PINGPONG, (AT_TILE,)),
+    "ahead_2c_pp": (PINGPONG, ()),
+}
+#: the same question for the 16-bit kernel (issue #20): label -> (knobs, defines)
+VARIANTS_BF16: dict[str, tuple[dict, tuple[str, ...]]] = {
+    "bf16_at_tile": ({}, (AT_TILE,)),
+    "bf16_ahead": ({}, ()),
 }
 
 
@@ -56,7 +66,7 @@ def patch(run, defines: tuple[str, ...]) -> None:
 def load_variant(spec: Spec, label: str):
     from tilegen.backends.cuda import wgmma
 
-    opts, defines = VARIANTS[label]
+    opts, defines = {**VARIANTS, **VARIANTS_BF16}[label]
     op = tilegen.load(spec, wgmma.config(**opts), backend="cuda")
     for lse in (True, False):
         patch(op._launch_for(lse), defines)
@@ -66,16 +76,17 @@ def load_variant(spec: Spec, label: str):
 def prebuild(labels) -> None:
     from tilegen.backends.cuda import wgmma
     from tilegen.backends.cuda.nvcc import compile_cuda
-    from tilegen.backends.cuda.wgmma_op import WgmmaQuantLaunch
+    from tilegen.backends.cuda.wgmma_op import WgmmaLaunch, WgmmaQuantLaunch
     from tilegen.targets import get_target
 
     target = get_target("sm_90")
-    spec = Spec(quant="int8_fp8")
     for label in labels:
-        opts, defines = VARIANTS[label]
+        bf16 = label in VARIANTS_BF16
+        opts, defines = (VARIANTS_BF16 if bf16 else VARIANTS)[label]
+        spec = Spec() if bf16 else Spec(quant="int8_fp8")
         for lse in (True, False):
-            run = WgmmaQuantLaunch(spec.kernel_spec, wgmma.config(**opts).replace(store_lse=lse),
-                                   target)
+            cls = WgmmaLaunch if bf16 else WgmmaQuantLaunch
+            run = cls(spec.kernel_spec, wgmma.config(**opts).replace(store_lse=lse), target)
             patch(run, defines)
             compile_cuda(run.source, target, None, run.digest)
         print(f"prebuilt {label}", flush=True)
@@ -133,10 +144,35 @@ def timing(labels, topk: int, heads: int) -> list[dict]:
     return rows
 
 
+def bf16_rows(labels) -> list[dict]:
+    """The 16-bit variants at the default workload: the contract's rule against the reference
+    variant (seed 0), then the bare launch (`time_op`) and the op's call, the Gluon winner
+    (`tilegen.load(Spec())`) beside them."""
+    from tilegen.bench import time_fn, time_op
+    from tilegen.config import REFERENCE_CONFIG
+
+    spec = Spec()
+    cap = captures.synthesize(seed=0, topk=spec.topk, device="cuda")
+    a = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"])
+    o_ref = tilegen.load(spec, REFERENCE_CONFIG)(*a, return_lse=False)
+    ops = {"gluon winner": tilegen.load(spec)}
+    ops.update({label: load_variant(spec, label) for label in labels})
+    rows = []
+    for label, op in ops.items():
+        s = captures.score(op(*a, return_lse=False), o_ref)
+        row = {"label": label, "score": str(s), "passed": bool(s.passed),
+               "bare_ms": time_op(op, cap),
+               "op_ms": time_fn(lambda op=op: op(*a, return_lse=False))}
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="q8_cvt.json")
     ap.add_argument("--only", default=",".join(VARIANTS))
+    ap.add_argument("--bf16", default=",".join(VARIANTS_BF16))
     ap.add_argument("--prebuild", action="store_true")
     ap.add_argument("--ncu", default="")
     ap.add_argument("--topks", default="78")
@@ -158,8 +194,9 @@ def main() -> int:
                     print(f"{name} [{unit}] {value}")
         return 0
     labels = [x for x in args.only.split(",") if x]
+    bf16_labels = [x for x in args.bf16.split(",") if x]
     if args.prebuild:
-        prebuild(labels)
+        prebuild(labels + bf16_labels)
         return 0
     if args.ncu:
         spec = Spec(quant="int8_fp8", num_heads=args.heads)
@@ -182,7 +219,13 @@ def main() -> int:
     for topk in (int(x) for x in args.topks.split(",")):
         res["timing"] += timing(passed, topk, args.heads)
         Path(args.out).write_text(json.dumps(res, indent=2))
+    if bf16_labels:
+        res["bf16"] = bf16_rows(bf16_labels)
+        Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"\n{res['device']}, {time.perf_counter() - t0:.0f} s")
+    for r in res.get("bf16", []):
+        print(f"  {r['label']:16s} bare {r['bare_ms']:.3f} ms, op {r['op_ms']:.3f} ms, "
+              f"{'PASS' if r['passed'] else 'FAIL'} {r['score']}")
     for r in res["checks"]:
         print(f"  {r['label']:16s} {'PASS' if r['passed'] else 'FAIL'} {r['score']}")
     print("| variant | TOPK | kernel + plan ms | op ms | pre-pass ms | Gluon 8-bit op ms "

@@ -273,13 +273,6 @@ class CudaWgmmaAttention(GluonBlockSparseAttention):
                                  sm_scale, store_lse, out, max_prob_out)
 
 
-#: whether the 8-bit kernel has passed its GPU check (bench/experiments/h200_quant_op.py
-#: --backend cuda): not yet. Its first H200 run (session 18) computed the second consumer's
-#: cubes wrong: that consumer's shared-memory slice did not start on a 1024-byte swizzle atom.
-#: Fixed offline (QuantTraits::kConsumerBytes), not run again yet.
-QUANT_GPU_CHECKED = False
-
-
 def _quant_op_class():
     from tilegen.backends.gluon.quant import _QuantLutOp
 
@@ -288,17 +281,6 @@ def _quant_op_class():
         ``o, lse = op(q, k, v, topk_idx, vbs, counts=None)`` with bf16/fp16 q, k, v of one
         shape (BSHD), quantized here by `tilegen.quant`'s pre-pass; o in q's dtype. Forward
         only; `from_quantized` takes inputs already quantized (`quantize`)."""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            if not QUANT_GPU_CHECKED:
-                import logging
-
-                logging.getLogger("tilegen").warning(
-                    "the CUDA family's 8-bit kernel has not passed its GPU check yet (its "
-                    "first H200 run found a bug, fixed but not run again: bench/NOTES.md, "
-                    "session 18); the Gluon family's 8-bit kernel, which tilegen.load(spec) "
-                    "takes, is the checked one")
 
         def _launch_for(self, store_lse: bool, store_max_prob: bool = False,
                         separate_kv: bool = False):

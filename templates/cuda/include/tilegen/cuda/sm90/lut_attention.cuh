@@ -262,13 +262,19 @@ __host__ __device__ __forceinline__ uint32_t staged_offset(int row, int col) {
 // ---- the producer: one lane per consumer ------------------------------------------------------
 template <class T>
 struct Producer {
-  // Issue the boxes of tile t of a plan row into `dst`, completing on `bar`.
+  // Issue the boxes of tile t of a plan row into `dst`, completing on `bar`; `big_cube` is
+  // sidx_row[t] when t < n_big (loaded a tile ahead by the caller).
   static __device__ __forceinline__ void load_tile(const TensorMap& whole, const TensorMap& part,
                                                    uint32_t dst, uint32_t bar, int t, int n_big,
-                                                   const int* sidx_row, const int* tinfo_row,
-                                                   const int* vbs, int kv_row0, int col) {
+                                                   int big_cube, const int* sidx_row,
+                                                   const int* tinfo_row, const int* vbs,
+                                                   int kv_row0, int col) {
     if (t < n_big) {
+#ifdef TILEGEN_EXP_PRODUCER_AT_TILE  // session 19's baseline: the id loaded at its tile
       const int cube = __ldg(sidx_row + t);
+#else
+      const int cube = big_cube;
+#endif
       barrier_expect_bytes(bar, T::kTileBytes);
 #pragma unroll
       for (int p = 0; p < T::kPanels; ++p)
@@ -316,21 +322,28 @@ struct Producer {
         tma_load(ring.q_tile(qb) + p * T::kPanelBytes, maps.q, ring.q_full(qb),
                  rows.col + p * kPanelCols, rows.row0 + item.q_cube * T::kBlock);
       at.q_load_parity ^= bit;
+      // the cube id of tile j + 1 is loaded while tile j's boxes are issued, and V reuses K's:
+      // loaded at its tile, each id held its TMA up for an L2 round trip (session 19)
+      int cube_next = n_big > 0 ? __ldg(sidx_row) : 0;
+      int cube_prev = 0;
       for (int j = 0; j <= n; ++j) {
+        const int cube_cur = cube_next;
+        if (j + 1 < n_big) cube_next = __ldg(sidx_row + j + 1);
         if (j < n) {
           const int kt = at.k_tiles + j;
           const int s = kt % T::kKStages;
           barrier_wait(ring.k_empty(s), ((kt / T::kKStages) & 1) ^ 1);
-          load_tile(maps.k, maps.k8, ring.k_tile(s), ring.k_full(s), j, n_big, sidx_row,
-                    tinfo_row, a.vbs, rows.row0, rows.col);
+          load_tile(maps.k, maps.k8, ring.k_tile(s), ring.k_full(s), j, n_big, cube_cur,
+                    sidx_row, tinfo_row, a.vbs, rows.row0, rows.col);
         }
         if (j > 0) {
           const int vt = at.v_tiles + j - 1;
           const int s = vt % T::kVStages;
           barrier_wait(ring.v_empty(s), ((vt / T::kVStages) & 1) ^ 1);
-          load_tile(maps.v, maps.v8, ring.v_tile(s), ring.v_full(s), j - 1, n_big, sidx_row,
-                    tinfo_row, a.vbs, rows.row0, rows.col);
+          load_tile(maps.v, maps.v8, ring.v_tile(s), ring.v_full(s), j - 1, n_big, cube_prev,
+                    sidx_row, tinfo_row, a.vbs, rows.row0, rows.col);
         }
+        cube_prev = cube_cur;
       }
       at.k_tiles += n;
       at.v_tiles += n;

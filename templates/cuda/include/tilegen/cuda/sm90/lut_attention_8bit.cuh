@@ -91,7 +91,23 @@ struct QuantProducer {
       tma_load(ring.q_tile(qb), maps.q8, ring.q_full(qb), rows.col,
                rows.row0 + item.q_cube * T::kBlock);
       at.q_load_parity ^= bit;
+      // the key rows of tile j + 1 are loaded while tile j's boxes are issued, and V reuses
+      // K's: loaded at its tile, each key row held its TMA up for an L2 round trip (session 19)
+      constexpr int kKeyMask = (1 << T::kFillShift) - 1;
+      int key_next[2] = {__ldg(plan_row) & kKeyMask, __ldg(plan_row + 1) & kKeyMask};
+      int key_prev[2] = {0, 0};
       for (int j = 0; j <= n; ++j) {
+        int key_cur[2] = {key_next[0], key_next[1]};
+        if (j + 1 < n) {
+#pragma unroll
+          for (int u = 0; u < 2; ++u) key_next[u] = __ldg(plan_row + 2 * (j + 1) + u) & kKeyMask;
+        }
+#ifdef TILEGEN_EXP_PRODUCER_AT_TILE  // session 19's baseline: the key rows loaded at the tile
+        if (j < n) {
+#pragma unroll
+          for (int u = 0; u < 2; ++u) key_cur[u] = __ldg(plan_row + 2 * j + u) & kKeyMask;
+        }
+#endif
         if (j < n) {
           const int kt = at.k_tiles + j;
           const int s = kt % T::kKStages;
@@ -99,7 +115,7 @@ struct QuantProducer {
           barrier_expect_bytes(ring.k_full(s), T::kTileBytes + T::kScaleBytes);
 #pragma unroll
           for (int u = 0; u < 2; ++u) {
-            const int key = __ldg(plan_row + 2 * j + u) & ((1 << T::kFillShift) - 1);
+            const int key = key_cur[u];
             tma_load(ring.k_tile(s) + u * T::kHalfBytes, maps.k8, ring.k_full(s), rows.col,
                      rows.row0 + key);
             bulk_load(ring.k_scale(s) + u * T::kScaleBytes / 2, k_scale + key,
@@ -113,10 +129,16 @@ struct QuantProducer {
           barrier_expect_bytes(ring.v_full(s), T::kTileBytes);
 #pragma unroll
           for (int u = 0; u < 2; ++u) {
-            const int key = __ldg(plan_row + 2 * (j - 1) + u) & ((1 << T::kFillShift) - 1);
+#ifdef TILEGEN_EXP_PRODUCER_AT_TILE
+            const int key = __ldg(plan_row + 2 * (j - 1) + u) & kKeyMask;
+#else
+            const int key = key_prev[u];
+#endif
             tma_load(ring.v_tile(s) + u * T::kHalfBytes, maps.vt, ring.v_full(s), key, vt_row);
           }
         }
+        key_prev[0] = key_cur[0];
+        key_prev[1] = key_cur[1];
       }
       at.k_tiles += n;
       at.v_tiles += n;

@@ -111,18 +111,6 @@ struct QuantSoftmax {
     l[0] = l[1] = 0.f;
   }
 
-  // S_ij as fp32, exactly: |S| <= 128 * 127^2 < 2^22, so S added to the bits of 1.5 * 2^23 is
-  // that float plus S, and taking 1.5 * 2^23 away again is exact. An integer add and an FADD on
-  // the ALU and FMA pipes instead of a conversion instruction per score.
-  // (TILEGEN_SCORES_CVT: the conversion instruction, kept as the experiments' baseline.)
-  static __device__ __forceinline__ float exact_float(int s) {
-#ifdef TILEGEN_SCORES_CVT
-    return static_cast<float>(s);
-#else
-    return __int_as_float(s + 0x4B400000) - 12582912.f;
-#endif
-  }
-
   // f = k_scale_j * S_ij from the tile's 64 key scales in shared memory; keys at or past their
   // half's fill (fill0 for keys 0..31, fill1 for 32..63) get -inf.
   static __device__ __forceinline__ void scores(const int (&s)[kSRegs], float (&f)[kSRegs],
@@ -139,7 +127,7 @@ struct QuantSoftmax {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 4 * g + e;
-        const float x = exact_float(s[i]) * ((e & 1) ? k1 : k0);
+        const float x = static_cast<float>(s[i]) * ((e & 1) ? k1 : k0);
         f[i] = (col + (e & 1)) % 32 < fill ? x : neg_inf();
       }
     }

@@ -1,20 +1,17 @@
-"""Issue #19, session 19: where the CUDA 8-bit kernel's time goes, and whether the scores'
-int32 -> fp32 conversion is on its critical pipe.
+"""Issues #19 and #20, session 19: where the CUDA wgmma kernels' time goes. Variants of the
+8-bit kernel are checked by the quantized rule (4 heads, the outlier head, check 4 against the
+emulation fed the op's own pre-pass) and timed (kernel + plan, the op, the pre-pass) beside the
+Gluon 8-bit op and the bf16 default op; variants of the 16-bit kernel are scored against the
+reference variant and timed (bare launch and op) beside the Gluon winner. A variant is knobs
+over `wgmma.DEFAULTS` and, for experiments on the headers, preprocessor defines put in front of
+its source (with their own cache key).
 
-Session 19's first run (H100) timed the kernel with its plan at 5.86 ms (TOPK 78, 40 heads),
-barely ahead of the Gluon 8-bit kernel. Per tile and consumer it issues 4096 exp2 (MUFU), 4096
-int32 -> fp32 conversions (I2FP) and 2048 e4m3 pair conversions (F2FP). If the conversions share
-the MUFU's quarter-rate pipe, the tiles cost ~640 cycles an SM at that pipe alone, about the
-measured time; the scores now convert by an exact magic-number add (sm90/softmax.cuh
-`exact_float`), and this script times it against the conversion instruction
-(``-DTILEGEN_SCORES_CVT``, the old code) in one process, each variant checked by the quantized
-rule (4 heads, outlier head, check 4 against the emulation) before it is timed.
-
-    PYTHONPATH=$PWD TILEGEN_CACHE_DIR=$PWD/.kcache python3 bench/experiments/h200_s19_q8_cvt.py \\
-        --out $OUT/q8_cvt.json
+    PYTHONPATH=$PWD TILEGEN_CACHE_DIR=$PWD/.kcache python3 bench/experiments/h200_s19_q8_cvt.py \
+        --out $OUT/q8.json [--only default,k4v3] [--bf16 bf16_default]
     ... --prebuild           compile every variant's cubins for sm_90a here, with no GPU
-    ... --ncu LABEL          three calls of one variant's op, for `ncu -k regex:lut_wgmma_quant
-                             --launch-skip 2 --launch-count 1 ...` (the pipe metrics)
+    ... --ncu LABEL          three calls of one 8-bit variant, for `ncu -k regex:int8_fp8_bm64
+                             --launch-skip 2 --launch-count 1 ...` (h200_s19_q8_cvt.sh)
+    ... --ncu-summary FILE   the pipe, issue and stall metrics of an `ncu --page raw --csv` file
 
 The table is printed last; the rows are also in the JSON.
 """
@@ -35,22 +32,21 @@ from tilegen import captures, encodings, quant
 from tilegen.spec import Spec
 
 #: label -> (wgmma knobs over the defaults, preprocessor defines before the kernel's includes)
-AT_TILE = "TILEGEN_EXP_PRODUCER_AT_TILE"
 PINGPONG = {"consumers": 2, "pingpong": True, "k_stages": 2}
+#: label -> (wgmma knobs over the defaults, preprocessor defines before the kernel's includes).
+#: Earlier runs' labels built code that is gone from the headers (bench/NOTES.md, session 19):
+#:   run 2: "cvt" (TILEGEN_SCORES_CVT) against "exact_add" (the magic-number conversion);
+#:   run 3: the consumer's fills a tile ahead, split max/sum chains, no select on full tiles;
+#:   run 4: "at_tile" (TILEGEN_EXP_PRODUCER_AT_TILE) against "ahead" (the producers' plan
+#:          loads a tile ahead: kept, as fast with half the loads).
 VARIANTS: dict[str, tuple[dict, tuple[str, ...]]] = {
-    # runs 2-3 (the consumer's arithmetic: none helped; the code is back to run 1's)
-    #   base; the magic-number add; fills a tile ahead; four max / two sum chains; no select
-    #   on full tiles (their defines are gone from the headers)
-    # run 4: the producer's plan loads a tile ahead (the code now) against loads at the tile
-    "at_tile": ({}, (AT_TILE,)),
-    "ahead": ({}, ()),
-    "at_tile_2c_pp": (PINGPONG, (AT_TILE,)),
-    "ahead_2c_pp": (PINGPONG, ()),
+    "default": ({}, ()),
+    "k4v3": ({"k_stages": 4, "v_stages": 3}, ()),
+    "2c_pp": (PINGPONG, ()),
 }
-#: the same question for the 16-bit kernel (issue #20): label -> (knobs, defines)
+#: the 16-bit kernel (issue #20), timed beside the Gluon winner: label -> (knobs, defines)
 VARIANTS_BF16: dict[str, tuple[dict, tuple[str, ...]]] = {
-    "bf16_at_tile": ({}, (AT_TILE,)),
-    "bf16_ahead": ({}, ()),
+    "bf16_default": ({}, ()),
 }
 
 

@@ -11,7 +11,7 @@ S=bench/experiments/h200_s19_q8_cvt.py
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.sm --format=csv,noheader
 timeout "${TIME_LIMIT:-330}" python3 $S --out "$OUT/q8_cvt.json" > "$OUT/q8_cvt.log" 2>&1
 echo "rc $?"; tail -16 "$OUT/q8_cvt.log"
-for L in ${NCU_LABELS:-at_tile ahead}; do
+for L in ${NCU_LABELS:-default}; do
     timeout 150 ncu -k regex:int8_fp8_bm64 --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
         --section SchedulerStats --metrics sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active \

@@ -270,16 +270,11 @@ struct Producer {
                                                    const int* tinfo_row, const int* vbs,
                                                    int kv_row0, int col) {
     if (t < n_big) {
-#ifdef TILEGEN_EXP_PRODUCER_AT_TILE  // session 19's baseline: the id loaded at its tile
-      const int cube = __ldg(sidx_row + t);
-#else
-      const int cube = big_cube;
-#endif
       barrier_expect_bytes(bar, T::kTileBytes);
 #pragma unroll
       for (int p = 0; p < T::kPanels; ++p)
         tma_load(dst + p * T::kPanelBytes, whole, bar, col + p * kPanelCols,
-                 kv_row0 + cube * T::kBlock);
+                 kv_row0 + big_cube * T::kBlock);
       return;
     }
     // packed partial cubes (vbs 32, 16, 8; the pre-pass orders them largest first, so each
@@ -322,8 +317,8 @@ struct Producer {
         tma_load(ring.q_tile(qb) + p * T::kPanelBytes, maps.q, ring.q_full(qb),
                  rows.col + p * kPanelCols, rows.row0 + item.q_cube * T::kBlock);
       at.q_load_parity ^= bit;
-      // the cube id of tile j + 1 is loaded while tile j's boxes are issued, and V reuses K's:
-      // loaded at its tile, each id held its TMA up for an L2 round trip (session 19)
+      // the cube id of tile j + 1 is loaded while tile j's boxes are issued, and V reuses K's
+      // (session 19: as fast as loading each at its tile, with half the loads)
       int cube_next = n_big > 0 ? __ldg(sidx_row) : 0;
       int cube_prev = 0;
       for (int j = 0; j <= n; ++j) {

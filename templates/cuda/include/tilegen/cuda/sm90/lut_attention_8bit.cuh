@@ -92,22 +92,16 @@ struct QuantProducer {
                rows.row0 + item.q_cube * T::kBlock);
       at.q_load_parity ^= bit;
       // the key rows of tile j + 1 are loaded while tile j's boxes are issued, and V reuses
-      // K's: loaded at its tile, each key row held its TMA up for an L2 round trip (session 19)
+      // K's (session 19: as fast as loading each at its tile, with half the loads)
       constexpr int kKeyMask = (1 << T::kFillShift) - 1;
       int key_next[2] = {__ldg(plan_row) & kKeyMask, __ldg(plan_row + 1) & kKeyMask};
       int key_prev[2] = {0, 0};
       for (int j = 0; j <= n; ++j) {
-        int key_cur[2] = {key_next[0], key_next[1]};
+        const int key_cur[2] = {key_next[0], key_next[1]};
         if (j + 1 < n) {
 #pragma unroll
           for (int u = 0; u < 2; ++u) key_next[u] = __ldg(plan_row + 2 * (j + 1) + u) & kKeyMask;
         }
-#ifdef TILEGEN_EXP_PRODUCER_AT_TILE  // session 19's baseline: the key rows loaded at the tile
-        if (j < n) {
-#pragma unroll
-          for (int u = 0; u < 2; ++u) key_cur[u] = __ldg(plan_row + 2 * j + u) & kKeyMask;
-        }
-#endif
         if (j < n) {
           const int kt = at.k_tiles + j;
           const int s = kt % T::kKStages;
@@ -129,11 +123,7 @@ struct QuantProducer {
           barrier_expect_bytes(ring.v_full(s), T::kTileBytes);
 #pragma unroll
           for (int u = 0; u < 2; ++u) {
-#ifdef TILEGEN_EXP_PRODUCER_AT_TILE
-            const int key = __ldg(plan_row + 2 * (j - 1) + u) & kKeyMask;
-#else
             const int key = key_prev[u];
-#endif
             tma_load(ring.v_tile(s) + u * T::kHalfBytes, maps.vt, ring.v_full(s), key, vt_row);
           }
         }

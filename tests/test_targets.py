@@ -95,3 +95,18 @@ def test_build_counts_hmma_and_spills_nothing(tmp_path: Path, name):
         if "preprocess" not in art["path"]:
             assert art["matrix_ops"].get("HMMA", 0) > 0, (art["path"], art["matrix_ops"])
             assert set(art["matrix_ops"]) == {"HMMA"}, art["matrix_ops"]
+
+
+def test_untuned_backend_is_one_of_the_targets_families():
+    """`untuned_backend` (what a GPU with no tuned winner gets) defaults to the Triton family
+    and must name one of the target's backends."""
+    from tilegen.targets import TARGET_NAMES, _untuned_backend, get_target
+
+    for name in TARGET_NAMES:
+        t = get_target(name)
+        assert t.untuned_backend in t.backends
+    assert get_target("sm_90").untuned_backend == "cuda"
+    raw = {"name": "x", "backends": ["triton"]}
+    assert _untuned_backend(raw) == "triton"
+    with pytest.raises(ValueError, match="untuned_backend 'gluon' is not one of its backends"):
+        _untuned_backend({**raw, "untuned_backend": "gluon"})

@@ -46,7 +46,9 @@ def resolve_config(spec: Spec, target: Target | None, backend: str | None = None
 
     With `backend` None, the fastest current tuned winner among the target's families (the
     tuning DB, then the shipped winners; a winner of the same kernel on the nearest tuned
-    workload counts), else the Triton family's target default (logged). With a `backend`, that
+    workload counts), else the target's `untuned_backend` family at its tuning base config
+    when it builds the spec (sm_90: the CUDA wgmma kernel), else the Triton family's target
+    default (logged). An 8-bit spec: the first family that computes it. With a `backend`, that
     family's winner or default. A machine with no tilegen target gets the reference config.
     """
     if target is None:
@@ -73,6 +75,10 @@ def resolve_config(spec: Spec, target: Target | None, backend: str | None = None
         _, name, res = best
         _note_once(res.message)
         return name, res.config, "winner"
+    if backend is None and spec.quant == "none" and target.untuned_backend != "triton":
+        untuned = _untuned_default(spec, target)
+        if untuned is not None:
+            return untuned
     # an 8-bit spec has no Triton kernel: the first family that computes it
     name = backend or ("triton" if spec.quant == "none" or not names else names[0])
     for res in misses:
@@ -80,6 +86,21 @@ def resolve_config(spec: Spec, target: Target | None, backend: str | None = None
             _note_once(res.message, logging.WARNING)
             break
     return name, backends.get(name).default_config(spec, target), "default"
+
+
+def _untuned_default(spec: Spec, target: Target) -> tuple[str, KernelConfig, str] | None:
+    """The target's untuned family (target.toml ``untuned_backend``) at its tuning base config,
+    when it builds `spec` (else None: the Triton default follows), logged once."""
+    b = backends.get(target.untuned_backend)
+    if spec.num_kv_heads is not None or b.spec_violations(spec, target):
+        return None  # (GQA: K/V of their own shape, which not every family's kernel reads)
+    cfg = b.tuning_base(spec, target)
+    if b.violations(spec, target, cfg):
+        return None
+    _note_once(f"no tuned winner for spec {spec.short_hash} on this {target.name} GPU; using "
+               f"the {b.name} family's untuned default {cfg.name} (targets/{target.name}/"
+               "target.toml untuned_backend; run `tilegen tune` to tune it)", logging.WARNING)
+    return b.name, cfg, "default"
 
 
 def _target_for(backend: backends.Backend, target: Target | str | None) -> Target | None:

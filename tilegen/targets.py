@@ -81,6 +81,9 @@ class Target:
     default_by_backend: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: vendor-specific facts (AMD: simds_per_cu, registers_per_simd_lane, lds_banks, ...)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the family a GPU of this target with no tuned winner for a spec gets, at its tuning base
+    #: config (`Backend.tuning_base`); "triton" unless target.toml measured another faster
+    untuned_backend: str = "triton"
 
     def mma_for(self, kind: str, dtype: str) -> tuple[Mma, ...]:
         """The target's matrix instructions of `kind` that take `dtype`, smallest first."""
@@ -170,7 +173,16 @@ def get_target(name: str) -> Target:
         default_by_backend={b: dict(t) for b, t in raw["default"].items()
                             if isinstance(t, dict)},
         extra={k: v for k, v in raw.items() if k not in known},
+        untuned_backend=_untuned_backend(raw),
     )
+
+
+def _untuned_backend(raw: dict[str, Any]) -> str:
+    name = raw.get("untuned_backend", "triton")
+    if name not in raw["backends"]:
+        raise ValueError(f"targets/{raw['name']}/target.toml: untuned_backend {name!r} is not "
+                         f"one of its backends {raw['backends']}")
+    return name
 
 
 def detect_target() -> Target | None:

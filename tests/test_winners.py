@@ -22,7 +22,7 @@ import pytest
 import triton
 
 import tilegen
-from tilegen import backends, winners
+from tilegen import backends, ops, winners
 from tilegen.config import KernelConfig, default_config
 from tilegen.db import TuningDB
 from tilegen.spec import Spec
@@ -43,6 +43,7 @@ def where(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     shipped.mkdir()
     monkeypatch.setattr(winners, "SHIPPED_DIR", shipped)
     monkeypatch.setattr(winners, "_logged", set())
+    monkeypatch.setattr(ops, "_noted", set())  # ops' own log-once notes (the untuned default)
     return tmp_path
 
 
@@ -329,7 +330,6 @@ def test_shipped_wan22_winner_is_used_on_an_h200(where: Path,
     """The winners measured on the H200 on 2026-12-01 (bench/RESULTS.md): the Triton family's
     bm64_bn64_w4_s5 (9.74 ms) and the Gluon family's (7.67 ms); `tilegen.load(Spec())` there
     takes the faster family, and the 720p / 12-head workload of the same kernel borrows it."""
-    from tilegen import ops
     from tilegen.paths import ROOT as root
 
     monkeypatch.setattr(winners, "SHIPPED_DIR", root / "tuning_db")

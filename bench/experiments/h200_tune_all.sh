@@ -16,12 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out/tune_all}
 mkdir -p "$OUT"
-if [ -d .whl ] && ! python3 -c "import optuna, sqlalchemy" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+. bench/experiments/gpu_env.sh
 export TILEGEN_DB=$OUT/tuning.sqlite TILEGEN_CACHE_DIR=${TILEGEN_CACHE_DIR:-/tmp/tgc}
 
 SECONDS=0

@@ -282,17 +282,8 @@ def _quant_op_class():
         shape (BSHD), quantized here by `tilegen.quant`'s pre-pass; o in q's dtype. Forward
         only; `from_quantized` takes inputs already quantized (`quantize`)."""
 
-        def _launch_for(self, store_lse: bool, store_max_prob: bool = False,
-                        separate_kv: bool = False):
-            if store_max_prob or separate_kv:
-                raise ValueError("the 8-bit kernel writes no max_prob and reads no separate K/V")
-            key = (store_lse, False, False)
-            run = self._launches.get(key)
-            if run is None:
-                cfg = self.config.replace(store_lse=store_lse)
-                run = self._launches[key] = WgmmaQuantLaunch(self.spec.kernel_spec, cfg,
-                                                             self.target)
-            return run
+        def _quant_launch(self, cfg: KernelConfig):
+            return WgmmaQuantLaunch(self.spec.kernel_spec, cfg, self.target)
 
         def quantize(self, q, k, v, vbs, *, with_q: bool = True, sources=None):
             """The pre-pass in the layout this kernel reads (V^T keys in MMA slot order):

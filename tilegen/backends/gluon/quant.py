@@ -407,15 +407,18 @@ class _QuantOp:
     def _launch_for(self, store_lse: bool, store_max_prob: bool = False,
                     separate_kv: bool = False):
         if store_max_prob or separate_kv:
-            raise ValueError("the 8-bit kernel writes neither max_prob nor reads separate K/V")
+            raise ValueError("the 8-bit kernel writes no max_prob and reads no separate K/V")
         key = (store_lse, False, False)
         run = self._launches.get(key)
         if run is None:
-            cfg = self.config.replace(store_lse=store_lse)
-            run = QuantLaunch(render_quant(self.spec, cfg, self.target), options_of(cfg),
-                              self.spec, self.target)
-            self._launches[key] = run
+            run = self._launches[key] = self._quant_launch(
+                self.config.replace(store_lse=store_lse))
         return run
+
+    def _quant_launch(self, cfg: KernelConfig):
+        """The launch of one 8-bit variant: this family's (the CUDA family's op overrides it)."""
+        return QuantLaunch(render_quant(self.spec, cfg, self.target), options_of(cfg),
+                           self.spec, self.target)
 
     def _call(self, q, k, v, vbs, cubes, shapes, plan, sm_scale, return_lse, return_max_prob,
               check_values, grad_kwargs=None):

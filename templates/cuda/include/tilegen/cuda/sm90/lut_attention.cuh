@@ -233,7 +233,37 @@ struct RingCursor {
   __device__ __forceinline__ int q_buffer() const {
     return T::kQBuffers == 1 ? 0 : (cubes & 1);
   }
+
+  // A cube's `tiles` K and V tiles have gone through the rings.
+  __device__ __forceinline__ void tiles_done(int tiles) {
+    k_tiles += tiles;
+    v_tiles += tiles;
+  }
+
+  // A live cube is over: its Q buffer (bit `bit`) has staged its O.
+  __device__ __forceinline__ void cube_done(uint32_t bit) {
+    q_use_parity ^= bit;
+    q_used |= bit;
+    ++cubes;
+  }
 };
+
+// A consumer's tiles 1..n-1 (`tile(j, p_in, p_out)`: S_j with P_{j-1} V_{j-1}) and the last P V
+// (`last(p)`), P's two register buffers alternating so no fragment is copied between tiles.
+template <class Tile, class Last, class P>
+__device__ __forceinline__ void run_tiles(int n, Tile& tile, Last& last, P& p, P& p_next) {
+  int j = 1;
+  for (; j + 1 < n; j += 2) {
+    tile(j, p, p_next);
+    tile(j + 1, p_next, p);
+  }
+  if (j < n) {
+    tile(j, p, p_next);
+    last(p_next);
+  } else {
+    last(p);
+  }
+}
 
 // The turns of every cube this consumer and its partner take in this CTA (the ping-pong
 // schedule pairs turns across cubes).
@@ -340,13 +370,10 @@ struct Producer {
         }
         cube_prev = cube_cur;
       }
-      at.k_tiles += n;
-      at.v_tiles += n;
+      at.tiles_done(n);
     }
     // every live cube stages its O in its buffer (an empty or bad row too)
-    at.q_use_parity ^= bit;
-    at.q_used |= bit;
-    ++at.cubes;
+    at.cube_done(bit);
   }
 };
 
@@ -460,25 +487,12 @@ struct Consumer {
         fence_operands(p_last);
         release(ring.v_empty(vs), lane);
       };
-      int j = 1;
-      for (; j + 1 < n; j += 2) {
-        tile(j, p, p_next);
-        tile(j + 1, p_next, p);
-      }
-      if (j < n) {
-        tile(j, p, p_next);
-        last(p_next);
-      } else {
-        last(p);
-      }
-      at.k_tiles += n;
-      at.v_tiles += n;
+      run_tiles(n, tile, last, p, p_next);
+      at.tiles_done(n);
       turn += n + 1;
     }
     epilogue(maps, a, ring.q_empty(qb), q_tile, consumer, o, softmax, n < 0, item, warp, lane);
-    at.q_use_parity ^= bit;
-    at.q_used |= bit;
-    ++at.cubes;
+    at.cube_done(bit);
   }
 
   static __host__ __device__ __forceinline__ uint32_t tile_offset(int row, int col) {

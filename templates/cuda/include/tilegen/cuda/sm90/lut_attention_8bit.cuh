@@ -130,12 +130,9 @@ struct QuantProducer {
         key_prev[0] = key_cur[0];
         key_prev[1] = key_cur[1];
       }
-      at.k_tiles += n;
-      at.v_tiles += n;
+      at.tiles_done(n);
     }
-    at.q_use_parity ^= bit;
-    at.q_used |= bit;
-    ++at.cubes;
+    at.cube_done(bit);
   }
 };
 
@@ -263,26 +260,13 @@ struct QuantConsumer {
         for (int i = 0; i < Mma::kORegs; ++i)
           o[i] = fmaf(o[i], alpha_prev[Fragment::half(i)], acc[i]);
       };
-      int j = 1;
-      for (; j + 1 < n; j += 2) {
-        tile(j, p, p_next);
-        tile(j + 1, p_next, p);
-      }
-      if (j < n) {
-        tile(j, p, p_next);
-        last(p_next);
-      } else {
-        last(p);
-      }
-      at.k_tiles += n;
-      at.v_tiles += n;
+      run_tiles(n, tile, last, p, p_next);
+      at.tiles_done(n);
       turn += n + 1;
     }
     epilogue(maps, a, ring.q_empty(qb), q_tile, consumer, o, softmax, c, n < 0, item, warp,
              lane);
-    at.q_use_parity ^= bit;
-    at.q_used |= bit;
-    ++at.cubes;
+    at.cube_done(bit);
   }
 
   // o = (acc / l) v_scale + v_mean (0 for a row with no key or a padded row when asked, NaN for

@@ -20,10 +20,6 @@ KNOWN_SPILL_BYTES: dict[tuple[str, str], int] = {
     ("sm_90", "gluon_bwd_dkdv"): 24,
     ("sm_90", "gluon forward separate_kv"): 32,
     ("sm_90", "separate_kv tilegen_bsa_bwd_dkdv"): 56,
-    # the CUDA 8-bit wgmma kernel (session 18): a few values outside the tile loop (the odd
-    # tail tile and the cube loop's state), none in the loop itself
-    ("sm_90", "_int8_fp8_bm64_bn64_w4_s1_consumers2"): 80,
-    ("sm_90", "_int8_fp8_bm64_bn64_w4_s1_consumers1"): 112,
     ("sm_120", "lse_bm64"): 16,
     ("sm_120", "bwd_dkdv"): 56,
     ("sm_120", "bwd_dq"): 56,

@@ -48,7 +48,7 @@ from tilegen.targets import get_target
 SM90 = get_target("sm_90")
 #: the two-consumer ping-pong kernel (session 17's defaults; the H200 measured one consumer
 #: faster in session 18, so that is the default now)
-PINGPONG = {"consumers": 2, "pingpong": True, "k_stages": 2}
+PINGPONG = {"consumers": 2, "pingpong": True, "k_stages": 2, "v_stages": 2}
 CUOBJDUMP = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / \
     "cuobjdump"
 
@@ -66,13 +66,25 @@ def test_rules_say_why():
     assert "Hopper" in BACKEND.violations(spec, get_target("sm_80"), wgmma.config())[0]
     bad = {
         "pingpong alternates two consumers": dict(consumers=1, pingpong=True),
-        "consumers=3": dict(consumers=3),
+        "consumers=4": dict(consumers=4),
+        "296288 B": dict(consumers=3, k_stages=3, v_stages=2),  # 3 consumers x 6 tiles of 16 KB
+        "kv_tile=96": dict(kv_tile=96),
+        "8-bit kernel's": dict(kv_tile=128),
         "k_stages=0": dict(k_stages=0),
         "more than the": dict(consumers=2, k_stages=4, v_stages=4),  # 2 x 9 tiles of 16 KB
-        "use fewer stages": dict(k_stages=3, v_stages=3),  # 2 CTAs x 7 tiles of 16 KB
+        "use fewer stages": dict(consumers=1, k_stages=3, v_stages=3),  # 2 CTAs x 7 tiles
     }
     for words, opts in bad.items():
         assert any(words in p for p in BACKEND.violations(spec, SM90, wgmma.config(**opts))), opts
+    # three consumers a CTA: the 16-bit kernel with shallow rings, the 8-bit one as it is; the
+    # 8-bit kernel's 128-key tiles need a consumer's whole register share
+    assert BACKEND.violations(spec, SM90, wgmma.config(consumers=3, k_stages=2,
+                                                       v_stages=1)) == []
+    q8 = Spec(quant="int8_fp8")
+    assert BACKEND.violations(q8, SM90, wgmma.config(**wgmma.defaults_for(q8))) == []
+    assert BACKEND.violations(q8, SM90, wgmma.config(consumers=3)) == []
+    assert any("64 registers" in p for p in BACKEND.violations(
+        q8, SM90, wgmma.config(consumers=3, k_stages=2, v_stages=1, kv_tile=128)))
     with pytest.raises(ValueError, match="unknown option"):
         wgmma.config(ping_pong=True)
     sep = wgmma.config().replace(separate_kv=True)
@@ -190,7 +202,9 @@ def test_op_refuses_what_the_kernel_lacks_before_any_gpu_work():
 
 # -- compile -------------------------------------------------------------------------------------
 COMPILED = [
-    (Spec(), wgmma.config()),
+    (Spec(), wgmma.config()),  # three consumers, K ring 2, V ring 1
+    (Spec(head_dim=64), wgmma.config()),
+    (Spec(), wgmma.config(consumers=1, k_stages=3, v_stages=2)),  # session 18's defaults
     (Spec(), wgmma.config(**PINGPONG)),
     (Spec(), wgmma.config(consumers=2, k_stages=2).replace(store_lse=False,
                                                           store_max_prob=True)),
@@ -199,7 +213,7 @@ COMPILED = [
     (Spec(dtype="fp16", head_dim=64, layout="bhsd"),
      wgmma.config(**{**PINGPONG, "k_stages": 4, "v_stages": 3})),
     (Spec(), wgmma.config(**{**PINGPONG, "persistent": True, "k_stages": 3})),
-    (Spec(), wgmma.config(persistent=True, k_stages=2)),
+    (Spec(), wgmma.config(persistent=True, consumers=1, k_stages=2, v_stages=2)),
 ]
 
 
@@ -666,10 +680,11 @@ def _inputs(spec: Spec, seed: int, with_counts: bool, heads: int = 2):
 
 
 EMULATED = [
-    (Spec(), dict(), False),
+    (Spec(), dict(), False),  # three consumers a CTA: the last group's third cube past the grid
+    (Spec(), dict(consumers=1, k_stages=3, v_stages=2), True),
     (Spec(dtype="fp16", layout="bhsd", head_dim=64), dict(k_stages=3, v_stages=1), True),
     (Spec(head_dim=64), dict(consumers=1, pingpong=False, pack_partials=False), True),
-    (Spec(), dict(persistent=True, k_stages=3), True),
+    (Spec(), dict(persistent=True, consumers=1, k_stages=3, v_stages=2), True),
     (Spec(head_dim=64, layout="bhsd"), dict(persistent=True, consumers=1, pingpong=False,
                                             v_stages=3), False),
 ]

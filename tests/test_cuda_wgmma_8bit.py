@@ -50,15 +50,22 @@ def test_rules_say_why():
         BACKEND.spec_violations(Spec(quant="int8"), SM90))
 
 
-def test_load_keeps_the_measured_family_first(caplog):
-    """`load` without a backend takes the Gluon 8-bit kernel (measured, tuned); the CUDA one
-    only when asked for, as an 8-bit op (checked on the GPU since session 19: no warning)."""
-    assert tilegen.backends.with_quant("int8_fp8") == ["gluon", "cuda"]
-    assert type(tilegen.load(Q8, target="sm_90")).__name__ == "GluonQuantAttention"
-    op = tilegen.load(Q8, backend="cuda", target="sm_90")
+def test_load_takes_the_faster_family_where_it_builds(caplog):
+    """`load` without a backend takes the CUDA 8-bit kernel (measured faster than the Gluon one
+    in session 20) at its 8-bit defaults (128-key tiles), and the Gluon kernel for what the
+    CUDA one does not build (head_dim 64)."""
+    assert tilegen.backends.with_quant("int8_fp8") == ["cuda", "gluon"]
+    op = tilegen.load(Q8, target="sm_90")
     assert "GPU check" not in caplog.text  # checked on an H100 in session 19
     assert type(op).__name__ == "CudaWgmmaQuantAttention"
     assert wgmma.mainloop_of(op.config) == "wgmma" and not op.provides_max_prob
+    assert wgmma.options_of(op.config)["kv_tile"] == 128
+    small = tilegen.load(Q8.replace(head_dim=64), target="sm_90")
+    assert type(small).__name__ == "GluonQuantAttention"
+    # no target on this CPU: refused by name, never the family's 16-bit op for an 8-bit spec
+    for backend in (None, "cuda"):
+        with pytest.raises(ValueError, match=r"needs a target with Hopper's wgmma \(\['sm_90'\]\)"):
+            tilegen.load(Q8, backend=backend)
     q = torch.zeros(1, 128, 1, 128, dtype=torch.bfloat16)
     idx = torch.zeros(1, 1, 2, 1, dtype=torch.int32)
     vbs = torch.full((2,), 64, dtype=torch.int32)
@@ -71,7 +78,7 @@ def test_load_keeps_the_measured_family_first(caplog):
 
 
 def test_render_and_signature():
-    cfg = wgmma.config(consumers=2, pingpong=True, k_stages=3)
+    cfg = wgmma.config(consumers=2, pingpong=True, k_stages=3, v_stages=2)
     src = nv.render_cuda(Q8, cfg, SM90)
     assert src.template == wgmma.QUANT_TEMPLATE
     assert '#include "tilegen/cuda/sm90/lut_attention_8bit.cuh"' in src.text
@@ -102,20 +109,29 @@ def test_byte_maps():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("opts", [{}, {"consumers": 2, "pingpong": True, "k_stages": 2},
-                                  {"consumers": 2, "persistent": True, "k_stages": 3}])
+@pytest.mark.parametrize("opts", [
+    wgmma.QUANT_DEFAULTS,  # one consumer, 128-key tiles
+    {"consumers": 1, "k_stages": 3, "v_stages": 2},  # 64-key tiles
+    {"consumers": 2, "pingpong": True, "k_stages": 2, "v_stages": 2},
+    {"consumers": 2, "persistent": True, "k_stages": 3, "v_stages": 2},
+    {"consumers": 3, "k_stages": 3, "v_stages": 2},
+    {"kv_tile": 128, "consumers": 2, "k_stages": 2, "v_stages": 1}])
 def test_the_8bit_kernel_compiles_to_igmma_and_qgmma(opts):
     cfg = wgmma.config(**opts)
     art = nv.compile_cuda(nv.render_cuda(Q8, cfg, SM90), SM90)
     log = json.loads((art.path.parent / "meta.json").read_text())["ptxas_log"]
-    assert not re.search(r"C75(10|13|15)|serialized", log), log  # wgmma kept asynchronous
+    # wgmma kept asynchronous, and no warpgroup.arrive injected around an MMA (C7519)
+    assert not re.search(r"C75(10|13|15|19)|serialized", log), log
     assert art.spill_bytes <= known_spills.allowed("sm_90", art.path.name), log
     assert art.registers == wgmma.registers_at_entry(wgmma.options_of(cfg), SM90)
     assert art.shared_bytes <= SM90.max_shared_bytes
     sass = subprocess.run([str(CUOBJDUMP), "-sass", str(art.path)], capture_output=True,
                           text=True, check=True).stdout
-    assert len(re.findall(r"\bIGMMA\.64x64x32\.S8\.S8", sass)) == art.matrix_ops["IGMMA"] > 0
-    assert len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3", sass)) == \
+    t = nv.cuda_traits(Q8, cfg, SM90)
+    s_cols, o_cols = t["kv_tile"], 128 // t["pv_parts"]  # S: a tile's keys; P V: O's part
+    assert len(re.findall(rf"\bIGMMA\.64x{s_cols}x32\.S8\.S8", sass)) == \
+        art.matrix_ops["IGMMA"] > 0
+    assert len(re.findall(rf"\bQGMMA\.64x{o_cols}x32\.F32\.E4M3\.E4M3", sass)) == \
         art.matrix_ops["QGMMA"] > 0
     assert "HGMMA" not in art.matrix_ops
     assert "USETMAXREG" in sass and "UBLKCP" in sass  # the key scales' bulk copies
@@ -124,7 +140,19 @@ def test_the_8bit_kernel_compiles_to_igmma_and_qgmma(opts):
 HOST_TABLES = r"""
 #include <cstdio>
 #include "tilegen/cuda/sm90/lut_attention_8bit.cuh"
+struct Wide {  // 128-key tiles
+  using Elem = tilegen::Bf16;
+  static constexpr bool kBshd = true, kPingPong = false, kStoreLse = true, kStoreMaxProb = false;
+  static constexpr int kHeadDim = 128, kBlock = 64, kConsumers = 1, kKStages = 2, kVStages = 2;
+  static constexpr int kQBuffers = 1, kConsumerRegs = 232, kProducerRegs = 24, kPvParts = 2;
+  static constexpr int kKvTile = 128;
+};
 int main() {
+  using W = tilegen::sm90::QuantTraits<Wide>;
+  for (int n = -1; n <= 7; ++n) {
+    printf("tiles %d %d\n", n, W::tiles(n));
+    for (int j = 0; j < W::tiles(n); ++j) printf("halves %d %d\n", 16 * n + j, W::halves(n, j));
+  }
   using M = tilegen::sm90::AttentionMma8<128, 64>;
   for (int kk = 0; kk < 32; ++kk) printf("slot %d %d\n", kk, M::key_of_slot(kk));
   for (int t = 0; t < 4; ++t)
@@ -145,12 +173,24 @@ def tables(tmp_path_factory):
     subprocess.run([str(nv.find_nvcc()), "-std=c++17", "-I", str(nv.include_dir()), "-o",
                     str(tmp / "t"), str(tmp / "t.cu")], check=True, capture_output=True,
                    timeout=300)
-    out: dict = {"slot": {}, "qk": {}, "pv": {}}
+    out: dict = {"slot": {}, "qk": {}, "pv": {}, "tiles": {}, "halves": {}}
     for line in subprocess.run([str(tmp / "t")], check=True, capture_output=True, text=True,
                                timeout=60).stdout.splitlines():
         kind, a, b = line.split()
         out[kind][int(a)] = int(b)
     return out
+
+
+@needs_nvcc
+def test_128_key_tiles_take_the_plan_tiles_in_pairs(tables):
+    """A 128-key tile is two of the plan's 64-key tiles (four 32-key halves); an odd count's
+    last tile has two halves (the producer loads the first half's rows again for the other two,
+    the consumer masks them); a bad row (-1) and an empty one (0) stay as they are."""
+    for n, tiles in tables["tiles"].items():
+        assert tiles == (n if n <= 0 else (n + 1) // 2), n
+        for j in range(max(tiles, 0)):
+            want = 2 if (n % 2 and j == tiles - 1) else 4
+            assert tables["halves"][16 * n + j] == want, (n, j)
 
 
 def _decode(desc: int) -> tuple[int, int, int, int]:
@@ -229,7 +269,7 @@ def test_vt_slots_round_trip_and_rules():
 RING_LAYOUT = r"""
 #include <cstdio>
 #include "tilegen/cuda/sm90/lut_attention_8bit.cuh"
-template <int kC, int kQ, int kK, int kV>
+template <int kC, int kQ, int kK, int kV, int kKv>
 struct Cfg {
   using Elem = tilegen::Bf16;
   static constexpr bool kBshd = true;
@@ -239,32 +279,41 @@ struct Cfg {
   static constexpr int kKStages = kK;
   static constexpr int kVStages = kV;
   static constexpr int kQBuffers = kQ;
-  static constexpr bool kPingPong = kC == 2;
+  static constexpr bool kPingPong = kC == 2 && kKv == 64;
   static constexpr bool kStoreLse = true;
   static constexpr bool kStoreMaxProb = false;
   static constexpr int kConsumerRegs = 240;
   static constexpr int kProducerRegs = 24;
+  static constexpr int kPvParts = kKv == 128 || kC == 3 ? 2 : 1;  // (ping-pong: whole)
+  static constexpr int kKvTile = kKv;
 };
-// every tile of every consumer, from a 1024-aligned base: kind, address, the dynamic bytes
+// every tile of every consumer, from a 1024-aligned base: kind, address, the dynamic bytes, the
+// tile's bytes
 template <class T, class Ring>
 void rings(const char* name) {
   for (int c = 0; c < T::kConsumers; ++c) {
     const Ring r = Ring::of(0, 0, c);
-    for (int b = 0; b < T::kQBuffers; ++b) printf("%s q %u %d\n", name, r.q_tile(b), T::kSmemBytes);
-    for (int s = 0; s < T::kKStages; ++s) printf("%s k %u %d\n", name, r.k_tile(s), T::kSmemBytes);
-    for (int s = 0; s < T::kVStages; ++s) printf("%s v %u %d\n", name, r.v_tile(s), T::kSmemBytes);
+    for (int b = 0; b < T::kQBuffers; ++b)
+      printf("%s q %u %d %d\n", name, r.q_tile(b), T::kSmemBytes, T::kQBytes);
+    for (int s = 0; s < T::kKStages; ++s)
+      printf("%s k %u %d %d\n", name, r.k_tile(s), T::kSmemBytes, T::kTileBytes);
+    for (int s = 0; s < T::kVStages; ++s)
+      printf("%s v %u %d %d\n", name, r.v_tile(s), T::kSmemBytes, T::kTileBytes);
   }
 }
-template <int kC, int kQ, int kK, int kV>
+template <int kC, int kQ, int kK, int kV, int kKv = 64>
 void both() {
-  using Q = tilegen::sm90::QuantTraits<Cfg<kC, kQ, kK, kV>>;
-  using W = tilegen::sm90::WgmmaTraits<Cfg<kC, kQ, kK, kV>>;
+  using Q = tilegen::sm90::QuantTraits<Cfg<kC, kQ, kK, kV, kKv>>;
   rings<Q, tilegen::sm90::ConsumerRing<Q>>("8bit");
-  rings<W, tilegen::sm90::ConsumerRing<W>>("16bit");
+  if constexpr (kKv == 64) {
+    using W = tilegen::sm90::WgmmaTraits<Cfg<kC, kQ, kK, kV, kKv>>;
+    rings<W, tilegen::sm90::ConsumerRing<W>>("16bit");
+  }
 }
 int main() {
   both<1, 1, 2, 2>(); both<1, 1, 3, 2>(); both<2, 1, 2, 2>(); both<2, 1, 3, 3>();
-  both<2, 2, 3, 2>(); both<2, 1, 4, 4>(); both<1, 2, 5, 3>();
+  both<2, 2, 3, 2>(); both<2, 1, 4, 4>(); both<1, 2, 5, 3>(); both<3, 1, 2, 1>();
+  both<3, 1, 3, 2>(); both<1, 1, 3, 2, 128>(); both<2, 1, 2, 1, 128>(); both<1, 2, 2, 2, 128>();
   return 0;
 }
 """
@@ -284,8 +333,8 @@ def test_every_tile_starts_on_its_swizzle_atom(tmp_path):
                          timeout=60).stdout.splitlines()
     assert len(out) > 100
     for line in out:
-        kernel, kind, addr, smem = line.split()
+        kernel, kind, addr, smem, tile = line.split()
         atom = 256 if (kernel, kind) == ("8bit", "v") else 1024
         assert int(addr) % atom == 0, line
-        tile = 64 * 128 * (2 if kernel == "16bit" or kind == "q" else 1)
-        assert int(addr) + tile <= int(smem) - 1024, line
+        assert int(tile) in (64 * 128 * 2, 128 * 128) or kernel == "8bit" and kind != "q", line
+        assert int(addr) + int(tile) <= int(smem) - 1024, line

@@ -153,3 +153,27 @@ def test_plot_labels_only_a_fake_timer(tmp_path: Path, timer: str) -> None:
     pytest.importorskip("matplotlib")  # in the [test] extra; bench writes PNGs with it too
     msg = plot_history(_rows(), tmp_path / "h.png", "study", timer=timer)
     assert "wrote" in msg and (tmp_path / "h.png").stat().st_size > 0
+
+
+def test_a_cuda_session_prunes_what_its_space_cannot_build(tmp_path: Path) -> None:
+    """The CUDA family's sm_90 space holds points its wgmma kernel refuses (kv_tile 128 for a
+    16-bit spec, shared memory over the limit): the session names its study and prunes them
+    without rendering a source (the kernel's traits raise for them: session 20's first GPU
+    tune stopped there). On this CPU the buildable points then fail for want of a Hopper GPU,
+    each as a trial, and the session ends as one with no passing config does (exit 1)."""
+    cmd = [sys.executable, "-m", "tilegen.cli", "tune", "--backend", "cuda", "--target", "sm_90",
+           "--timer", "fake-deterministic", "--sampler", "grid", "--trials", "24",
+           "--spec", "bench/specs/cpu_smoke.toml", "--db", str(tmp_path / "tuning.sqlite"),
+           "--summary", str(tmp_path / "summary.json")]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TILEGEN_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("TILEGEN_DB", None)
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "cannot be built as the CUDA wgmma kernel" not in res.stdout + res.stderr
+    assert "winner: none (no passing trial)" in res.stdout
+    counts = json.loads((tmp_path / "summary.json").read_text())["counts"]
+    assert counts["pruned"] > 0 and counts["runtime_error"] > 0, counts
+    assert sum(counts.values()) == 24, counts
+    for line in res.stdout.splitlines():  # the table: every kv_tile 128 point pruned
+        if "kv_tile128" in line:
+            assert " pruned " in line, line

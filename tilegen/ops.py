@@ -154,11 +154,38 @@ def load(spec: Spec | None = None, config: KernelConfig | None = None, *,
                              "recipe yet (issue #19); tilegen.quant.emulate computes it in "
                              "PyTorch")
         if backend is None:
-            backend = having[0]
+            backend = _quant_family(spec, having, target)
         elif backend not in having:
             raise ValueError(f"backend={backend!r} has no quant={spec.quant!r} kernel; families "
                              f"with it: {having}")
+        if _target_for(backends.get(backend), target) is None:
+            # no target to check the 8-bit kernel against: refused, never a 16-bit stand-in
+            where = [n for n in TARGET_NAMES if _quant_builds(spec, having, get_target(n))]
+            raise ValueError(f"quant={spec.quant!r}: the 8-bit kernel needs a target with "
+                             f"Hopper's wgmma ({where}): run on such a GPU, or pass one as "
+                             "target= to build it here")
     return load_kernel_set(spec, config, target=target, backend=backend)
+
+
+def _builds(name: str, spec: Spec, target: Target) -> bool:
+    b = backends.get(name)
+    return not b.spec_violations(spec, target) and not b.violations(
+        spec, target, b.default_config(spec, target))
+
+
+def _quant_builds(spec: Spec, having: list[str], target: Target) -> bool:
+    return any(_builds(name, spec, target) for name in having)
+
+
+def _quant_family(spec: Spec, having: list[str], target: Target | str | None) -> str:
+    """The first family of `having` (by `Backend.quant_rank`) whose default config builds
+    `spec` on its target (the CUDA 8-bit kernel takes head_dim 128 and BSHD; the Gluon one
+    the rest), else the first (whose checks then say why it cannot)."""
+    for name in having:
+        tgt = _target_for(backends.get(name), target)
+        if tgt is not None and _builds(name, spec, tgt):
+            return name
+    return having[0]
 
 
 def load_kernel_set(spec: Spec, config: KernelConfig | None = None, *,

@@ -50,7 +50,8 @@ def load8(spec: Spec):
     if BACKEND["name"] == "cuda" and spec.quant != "none":
         from tilegen.backends.cuda import wgmma
 
-        return tilegen.load(spec, wgmma.config(**VARIANT), backend="cuda")
+        return tilegen.load(spec, wgmma.config(**{**wgmma.defaults_for(spec), **VARIANT}),
+                            backend="cuda")
     if not VARIANT or spec.quant == "none":
         return tilegen.load(spec)
     from tilegen import backends
@@ -70,7 +71,8 @@ def parse_variants(text: str) -> list[dict]:
         for kv in part.split(","):
             key, val = kv.split("=")
             key = key.strip()
-            opts[key] = int(val) if key.endswith(("stages", "consumers", "regs", "_exp")) \
+            opts[key] = int(val) if key.endswith(("stages", "consumers", "regs", "_exp",
+                                                  "kv_tile")) \
                 else bool(int(val))
         out.append(opts)
     return out
@@ -204,8 +206,8 @@ def _time_one(spec: Spec, do_bench, block_sparse_attention) -> dict:
         lambda: [layout.to_cubes(x, spec.grid, zero_padding=False) for x in (qt, kt, vt)],
         rep=400)
     gathered = qt = kt = vt = None  # free before the next rows
-    if BACKEND["name"] == "cuda":  # the shipped (Gluon) 8-bit op in the same process
-        gl8 = tilegen.load(spec.replace(quant="int8_fp8"))
+    if BACKEND["name"] == "cuda":  # the Gluon family's 8-bit op in the same process
+        gl8 = tilegen.load(spec.replace(quant="int8_fp8"), backend="gluon")
         t["gluon_int8_fp8_op_ms"] = do_bench(lambda: gl8(q, k, v, idx, vbs, return_lse=False),
                                              rep=400)
     t["bf16_op_again_ms"] = do_bench(lambda: block_sparse_attention(q, k, v, idx, vbs), rep=400)
@@ -239,8 +241,8 @@ def prebuild(variants: list[dict]) -> None:
     for opts in [{}, *variants]:
         t0 = time.perf_counter()
         for lse in (True, False):
-            run = WgmmaQuantLaunch(spec.kernel_spec, wgmma.config(**opts).replace(store_lse=lse),
-                                   target)
+            cfg = wgmma.config(**{**wgmma.defaults_for(spec), **opts})
+            run = WgmmaQuantLaunch(spec.kernel_spec, cfg.replace(store_lse=lse), target)
             compile_cuda(run.source, target, None, run.digest)
         print(f"prebuilt {opts or 'default'} in {time.perf_counter() - t0:.1f}s", flush=True)
 

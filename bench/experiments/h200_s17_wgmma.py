@@ -59,8 +59,8 @@ from tilegen.spec import Spec  # noqa: E402
 LSE_TOL = 1e-2
 #: (label, spec fields, wgmma options): the small checks run all of them; the full workload
 #: the bf16 BSHD ones
-PINGPONG = {"consumers": 2, "pingpong": True, "k_stages": 2}  # session 17's defaults
-ONE = {"consumers": 1, "pingpong": False, "k_stages": 2}
+PINGPONG = {"consumers": 2, "pingpong": True, "k_stages": 2, "v_stages": 2}  # session 17's
+ONE = {"consumers": 1, "pingpong": False, "k_stages": 2, "v_stages": 2}
 VARIANTS: list[tuple[str, dict, dict]] = [
     ("pingpong", {}, PINGPONG),
     ("two_free", {}, {**PINGPONG, "pingpong": False}),
@@ -74,7 +74,11 @@ VARIANTS: list[tuple[str, dict, dict]] = [
     ("persistent_one", {}, {**ONE, "persistent": True}),
     ("fp16_d64_bhsd", {"dtype": "fp16", "head_dim": 64, "layout": "bhsd"}, PINGPONG),
     ("d64_one_consumer", {"head_dim": 64}, ONE),
-    ("default", {}, {}),  # wgmma.DEFAULTS since session 18: one consumer, K ring 3
+    ("default", {}, {}),  # wgmma.DEFAULTS (session 20: three consumers, K ring 2, V ring 1)
+    ("one_k3", {}, {**ONE, "k_stages": 3}),  # session 18's defaults
+    # session 20: three consumers a CTA (160 registers each), rings as shared memory allows
+    ("three_k2v1", {}, {"consumers": 3, "k_stages": 2, "v_stages": 1}),
+    ("three_k2v1_d64", {"head_dim": 64}, {"consumers": 3, "k_stages": 2, "v_stages": 1}),
 ]
 
 

@@ -7,8 +7,9 @@
 #
 #   OUT=/some/dir bash bench/experiments/h200_s18_cuda_ship.sh [tune|bench|all]
 #
-# tune:  every feasible point of [tunable.cuda] (targets/sm_90/target.toml: 36 of 64; grid
-#        sampler, the infeasible ones pruned before compiling), gated on 2 synthetic captures
+# tune:  every feasible point of [tunable.cuda] (targets/sm_90/target.toml: 31 of 144 for the
+#        bf16 spec since session 20; grid sampler over all 144, the infeasible ones pruned
+#        before rendering), gated on 2 synthetic captures
 #        with outlier heads, the winner merged into tuning_db/winners.json (a copy in $OUT).
 # bench: `tilegen bench --sweep --backends cuda,gluon` (the tuned default, each family's
 #        winner, the reference, FlexAttention; 8-bit and dense rows left out), then the
@@ -25,7 +26,7 @@ export TILEGEN_DB=$OUT/tuning.sqlite TILEGEN_CACHE_DIR=${TILEGEN_CACHE_DIR:-/tmp
 
 if [ "$WHAT" = tune ] || [ "$WHAT" = all ]; then
     SECONDS=0
-    python3 -m tilegen.cli tune --backend cuda --sampler grid --trials 64 --seeds 2 \
+    python3 -m tilegen.cli tune --backend cuda --sampler grid --trials 144 --seeds 2 \
         --export tuning_db/winners.json --summary "$OUT/summary_cuda.json" 2>&1 \
         | tee "$OUT/tune_cuda.log"
     echo "cuda family: ${SECONDS} s" | tee -a "$OUT/tune_cuda.log"

@@ -1,4 +1,4 @@
-"""Issues #19 and #20, session 19: where the CUDA wgmma kernels' time goes. Variants of the
+"""Issues #19 and #20, sessions 19-20: where the CUDA wgmma kernels' time goes. Variants of the
 8-bit kernel are checked by the quantized rule (4 heads, the outlier head, check 4 against the
 emulation fed the op's own pre-pass) and timed (kernel + plan, the op, the pre-pass) beside the
 Gluon 8-bit op and the bf16 default op; variants of the 16-bit kernel are scored against the
@@ -11,7 +11,7 @@ its source (with their own cache key).
     ... --prebuild           compile every variant's cubins for sm_90a here, with no GPU
     ... --ncu LABEL          three calls of one 8-bit variant, for `ncu -k regex:int8_fp8_bm64
                              --launch-skip 2 --launch-count 1 ...` (h200_s19_q8_cvt.sh)
-    ... --ncu-summary FILE   the pipe, issue and stall metrics of an `ncu --page raw --csv` file
+    ... --ncu-summary FILE   every metric of an `ncu --page raw --csv` file, one a line
 
 The table is printed last; the rows are also in the JSON.
 """
@@ -29,24 +29,43 @@ import torch
 
 import tilegen
 from tilegen import captures, encodings, quant
+from tilegen.backends.cuda import wgmma
 from tilegen.spec import Spec
 
-#: label -> (wgmma knobs over the defaults, preprocessor defines before the kernel's includes)
-PINGPONG = {"consumers": 2, "pingpong": True, "k_stages": 2}
-#: label -> (wgmma knobs over the defaults, preprocessor defines before the kernel's includes).
+#: label -> (wgmma knobs over `wgmma.DEFAULTS`, preprocessor defines before the kernel's
+#: includes).
 #: Earlier runs' labels built code that is gone from the headers (bench/NOTES.md, session 19):
 #:   run 2: "cvt" (TILEGEN_SCORES_CVT) against "exact_add" (the magic-number conversion);
 #:   run 3: the consumer's fills a tile ahead, split max/sum chains, no select on full tiles;
 #:   run 4: "at_tile" (TILEGEN_EXP_PRODUCER_AT_TILE) against "ahead" (the producers' plan
 #:          loads a tile ahead: kept, as fast with half the loads).
+PINGPONG = {"consumers": 2, "pingpong": True, "k_stages": 2, "v_stages": 2}
+#: Session 20 (bench/NOTES.md): "default" is now the 8-bit default (`wgmma.QUANT_DEFAULTS`:
+#: 128-key tiles, two of the plan's 64-key tiles, P V in two column parts), "kv64" the 64-key
+#: kernel; "3c" three consumers a CTA (160 registers each, P V in four parts). Builds measured in
+#: runs 1-4 that are gone from the headers: "pred", "pred_mask" (now the code: scale-d from a
+#: predicate, the select only on tiles with a partial half), "3c_serial", "k128_plain",
+#: "k128_mask", and the parts' orders TILEGEN_EXP_PACK_LAST ("k128", "3c") and
+#: TILEGEN_EXP_PARTS_WITH_S ("k128_with_s": now the code, "3c_with_s").
+THREE = {"consumers": 3, "k_stages": 3, "v_stages": 2}
+KV64 = {"consumers": 1, "k_stages": 3, "v_stages": 2}  # session 19's 8-bit defaults
 VARIANTS: dict[str, tuple[dict, tuple[str, ...]]] = {
-    "default": ({}, ()),
-    "k4v3": ({"k_stages": 4, "v_stages": 3}, ()),
+    "default": (wgmma.QUANT_DEFAULTS, ()),
+    "kv64": (KV64, ()),
+    "kv64_k4v3": ({**KV64, "k_stages": 4, "v_stages": 3}, ()),
     "2c_pp": (PINGPONG, ()),
+    "3c": (THREE, ()),
+    "k128_k2v2": ({**wgmma.QUANT_DEFAULTS, "k_stages": 2, "v_stages": 2}, ()),
+    "k128_2c": ({**wgmma.QUANT_DEFAULTS, "consumers": 2, "k_stages": 2, "v_stages": 1}, ()),
 }
 #: the 16-bit kernel (issue #20), timed beside the Gluon winner: label -> (knobs, defines)
 VARIANTS_BF16: dict[str, tuple[dict, tuple[str, ...]]] = {
-    "bf16_default": ({}, ()),
+    "bf16_default": ({}, ()),  # since session 20 three consumers, K ring 2, V ring 1
+    "bf16_1c_k3v2": (KV64, ()),  # session 18's defaults ("bf16_default" in session 19's runs)
+    "bf16_3c_k2v1": ({"consumers": 3, "k_stages": 2, "v_stages": 1}, ()),
+    "bf16_3c_k1v1": ({"consumers": 3, "k_stages": 1, "v_stages": 1}, ()),
+    "bf16_3c_k1v1_persist": ({"consumers": 3, "k_stages": 1, "v_stages": 1,
+                              "persistent": True}, ()),
 }
 
 
@@ -60,8 +79,6 @@ def patch(run, defines: tuple[str, ...]) -> None:
 
 
 def load_variant(spec: Spec, label: str):
-    from tilegen.backends.cuda import wgmma
-
     opts, defines = {**VARIANTS, **VARIANTS_BF16}[label]
     op = tilegen.load(spec, wgmma.config(**opts), backend="cuda")
     for lse in (True, False):
@@ -70,7 +87,6 @@ def load_variant(spec: Spec, label: str):
 
 
 def prebuild(labels) -> None:
-    from tilegen.backends.cuda import wgmma
     from tilegen.backends.cuda.nvcc import compile_cuda
     from tilegen.backends.cuda.wgmma_op import WgmmaLaunch, WgmmaQuantLaunch
     from tilegen.targets import get_target
@@ -119,7 +135,7 @@ def timing(labels, topk: int, heads: int) -> list[dict]:
     spec8 = spec.replace(quant="int8_fp8")
     rows = []
     bf16 = do_bench(lambda: block_sparse_attention(q, k, v, idx, vbs), rep=400)
-    gl8 = tilegen.load(spec8)
+    gl8 = tilegen.load(spec8, backend="gluon")  # the Gluon family's 8-bit op
     gluon8 = do_bench(lambda: gl8(q, k, v, idx, vbs, return_lse=False), rep=400)
     def one(label: str) -> dict:
         op = load_variant(spec8, label)
@@ -174,7 +190,7 @@ def main() -> int:
     ap.add_argument("--topks", default="78")
     ap.add_argument("--heads", type=int, default=40)
     ap.add_argument("--ncu-summary", default="", help="an `ncu --page raw --csv` file: print "
-                    "its pipe, issue and duration metrics")
+                    "its metrics, one a line")
     args = ap.parse_args()
     if args.ncu_summary:
         import csv
@@ -182,12 +198,9 @@ def main() -> int:
         lines = [x for x in Path(args.ncu_summary).read_text().splitlines()
                  if x.startswith('"')]
         head, units, *rows = list(csv.reader(lines))
-        keys = ("pipe", "issue_active", "duration", "inst_executed.avg.per_cycle", "throughput",
-                "warps_active", "cycles_elapsed")
         for row in rows:
             for name, unit, value in zip(head, units, row, strict=False):
-                if any(key in name for key in keys):
-                    print(f"{name} [{unit}] {value}")
+                print(f"{name} [{unit}] {value}")
         return 0
     labels = [x for x in args.only.split(",") if x]
     bf16_labels = [x for x in args.bf16.split(",") if x]

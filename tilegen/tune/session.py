@@ -336,9 +336,13 @@ class _Session:
         optuna = self.optuna
         record_first_heartbeat(trial)
         cfg = self.space.suggest(trial)
+        reasons = self.space.violations(cfg)
+        # a config the target cannot build has no source, so no variant key (rendering one
+        # raises: the CUDA wgmma kernel's traits refuse it)
         for key, value in (("config", cfg.name), ("config_json", cfg.to_json()),
                            ("host", self.host), ("pid", os.getpid()),
-                           ("timer", self.opts.timer), ("variant", self.variant(cfg)),
+                           ("timer", self.opts.timer),
+                           ("variant", {} if reasons else self.variant(cfg)),
                            ("env", self.env)):
             trial.set_user_attr(key, value)
         if self.labels.get(cfg.name):
@@ -355,7 +359,6 @@ class _Session:
                       else prior.user_attrs.get("status", "pruned"))
             trial.set_user_attr("status", status)
             raise optuna.TrialPruned(f"same config as trial #{prior.number}")
-        reasons = self.space.violations(cfg)
         if reasons:
             trial.set_user_attr("status", "pruned")
             trial.set_user_attr("error", "; ".join(reasons))

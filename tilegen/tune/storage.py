@@ -38,12 +38,15 @@ def default_study_name(spec: Spec, target: Target, device_name: str, sources: st
 
 def sources_digest(space: SearchSpace, backend: Any) -> str:
     """sha256 over the sha256s of every distinct source the space renders (one per render
-    fragment point; launch parameters share a source)."""
+    fragment point; launch parameters share a source). A point the target cannot build has no
+    source (the CUDA wgmma kernel's traits refuse to render one) and is left out."""
     shas = set()
     seen: set[str] = set()
     for cfg in space.configs():
         if cfg.render_name not in seen:
             seen.add(cfg.render_name)
+            if space.violations(cfg):
+                continue
             shas.add(backend.render(space.spec, cfg, space.target).sha256)
     return hashlib.sha256("\n".join(sorted(shas)).encode()).hexdigest()
 

@@ -24,7 +24,9 @@ class CudaBackend(Backend):
     name = "cuda"
     #: int8_fp8 on the wgmma mainloop only (Hopper); other targets refuse it with the reason
     quant_modes = ("none", "int8_fp8")
-    quant_rank = 10  # not measured on a GPU yet (bench/NOTES.md, session 18)
+    #: ahead of the Gluon family's: its 8-bit op measured faster than the Gluon one's (H100,
+    #: 6.24 against 6.50 ms, bench/RESULTS.md, session 20)
+    quant_rank = 0
     missing_encoding_reason = ("its kernel (templates/cuda/include/tilegen/cuda/"
                                "lut_attention.cuh) walks a LUT row; "
                                "the sliding-tile cursor branch is not written for it yet")
@@ -84,8 +86,8 @@ class CudaBackend(Backend):
 
         if wgmma.mainloop_of(cfg) == "wgmma":
             return None
-        companion = wgmma.config().replace(store_lse=cfg.store_lse,
-                                           store_max_prob=cfg.store_max_prob)
+        companion = wgmma.config(**wgmma.defaults_for(spec)).replace(
+            store_lse=cfg.store_lse, store_max_prob=cfg.store_max_prob)
         return None if wgmma.violations(spec.kernel_spec, companion, target) else companion
 
     def compile(self, spec: Spec, cfg: KernelConfig, target: Target, source: Source,

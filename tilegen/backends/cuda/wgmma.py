@@ -6,8 +6,10 @@ Ampere-style kernel every NVIDIA target builds (`tilegen.backends.cuda.nvcc`), `
 one, on targets whose target.toml lists a wgmma instruction (sm_90). Its knobs, as
 `KernelConfig.options`:
 
-    consumers       consumer warpgroups per CTA, each on its own query cube (1 or 2); with 1,
-                    two CTAs share an SM (the Gluon kernel's shape), with 2 one CTA holds both
+    consumers       consumer warpgroups per CTA, each on its own query cube (1 to 3); with 1,
+                    two CTAs share an SM (the Gluon kernel's shape), with 2 or 3 one CTA holds
+                    them all (3: 160 registers a consumer, so more warps a scheduler for a
+                    latency-bound loop)
     k_stages        K ring depth per consumer
     v_stages        V ring depth per consumer
     pingpong        two consumers take turns issuing their MMAs (named barriers), so one's
@@ -17,16 +19,23 @@ one, on targets whose target.toml lists a wgmma instruction (sm_90). Its knobs, 
                     running on and a second Q buffer per consumer loaded during the previous
                     cube (the next cube's loads overlap this one's epilogue); off, one CTA per
                     group of `consumers` cubes
+    kv_tile         keys a tile of the 8-bit kernel: 64 (one cube, or two packed partial ones)
+                    or 128 (two of the plan's 64-key tiles: half the per-tile work of the
+                    loop, the softmax's shuffles and O's rescale, for every key); the 16-bit
+                    kernel takes 64
 
 With ``Spec(quant="int8_fp8")`` the same knobs build the 8-bit kernel
 (templates/cuda/lut_wgmma_quant_kernel.cu.j2 over sm90/lut_attention_8bit.cuh): the recipe of
 `tilegen.quant` on IGMMA and QGMMA, fed by the Gluon family's 8-bit pre-pass and plan (tiles in
 32-key halves; ``pack_partials`` packs cubes of at most 32 tokens two a tile). Its tiles are
 half the bytes of the 16-bit kernel's, but its Q buffer keeps the 16-bit size to stage O.
+Its two-level accumulator (P V of each tile in fp32, added into O) is a whole O fragment where a
+consumer has `QUANT_FULL_ACC_REGS` registers, else a part of one: P V then runs in column
+parts (``pv_parts`` in the traits), which three consumers a CTA need.
 
 The register split (setmaxnreg) follows from the shape and the target's register file: 24 for
-the producer warpgroup, the rest to the consumers (on sm_90: 240 each with two consumers, 232
-with one and two CTAs an SM). Nothing here needs torch, nvcc or a GPU.
+the producer warpgroup, the rest to the consumers (on sm_90: 232 each with one consumer and two
+CTAs an SM, 240 with two consumers, 160 with three). Nothing here needs torch, nvcc or a GPU.
 """
 
 from __future__ import annotations
@@ -44,25 +53,42 @@ QUANT_TEMPLATE = "cuda/lut_wgmma_quant_kernel.cu.j2"
 #: the 8-bit recipe this kernel computes (tilegen.quant)
 QUANT_MODE = "int8_fp8"
 MAINLOOPS = ("mma_sync", "wgmma")
-#: the knobs and their defaults: the fastest measured on the H200 (bench/NOTES.md, session 18:
-#: one consumer a CTA and two CTAs an SM, K ring 3, 7.24 ms at TOPK 78 against 7.58 for two
-#: consumers in ping-pong); [tunable.cuda] searches the rest
+#: the knobs and their defaults: the fastest measured (bench/NOTES.md, session 20 on an H100:
+#: three consumers a CTA with a K ring of 2 and a V ring of 1, 6.92 ms at TOPK 78 against 7.17
+#: for session 18's one consumer a CTA with K ring 3, 2.4-4.9% ahead at TOPK 31, 78 and 187);
+#: [tunable.cuda] searches the rest
 DEFAULTS: dict[str, Any] = {
     "mainloop": "wgmma",
-    "consumers": 1,
-    "k_stages": 3,
-    "v_stages": 2,
+    "consumers": 3,
+    "k_stages": 2,
+    "v_stages": 1,
     "pingpong": False,
     "pack_partials": True,
     "persistent": False,
+    "kv_tile": 64,
 }
+#: the 8-bit kernel's knobs over `DEFAULTS`: one consumer a CTA (two CTAs an SM), K ring 3,
+#: 128-key tiles (session 20 on an H100: kernel and plan 5.30 ms at TOPK 78 against 5.52 with
+#: 64-key tiles and 5.64 with three consumers a CTA)
+QUANT_DEFAULTS: dict[str, Any] = {"consumers": 1, "k_stages": 3, "v_stages": 2, "kv_tile": 128}
 #: the producer warpgroup's registers after setmaxnreg.dec (the smallest count PTX allows)
 PRODUCER_REGS = 24
 #: setmaxnreg counts and the launch-bounds cap move in steps of this many registers (PTX)
 REGISTER_STEP = 8
 #: CTAs an SM by consumer count: the register split is computed for this many (two CTAs of
 #: one consumer each is the Gluon kernel's shape; one CTA holds two consumers)
-CTAS_PER_SM = {1: 2, 2: 1}
+CTAS_PER_SM = {1: 2, 2: 1, 3: 1}
+#: the 8-bit consumer's registers with a whole-fragment P V accumulator beside O (session 18's
+#: build: 232 with 72-112 bytes of spills outside the loop); fewer, and P V runs in halves
+QUANT_FULL_ACC_REGS = 232
+#: the parts of P V with fewer registers (4: a 16-register accumulator)
+QUANT_PV_PARTS = 4
+
+
+def defaults_for(spec: Spec) -> dict[str, Any]:
+    """The knobs of `spec`'s default wgmma config: `DEFAULTS`, with `QUANT_DEFAULTS` over them
+    for an 8-bit spec."""
+    return {**DEFAULTS, **(QUANT_DEFAULTS if spec.quant != "none" else {})}
 
 
 def mainloop_of(cfg: KernelConfig) -> str:
@@ -102,8 +128,9 @@ def smem_bytes(opts: Mapping[str, Any], head_dim: int, quant: bool = False) -> i
     of one byte an element and 256 bytes of key scales a K stage; Q buffers 16-bit (O staging)."""
     tile = 64 * head_dim * 2
     if quant:  # each consumer's slice rounded up to the 1024-byte swizzle atom
-        per = (q_buffers(opts) * tile + (opts["k_stages"] + opts["v_stages"]) * tile // 2
-               + opts["k_stages"] * 256)
+        kv = opts["kv_tile"] * head_dim
+        per = (q_buffers(opts) * tile + (opts["k_stages"] + opts["v_stages"]) * kv
+               + opts["k_stages"] * 4 * opts["kv_tile"])
         per = -(-per // 1024) * 1024
     else:
         per = (q_buffers(opts) + opts["k_stages"] + opts["v_stages"]) * tile
@@ -147,6 +174,18 @@ def violations(spec: Spec, cfg: KernelConfig, target: Target) -> list[str]:
     if quant and spec.layout != "bshd":
         problems.append("layout bhsd: the 8-bit pre-pass writes BSHD, so the 8-bit wgmma "
                         "kernel takes BSHD (the gluon family converts)")
+    if opts["kv_tile"] not in (64, 128):
+        problems.append(f"kv_tile={opts['kv_tile']!r}: 64 or 128")
+    elif opts["kv_tile"] == 128 and not quant:
+        problems.append("kv_tile 128 is the 8-bit kernel's; the 16-bit kernel's tiles are one "
+                        "64-key cube")
+    elif opts["kv_tile"] == 128 and consumer_registers(opts, target) < QUANT_FULL_ACC_REGS:
+        problems.append(f"kv_tile 128 holds S in 64 registers: it needs "
+                        f"{QUANT_FULL_ACC_REGS} a consumer (one or two consumers), not "
+                        f"{consumer_registers(opts, target)}")
+    elif opts["kv_tile"] == 128 and opts["pingpong"]:
+        problems.append("kv_tile 128 runs P V in parts, which ping-pong does not take turns "
+                        "over")
     if quant and cfg.store_max_prob:
         problems.append("max_prob: the 8-bit kernel does not write the softmax signal")
     if (cfg.block_m, cfg.block_n, cfg.num_warps) != (64, 64, 4):
@@ -160,7 +199,7 @@ def violations(spec: Spec, cfg: KernelConfig, target: Target) -> list[str]:
     if opts["mainloop"] != "wgmma":
         problems.append("these knobs belong to mainloop wgmma")
     if opts["consumers"] not in CTAS_PER_SM:
-        problems.append(f"consumers={opts['consumers']}: 1 or 2")
+        problems.append(f"consumers={opts['consumers']}: 1, 2 or 3")
     elif opts["pingpong"] and opts["consumers"] != 2:
         problems.append("pingpong alternates two consumers: it needs consumers 2")
     for ring in ("k_stages", "v_stages"):
@@ -211,6 +250,18 @@ def consumer_registers(opts: Mapping[str, Any], target: Target) -> int:
     return min(pool // n // REGISTER_STEP * REGISTER_STEP, target.max_registers_per_thread)
 
 
+def pv_parts(quant: bool, consumer_regs: int, kv_tile: int = 64) -> int:
+    """The column parts the 8-bit kernel's P V runs in: 1 (a whole O fragment accumulator)
+    where the consumer has `QUANT_FULL_ACC_REGS` registers and 64-key tiles, 2 for 128-key
+    tiles (S takes 64 registers), `QUANT_PV_PARTS` with fewer registers; the 16-bit kernel
+    accumulates into O itself (1)."""
+    if not quant:
+        return 1
+    if consumer_regs < QUANT_FULL_ACC_REGS:
+        return QUANT_PV_PARTS
+    return 1 if kv_tile == 64 else 2
+
+
 def traits(spec: Spec, cfg: KernelConfig, target: Target) -> dict[str, Any]:
     """Every number and choice the template instantiates (raises ValueError for a config the
     wgmma kernel cannot run)."""
@@ -220,6 +271,7 @@ def traits(spec: Spec, cfg: KernelConfig, target: Target) -> dict[str, Any]:
                          + "; ".join(problems))
     opts = options_of(cfg)
     quant = spec.quant != "none"
+    consumer_regs = consumer_registers(opts, target)
     return {
         "mainloop": "wgmma",
         "quant": quant,
@@ -240,7 +292,9 @@ def traits(spec: Spec, cfg: KernelConfig, target: Target) -> dict[str, Any]:
         "threads": threads_of(opts, target),
         "smem_bytes": smem_bytes(opts, spec.head_dim, quant),
         "min_blocks": CTAS_PER_SM[opts["consumers"]],
-        "consumer_regs": consumer_registers(opts, target),
+        "consumer_regs": consumer_regs,
+        "pv_parts": pv_parts(quant, consumer_regs, opts["kv_tile"]),
+        "kv_tile": opts["kv_tile"],
         "producer_regs": PRODUCER_REGS,
     }
 

@@ -43,7 +43,7 @@ namespace tilegen {
 namespace sm90 {
 
 // C provides: using Elem (Bf16 | Fp16); kBshd (token rows of q, k, v, o: BSHD, else BHSD);
-// kHeadDim (64, 128), kBlock (64: cube and tile size), kConsumers (1, 2), kKStages, kVStages,
+// kHeadDim (64, 128), kBlock (64: cube and tile size), kConsumers (1 to 3), kKStages, kVStages,
 // kQBuffers (1, or 2 for a persistent launch), kPingPong (needs 2 consumers), kStoreLse,
 // kStoreMaxProb, kConsumerRegs, kProducerRegs.
 template <class C>
@@ -61,7 +61,7 @@ struct WgmmaTraits : C {
   static constexpr int kBarriers = 2 * C::kQBuffers + 2 * C::kKStages + 2 * C::kVStages;
   static constexpr int kPartialRows = 8;  // box height for packed partial cubes
   static_assert(C::kBlock == 64, "64-token cubes and tiles");
-  static_assert(C::kConsumers == 1 || C::kConsumers == 2, "one or two consumer warpgroups");
+  static_assert(C::kConsumers >= 1 && C::kConsumers <= 3, "one to three consumer warpgroups");
   static_assert(C::kQBuffers == 1 || C::kQBuffers == 2, "one or two Q buffers");
   static_assert(!C::kPingPong || C::kConsumers == 2, "ping-pong takes two consumers");
   static_assert(C::kKStages >= 1 && C::kVStages >= 1, "at least one slot a ring");

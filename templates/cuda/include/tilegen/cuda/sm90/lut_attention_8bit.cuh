@@ -12,7 +12,10 @@
 //     log2 e multiplies f inside exp2 (QuantSoftmax).
 //   - P V takes P in e4m3 from registers (QGMMA) into a fresh accumulator each tile, added into
 //     O in fp32 (two-level accumulation): O = O alpha_{j-1} + P_{j-1} V_{j-1}, one FFMA an
-//     element, where the 16-bit kernel rescales O in place.
+//     element, where the 16-bit kernel rescales O in place. With kPvParts 2 or 4 the
+//     accumulator is that part of O (32 or 16 registers) and P V runs as column parts, each
+//     added into O before the next is issued: what lets three consumers (160 registers each)
+//     share an SM.
 //   - the epilogue applies V's per-channel scale and adds V's mean back (rows with no key
 //     stay 0); lse is of the smoothed keys (the host adds q.k̄: add_smoothing_to_lse).
 //   - the Q buffer is 16-bit sized: Q8 fills its first half, the 16-bit O is staged over it.
@@ -21,11 +24,22 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "tilegen/cuda/sm90/lut_attention.cuh"
 
 namespace tilegen {
 namespace sm90 {
+
+// f(std::integral_constant<int, k>) for k = 0 .. N - 1: indices that are constants in the
+// source, not after unrolling, so a register array indexed by one never falls to local memory.
+template <int N, int K = 0, class F>
+__device__ __forceinline__ void constant_for(F&& f) {
+  if constexpr (K < N) {
+    f(std::integral_constant<int, K>{});
+    constant_for<N, K + 1>(f);
+  }
+}
 
 // C provides what WgmmaTraits's C does (kBshd true, kStoreMaxProb false, kHeadDim 128).
 template <class C>
@@ -33,10 +47,12 @@ struct QuantTraits : C {
   static constexpr int kThreads = 128 * (1 + C::kConsumers);
   static constexpr int kPanelBytes = C::kBlock * 128;            // a 16-bit O panel (staging)
   static constexpr int kQBytes = C::kBlock * C::kHeadDim * 2;    // Q8, then the staged 16-bit O
-  static constexpr int kTileBytes = C::kBlock * C::kHeadDim;     // K8 tile; V^T tile (2 halves)
-  static constexpr int kHalfRows = C::kBlock / 2;                // keys a half
-  static constexpr int kHalfBytes = kTileBytes / 2;
-  static constexpr int kScaleBytes = C::kBlock * 4;              // a K stage's key scales
+  static constexpr int kTileKeys = C::kKvTile;                   // keys a tile: 1 or 2 cubes
+  static constexpr int kHalves = kTileKeys / 32;                 // the plan's 32-key halves
+  static constexpr int kPlanTiles = kHalves / 2;                 // the plan's 64-key tiles
+  static constexpr int kTileBytes = kTileKeys * C::kHeadDim;     // K8 tile; V^T tile (halves)
+  static constexpr int kHalfBytes = 32 * C::kHeadDim;
+  static constexpr int kScaleBytes = kTileKeys * 4;              // a K stage's key scales
   // rounded up to the 1024-byte swizzle atom, so the next consumer's tiles start on one
   static constexpr int kConsumerBytes = (C::kQBuffers * kQBytes +
                                          (C::kKStages + C::kVStages) * kTileBytes +
@@ -46,9 +62,24 @@ struct QuantTraits : C {
   static constexpr int kFillShift = 25;  // plan word: key row | fill << 25
   static_assert(C::kBshd && !C::kStoreMaxProb, "the 8-bit pre-pass writes BSHD; no max_prob");
   static_assert(C::kBlock == 64 && C::kHeadDim == 128, "64-token cubes, head_dim 128");
-  static_assert(C::kConsumers == 1 || C::kConsumers == 2, "one or two consumer warpgroups");
+  static_assert(kTileKeys == 64 || kTileKeys == 128, "tiles of one or two 64-key plan tiles");
+  static_assert(C::kConsumers >= 1 && C::kConsumers <= 3, "one to three consumer warpgroups");
   static_assert(C::kQBuffers == 1 || C::kQBuffers == 2, "one or two Q buffers");
   static_assert(!C::kPingPong || C::kConsumers == 2, "ping-pong takes two consumers");
+  static_assert(C::kPvParts == 1 || (C::kPvParts % 2 == 0 && !C::kPingPong),
+                "P V in 2 or 4 parts, without ping-pong");
+  static_assert(C::kPvParts > 1 || kTileKeys == 64, "a 128-key tile's P V runs in parts");
+
+  // This kernel's tiles of a row whose plan has `plan_tiles` 64-key tiles (-1, a bad row, kept).
+  static __host__ __device__ __forceinline__ int tiles(int plan_tiles) {
+    return plan_tiles <= 0 ? plan_tiles : (plan_tiles + kPlanTiles - 1) / kPlanTiles;
+  }
+  // The plan halves of tile j that exist (the last 128-key tile of an odd count has 2).
+  static __host__ __device__ __forceinline__ int halves(int plan_tiles, int j) {
+    if constexpr (kPlanTiles == 1) return kHalves;
+    const int left = 2 * plan_tiles - kHalves * j;
+    return left < kHalves ? left : kHalves;
+  }
 };
 
 struct QuantArgs : LutArgs {  // sidx, tinfo, max_prob unused
@@ -74,11 +105,15 @@ struct QuantMaps {
 // ---- the producer -------------------------------------------------------------------------------
 template <class T>
 struct QuantProducer {
-  // Q8 of one cube, then per tile j: K8 and key scales of tile j, V^T of tile j - 1.
+  // Q8 of one cube, then per tile j: K8 and key scales of tile j, V^T of tile j - 1, each as
+  // the 32-key halves of the plan (two a 64-key tile, four a 128-key one). Where a 128-key
+  // tile's second plan tile is absent (an odd count), its halves load the first half's rows
+  // again: finite bytes, masked by a fill of 0, so the MMAs need no branch.
   static __device__ __forceinline__ void cube(const QuantMaps& maps, const QuantArgs& a,
                                               const ConsumerRing<T>& ring, RingCursor& at,
                                               const Item<T>& item) {
-    const int n = item.tiles(a);
+    const int plan_tiles = item.tiles(a);
+    const int n = T::tiles(plan_tiles);
     const int qb = at.q_buffer<T>();
     const uint32_t bit = 1u << qb;
     if (n > 0) {
@@ -87,33 +122,38 @@ struct QuantProducer {
       const int* plan_row = a.plan + item.row * 2 * a.topk;
       const float* k_scale = a.k_scale + item.bh * a.seq_len;
       const int vt_row = static_cast<int>(item.bh) * T::kHeadDim;
-      barrier_expect_bytes(ring.q_full(qb), T::kTileBytes);
+      barrier_expect_bytes(ring.q_full(qb), T::kQBytes / 2);
       tma_load(ring.q_tile(qb), maps.q8, ring.q_full(qb), rows.col,
                rows.row0 + item.q_cube * T::kBlock);
       at.q_load_parity ^= bit;
       // the key rows of tile j + 1 are loaded while tile j's boxes are issued, and V reuses
       // K's (session 19: as fast as loading each at its tile, with half the loads)
       constexpr int kKeyMask = (1 << T::kFillShift) - 1;
-      int key_next[2] = {__ldg(plan_row) & kKeyMask, __ldg(plan_row + 1) & kKeyMask};
-      int key_prev[2] = {0, 0};
-      for (int j = 0; j <= n; ++j) {
-        const int key_cur[2] = {key_next[0], key_next[1]};
-        if (j + 1 < n) {
+      int key_next[T::kHalves];
+      int key_prev[T::kHalves];
+      auto keys_of = [&](int j, int (&key)[T::kHalves]) {
+        const int halves = T::halves(plan_tiles, j);
 #pragma unroll
-          for (int u = 0; u < 2; ++u) key_next[u] = __ldg(plan_row + 2 * (j + 1) + u) & kKeyMask;
-        }
+        for (int u = 0; u < T::kHalves; ++u)
+          key[u] = u < halves ? __ldg(plan_row + T::kHalves * j + u) & kKeyMask : key[0];
+      };
+      keys_of(0, key_next);
+      for (int j = 0; j <= n; ++j) {
+        int key_cur[T::kHalves];
+#pragma unroll
+        for (int u = 0; u < T::kHalves; ++u) key_cur[u] = key_next[u];
+        if (j + 1 < n) keys_of(j + 1, key_next);
         if (j < n) {
           const int kt = at.k_tiles + j;
           const int s = kt % T::kKStages;
           barrier_wait(ring.k_empty(s), ((kt / T::kKStages) & 1) ^ 1);
           barrier_expect_bytes(ring.k_full(s), T::kTileBytes + T::kScaleBytes);
 #pragma unroll
-          for (int u = 0; u < 2; ++u) {
+          for (int u = 0; u < T::kHalves; ++u) {
             const int key = key_cur[u];
             tma_load(ring.k_tile(s) + u * T::kHalfBytes, maps.k8, ring.k_full(s), rows.col,
                      rows.row0 + key);
-            bulk_load(ring.k_scale(s) + u * T::kScaleBytes / 2, k_scale + key,
-                      T::kScaleBytes / 2, ring.k_full(s));
+            bulk_load(ring.k_scale(s) + u * 128, k_scale + key, 128, ring.k_full(s));
           }
         }
         if (j > 0) {
@@ -122,13 +162,12 @@ struct QuantProducer {
           barrier_wait(ring.v_empty(s), ((vt / T::kVStages) & 1) ^ 1);
           barrier_expect_bytes(ring.v_full(s), T::kTileBytes);
 #pragma unroll
-          for (int u = 0; u < 2; ++u) {
-            const int key = key_prev[u];
-            tma_load(ring.v_tile(s) + u * T::kHalfBytes, maps.vt, ring.v_full(s), key, vt_row);
-          }
+          for (int u = 0; u < T::kHalves; ++u)
+            tma_load(ring.v_tile(s) + u * T::kHalfBytes, maps.vt, ring.v_full(s), key_prev[u],
+                     vt_row);
         }
-        key_prev[0] = key_cur[0];
-        key_prev[1] = key_cur[1];
+#pragma unroll
+        for (int u = 0; u < T::kHalves; ++u) key_prev[u] = key_cur[u];
       }
       at.tiles_done(n);
     }
@@ -139,8 +178,8 @@ struct QuantProducer {
 // ---- a consumer warpgroup -----------------------------------------------------------------------
 template <class T>
 struct QuantConsumer {
-  using Mma = AttentionMma8<T::kHeadDim, T::kBlock>;
-  using Softmax = QuantSoftmax<T::kBlock>;
+  using Mma = AttentionMma8<T::kHeadDim, T::kTileKeys>;
+  using Softmax = QuantSoftmax<T::kTileKeys>;
   using Turns = PingPong<T::kPingPong, 1>;  // named barriers 1, 2
   static constexpr int kEpilogueBarrier = 3;  // + consumer index
 
@@ -148,8 +187,13 @@ struct QuantConsumer {
     if (lane == 0) barrier_arrive(bar);
   }
 
-  static __device__ __forceinline__ int fill(const int* plan_row, int j, int u) {
-    return __ldg(plan_row + 2 * j + u) >> T::kFillShift;
+  // The fills of tile j's halves (0 for a half that is absent).
+  static __device__ __forceinline__ void fills_of(const int* plan_row, int plan_tiles, int j,
+                                                  int (&fill)[T::kHalves]) {
+    const int halves = T::halves(plan_tiles, j);
+#pragma unroll
+    for (int u = 0; u < T::kHalves; ++u)
+      fill[u] = u < halves ? __ldg(plan_row + T::kHalves * j + u) >> T::kFillShift : 0;
   }
 
   static __device__ __forceinline__ void cube(const QuantMaps& maps, const QuantArgs& a,
@@ -158,7 +202,8 @@ struct QuantConsumer {
                                               const Item<T>& item) {
     const int lane = threadIdx.x & 31;
     const int warp = (threadIdx.x >> 5) & 3;
-    const int n = item.tiles(a);
+    const int plan_tiles = item.tiles(a);
+    const int n = T::tiles(plan_tiles);
     const int qb = at.q_buffer<T>();
     const uint32_t bit = 1u << qb;
     const uint32_t q_tile = ring.q_tile(qb);
@@ -179,11 +224,10 @@ struct QuantConsumer {
     float o[Mma::kORegs];
 #pragma unroll
     for (int i = 0; i < Mma::kORegs; ++i) o[i] = 0.f;
-    float acc[Mma::kORegs];
     int s[Mma::kSRegs];
     float f[Mma::kSRegs];
     uint32_t p[Mma::kPRegs];
-    uint32_t p_next[Mma::kPRegs];
+    int fill[T::kHalves];
     float alpha[2];
     float alpha_prev[2] = {1.f, 1.f};  // O's rescale for the P V being added (tile j - 1's)
     Softmax softmax;
@@ -194,6 +238,7 @@ struct QuantConsumer {
       at.q_load_parity ^= bit;
       {
         const int ks = kt0 % T::kKStages;
+        fills_of(plan_row, plan_tiles, 0, fill);
         barrier_wait(ring.k_full(ks), (kt0 / T::kKStages) & 1);
         turns.begin(turn0);
         wgmma_fence();
@@ -202,65 +247,142 @@ struct QuantConsumer {
         turns.end(turn0);
         wgmma_wait<0>();
         fence_operands(s);
-        Softmax::scores(s, f, ring.k_scale(ks), fill(plan_row, 0, 0), fill(plan_row, 0, 1),
-                        lane);
+        Softmax::scores(s, f, ring.k_scale(ks), fill, lane);
         release(ring.k_empty(ks), lane);  // after its key scales are read
       }
       softmax.template step<true>(f, p, alpha, c);
 
-      auto tile = [&](int j, uint32_t (&p_in)[Mma::kPRegs], uint32_t (&p_out)[Mma::kPRegs]) {
-        const int kt = kt0 + j;
-        const int vt = vt0 + j - 1;
-        const int ks = kt % T::kKStages;
-        const int vs = vt % T::kVStages;
-        const int fill0 = fill(plan_row, j, 0);
-        const int fill1 = fill(plan_row, j, 1);
-        barrier_wait(ring.k_full(ks), (kt / T::kKStages) & 1);
-        barrier_wait(ring.v_full(vs), (vt / T::kVStages) & 1);
-        turns.begin(turn0 + j);
-        fence_operands(acc);
-        fence_operands(p_in);
-        wgmma_fence();
-        Mma::qk(s, q_tile, ring.k_tile(ks));
-        wgmma_commit();
-        Mma::pv(acc, p_in, ring.v_tile(vs));
-        wgmma_commit();
-        turns.end(turn0 + j);
-        wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
-        fence_operands(s);
-        Softmax::scores(s, f, ring.k_scale(ks), fill0, fill1, lane);
-        release(ring.k_empty(ks), lane);
-        softmax.template step<false>(f, p_out, alpha, c);
-        wgmma_wait<0>();
-        fence_operands(acc);
-        fence_operands(p_in);
-        release(ring.v_empty(vs), lane);
+      // each branch its own accumulator (and the lambdas that use it)
+      if constexpr (T::kPvParts > 1) {
+        // P V in column parts (a part-sized accumulator: 128-key tiles, or three consumers an
+        // SM). Per tile j: S_j and part 0 of P_{j-1} V_{j-1} issued together; S_j's scores and
+        // max while part 0 runs; then each part added into O as it lands and the next issued,
+        // S_j's exponentials under part 1; last, P_j packed over P_{j-1}. (Session 20: 5.30 ms
+        // for 128-key tiles against 5.39 with the exponentials under part 0 and S_j alone.)
+        constexpr int kParts = T::kPvParts;
+        constexpr int kPartRegs = Mma::kORegs / kParts;
+        float acc[kPartRegs];
+        auto add_part = [&](int k) {
 #pragma unroll
-        for (int i = 0; i < Mma::kORegs; ++i)
-          o[i] = fmaf(o[i], alpha_prev[Fragment::half(i)], acc[i]);
-        alpha_prev[0] = alpha[0];
-        alpha_prev[1] = alpha[1];
-      };
-      auto last = [&](uint32_t (&p_last)[Mma::kPRegs]) {
-        const int vt = vt0 + n - 1;
-        const int vs = vt % T::kVStages;
-        barrier_wait(ring.v_full(vs), (vt / T::kVStages) & 1);
-        turns.begin(turn0 + n);
-        fence_operands(acc);
-        fence_operands(p_last);
-        wgmma_fence();
-        Mma::pv(acc, p_last, ring.v_tile(vs));
-        wgmma_commit();
-        turns.end(turn0 + n);
-        wgmma_wait<0>();
-        fence_operands(acc);
-        fence_operands(p_last);
-        release(ring.v_empty(vs), lane);
+          for (int i = 0; i < kPartRegs; ++i)
+            o[k * kPartRegs + i] =
+                fmaf(o[k * kPartRegs + i], alpha_prev[Fragment::half(i)], acc[i]);
+        };
+        auto issue_part = [&](auto part, const uint32_t (&p_in)[Mma::kPRegs],
+                              uint32_t v_tile) {
+          fence_operands(acc);
+          wgmma_fence();
+          Mma::template pv_part<kParts, decltype(part)::value>(acc, p_in, v_tile);
+          wgmma_commit();
+        };
+        auto tile_parts = [&](int j, uint32_t (&p)[Mma::kPRegs]) {
+          const int kt = kt0 + j;
+          const int vt = vt0 + j - 1;
+          const int ks = kt % T::kKStages;
+          const int vs = vt % T::kVStages;
+          fills_of(plan_row, plan_tiles, j, fill);
+          barrier_wait(ring.k_full(ks), (kt / T::kKStages) & 1);
+          wgmma_fence();
+          Mma::qk(s, q_tile, ring.k_tile(ks));
+          wgmma_commit();
+          barrier_wait(ring.v_full(vs), (vt / T::kVStages) & 1);  // S_j runs meanwhile
+          fence_operands(p);
+          issue_part(std::integral_constant<int, 0>{}, p, ring.v_tile(vs));
+          wgmma_wait<1>();  // S_j has landed
+          fence_operands(s);
+          Softmax::scores(s, f, ring.k_scale(ks), fill, lane);
+          release(ring.k_empty(ks), lane);
+          softmax.template update_max<false>(f, alpha, c);
+          constant_for<kParts>([&](auto part) {
+            constexpr int k = decltype(part)::value;
+            wgmma_wait<0>();
+            fence_operands(acc);
+            add_part(k);
+            if constexpr (k + 1 < kParts)
+              issue_part(std::integral_constant<int, k + 1>{}, p, ring.v_tile(vs));
+            if constexpr (k == 0) softmax.template exponentiate<false>(f, alpha, c);
+          });
+          fence_operands(p);
+          release(ring.v_empty(vs), lane);
+          Softmax::pack(f, p);
+          alpha_prev[0] = alpha[0];
+          alpha_prev[1] = alpha[1];
+        };
+        auto last_parts = [&]() {
+          const int vt = vt0 + n - 1;
+          const int vs = vt % T::kVStages;
+          barrier_wait(ring.v_full(vs), (vt / T::kVStages) & 1);
+          fence_operands(p);
+          constant_for<kParts>([&](auto part) {
+            issue_part(part, p, ring.v_tile(vs));
+            wgmma_wait<0>();
+            fence_operands(acc);
+            add_part(decltype(part)::value);
+          });
+          fence_operands(p);
+          release(ring.v_empty(vs), lane);
+        };
+        // one P fragment (P_j packed once P_{j-1}'s last part has landed), so the loop is not
+        // unrolled: two tiles' bodies in one loop spilled (session 20)
+        for (int j = 1; j < n; ++j) tile_parts(j, p);
+        last_parts();
+      } else {
+        float acc[Mma::kORegs];
+        uint32_t p_next[Mma::kPRegs];
+        auto tile = [&](int j, uint32_t (&p_in)[Mma::kPRegs],
+                        uint32_t (&p_out)[Mma::kPRegs]) {
+          const int kt = kt0 + j;
+          const int vt = vt0 + j - 1;
+          const int ks = kt % T::kKStages;
+          const int vs = vt % T::kVStages;
+          fills_of(plan_row, plan_tiles, j, fill);
+          barrier_wait(ring.k_full(ks), (kt / T::kKStages) & 1);
+          barrier_wait(ring.v_full(vs), (vt / T::kVStages) & 1);
+          turns.begin(turn0 + j);
+          fence_operands(acc);
+          fence_operands(p_in);
+          wgmma_fence();
+          Mma::qk(s, q_tile, ring.k_tile(ks));
+          wgmma_commit();
+          Mma::pv(acc, p_in, ring.v_tile(vs));
+          wgmma_commit();
+          turns.end(turn0 + j);
+          wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
+          fence_operands(s);
+          Softmax::scores(s, f, ring.k_scale(ks), fill, lane);
+          release(ring.k_empty(ks), lane);
+          softmax.template step<false>(f, p_out, alpha, c);
+          wgmma_wait<0>();
+          fence_operands(acc);
+          fence_operands(p_in);
+          release(ring.v_empty(vs), lane);
 #pragma unroll
-        for (int i = 0; i < Mma::kORegs; ++i)
-          o[i] = fmaf(o[i], alpha_prev[Fragment::half(i)], acc[i]);
-      };
-      run_tiles(n, tile, last, p, p_next);
+          for (int i = 0; i < Mma::kORegs; ++i)
+            o[i] = fmaf(o[i], alpha_prev[Fragment::half(i)], acc[i]);
+          alpha_prev[0] = alpha[0];
+          alpha_prev[1] = alpha[1];
+        };
+        auto last = [&](uint32_t (&p_last)[Mma::kPRegs]) {
+          const int vt = vt0 + n - 1;
+          const int vs = vt % T::kVStages;
+          barrier_wait(ring.v_full(vs), (vt / T::kVStages) & 1);
+          turns.begin(turn0 + n);
+          fence_operands(acc);
+          fence_operands(p_last);
+          wgmma_fence();
+          Mma::pv(acc, p_last, ring.v_tile(vs));
+          wgmma_commit();
+          turns.end(turn0 + n);
+          wgmma_wait<0>();
+          fence_operands(acc);
+          fence_operands(p_last);
+          release(ring.v_empty(vs), lane);
+#pragma unroll
+          for (int i = 0; i < Mma::kORegs; ++i)
+            o[i] = fmaf(o[i], alpha_prev[Fragment::half(i)], acc[i]);
+        };
+        run_tiles(n, tile, last, p, p_next);
+      }
       at.tiles_done(n);
       turn += n + 1;
     }

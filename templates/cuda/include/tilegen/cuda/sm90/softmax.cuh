@@ -111,11 +111,11 @@ struct QuantSoftmax {
     l[0] = l[1] = 0.f;
   }
 
-  // f = k_scale_j * S_ij from the tile's 64 key scales in shared memory; keys at or past their
-  // half's fill (fill0 for keys 0..31, fill1 for 32..63) get -inf.
+  // f = k_scale_j * S_ij from the tile's key scales in shared memory; keys at or past their
+  // half's fill (fill[u] for keys 32 u .. 32 u + 31; 0 for an absent half) get -inf.
   static __device__ __forceinline__ void scores(const int (&s)[kSRegs], float (&f)[kSRegs],
-                                                uint32_t key_scales, int fill0, int fill1,
-                                                int lane) {
+                                                uint32_t key_scales,
+                                                const int (&fill)[kBlock / 32], int lane) {
 #pragma unroll
     for (int g = 0; g < kSRegs / 4; ++g) {
       const int col = 8 * g + 2 * (lane & 3);
@@ -123,12 +123,21 @@ struct QuantSoftmax {
       asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
                    : "=f"(k0), "=f"(k1)
                    : "r"(key_scales + 4 * col));
-      const int fill = g < 4 ? fill0 : fill1;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 4 * g + e;
         const float x = static_cast<float>(s[i]) * ((e & 1) ? k1 : k0);
-        f[i] = (col + (e & 1)) % 32 < fill ? x : neg_inf();
+        f[i] = x;
+      }
+    }
+    bool partial = false;
+#pragma unroll
+    for (int u = 0; u < kBlock / 32; ++u) partial |= fill[u] < 32;
+    if (partial) {
+#pragma unroll
+      for (int i = 0; i < kSRegs; ++i) {
+        const int col = Fragment::column(i, lane);
+        if (col % 32 >= fill[col / 32]) f[i] = neg_inf();
       }
     }
   }
@@ -146,20 +155,36 @@ struct QuantSoftmax {
   // f (scores) -> p (the e4m3 A fragment of P V: register 4 t + 2 hi + h of k-step t packs S's
   // groups 4 t + 2 hi and 4 t + 2 hi + 1 of row half h) and alpha (O's rescale per row half;
   // unset on the first tile). `c` is each row half's scale (q_scale sm_scale log2 e, > 0).
+  // The three parts run apart where P V is issued in parts (QuantConsumer).
   template <bool kFirst>
   __device__ __forceinline__ void step(float (&f)[kSRegs], uint32_t (&p)[kPRegs],
                                        float (&alpha)[2], const float (&c)[2]) {
+    update_max<kFirst>(f, alpha, c);
+    exponentiate<kFirst>(f, alpha, c);
+    pack(f, p);
+  }
+
+  // The running max over this tile's scores, and alpha.
+  template <bool kFirst>
+  __device__ __forceinline__ void update_max(const float (&f)[kSRegs], float (&alpha)[2],
+                                             const float (&c)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = neg_inf();
 #pragma unroll
       for (int i = 0; i < kSRegs; ++i)
         if (Fragment::half(i) == h) mx = fmaxf(mx, f[i]);
-      // the first half of every tile holds a real key (fill0 >= 1): mx and m_new are finite
+      // the first half of every tile holds a real key (fill[0] >= 1): mx and m_new are finite
       const float m_new = fmaxf(m[h], Fragment::quad_max(mx));
       if constexpr (!kFirst) alpha[h] = fast_exp2((m[h] - m_new) * c[h]);
       m[h] = m_new;
     }
+  }
+
+  // f <- p * 448 = exp2(f c - m c + log2 448), and the row sums.
+  template <bool kFirst>
+  __device__ __forceinline__ void exponentiate(float (&f)[kSRegs], const float (&alpha)[2],
+                                               const float (&c)[2]) {
     const float shift[2] = {fmaf(m[0], c[0], -kLog2PScale), fmaf(m[1], c[1], -kLog2PScale)};
     float sum[2] = {0.f, 0.f};
 #pragma unroll
@@ -170,6 +195,9 @@ struct QuantSoftmax {
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) l[h] = kFirst ? sum[h] : fmaf(l[h], alpha[h], sum[h]);
+  }
+
+  static __device__ __forceinline__ void pack(const float (&f)[kSRegs], uint32_t (&p)[kPRegs]) {
 #pragma unroll
     for (int t = 0; t < kPRegs / 4; ++t)
 #pragma unroll

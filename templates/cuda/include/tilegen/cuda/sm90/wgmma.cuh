@@ -12,7 +12,15 @@
 
 #include "tilegen/cuda/ptx.cuh"
 
-// The output operand lists of the m64n64 (32 registers) and m64n128 (64 registers) fragments.
+// The output operand lists of the m64n32 (16 registers), m64n64 (32) and m64n128 (64) fragments.
+#define TILEGEN_SM90_D16 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+
+#define TILEGEN_SM90_D16_OPERANDS(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
+  "+f"(d[15])
+
 #define TILEGEN_SM90_D32 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -37,13 +45,6 @@
   "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), \
   "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), \
   "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
-
-#define TILEGEN_SM90_S32_RESULTS(d) \
-  "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]), "=r"(d[4]), "=r"(d[5]), "=r"(d[6]), "=r"(d[7]), \
-  "=r"(d[8]), "=r"(d[9]), "=r"(d[10]), "=r"(d[11]), "=r"(d[12]), "=r"(d[13]), "=r"(d[14]), \
-  "=r"(d[15]), "=r"(d[16]), "=r"(d[17]), "=r"(d[18]), "=r"(d[19]), "=r"(d[20]), "=r"(d[21]), \
-  "=r"(d[22]), "=r"(d[23]), "=r"(d[24]), "=r"(d[25]), "=r"(d[26]), "=r"(d[27]), "=r"(d[28]), \
-  "=r"(d[29]), "=r"(d[30]), "=r"(d[31])
 
 #define TILEGEN_SM90_D64 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
@@ -72,6 +73,17 @@
   "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]), \
   "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]), "=f"(d[56]), \
   "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63])
+
+#define TILEGEN_SM90_S64_OPERANDS(d) \
+  "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), \
+  "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), \
+  "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), \
+  "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), \
+  "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), \
+  "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), \
+  "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]), \
+  "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]), \
+  "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
 
 namespace tilegen {
 namespace sm90 {
@@ -230,44 +242,71 @@ struct AttentionMma {
 // the pre-pass stores V^T's keys permuted within each 32-key half to match: MMA key slot kk of a
 // half reads key `key_of_slot(kk)` (tilegen/quant.py: vt_key_permutation).
 struct Wgmma8 {
-  // d (m64n64 int32) = / += A (smem, K-major) x B (smem, K-major), s8 x s8
-  static __device__ __forceinline__ void ss_n64_first(int (&d)[32], uint64_t a, uint64_t b) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 " TILEGEN_SM90_D32
-                 ", %32, %33, 0;\n"
-                 : TILEGEN_SM90_S32_RESULTS(d)
-                 : "l"(a), "l"(b));
+  // The accumulate flag (scale-d) comes from a predicate, not an immediate, so d is always an
+  // input and output and every overwrite reuses d's registers: with the immediate 0, ptxas
+  // gave each overwrite fresh registers and spilled (session 20: 56 bytes in the one-consumer
+  // kernel, 100-300 with P V in parts; none this way).
+  //
+  // d (m64nN int32, N = 2 R: 64 or 128 columns) = / += A (smem, K-major) x B (smem, K-major),
+  // s8 x s8
+  template <int R>
+  static __device__ __forceinline__ void ss(int (&d)[R], uint64_t a, uint64_t b,
+                                            bool accumulate) {
+    static_assert(R == 32 || R == 64, "m64n64 or m64n128");
+    const int scale_d = accumulate ? 1 : 0;
+    if constexpr (R == 32) {
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                   "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 " TILEGEN_SM90_D32
+                   ", %32, %33, p;\n}\n"
+                   : TILEGEN_SM90_S32_OPERANDS(d)
+                   : "l"(a), "l"(b), "r"(scale_d));
+    } else {
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                   "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 " TILEGEN_SM90_D64
+                   ", %64, %65, p;\n}\n"
+                   : TILEGEN_SM90_S64_OPERANDS(d)
+                   : "l"(a), "l"(b), "r"(scale_d));
+    }
   }
-  static __device__ __forceinline__ void ss_n64(int (&d)[32], uint64_t a, uint64_t b) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 " TILEGEN_SM90_D32
-                 ", %32, %33, 1;\n"
-                 : TILEGEN_SM90_S32_OPERANDS(d)
-                 : "l"(a), "l"(b));
-  }
-  // d (m64n128 fp32) = / += A (registers, e4m3) x B (smem, K-major V^T, e4m3)
-  static __device__ __forceinline__ void rs_n128_first(float (&d)[64], uint32_t a0, uint32_t a1,
-                                                       uint32_t a2, uint32_t a3, uint64_t b) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " TILEGEN_SM90_D64
-                 ", {%64, %65, %66, %67}, %68, 0, 1, 1;\n"
-                 : TILEGEN_SM90_D64_RESULTS(d)
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
-  }
-  static __device__ __forceinline__ void rs_n128(float (&d)[64], uint32_t a0, uint32_t a1,
-                                                 uint32_t a2, uint32_t a3, uint64_t b) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " TILEGEN_SM90_D64
-                 ", {%64, %65, %66, %67}, %68, 1, 1, 1;\n"
-                 : TILEGEN_SM90_D64_OPERANDS(d)
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
+  // d (m64nN fp32, N = 2 R: 32, 64 or 128 columns of O) = / += A (registers, e4m3) x B (smem,
+  // K-major V^T, e4m3)
+  template <int R>
+  static __device__ __forceinline__ void rs(float (&d)[R], uint32_t a0, uint32_t a1, uint32_t a2,
+                                            uint32_t a3, uint64_t b, bool accumulate) {
+    static_assert(R == 16 || R == 32 || R == 64, "m64n32, m64n64 or m64n128");
+    const int scale_d = accumulate ? 1 : 0;
+    if constexpr (R == 16) {
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+                   "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 " TILEGEN_SM90_D16
+                   ", {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
+                   : TILEGEN_SM90_D16_OPERANDS(d)
+                   : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(scale_d));
+    } else if constexpr (R == 32) {
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                   "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " TILEGEN_SM90_D32
+                   ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+                   : TILEGEN_SM90_D32_OPERANDS(d)
+                   : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(scale_d));
+    } else {
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                   "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " TILEGEN_SM90_D64
+                   ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+                   : TILEGEN_SM90_D64_OPERANDS(d)
+                   : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(scale_d));
+    }
   }
 };
 
-template <int kHeadDim, int kBlock>
+template <int kHeadDim, int kTileKeys>
 struct AttentionMma8 {
   static_assert(kHeadDim == 128, "Q8 and K8 rows are one 128-byte swizzle line");
-  static_assert(kBlock == 64, "S is one m64n64 fragment, two 32-key halves");
-  static constexpr int kSRegs = kBlock / 2;     // S fragment: int32 per thread
-  static constexpr int kORegs = kHeadDim / 2;   // O fragment: fp32 per thread
-  static constexpr int kPRegs = kBlock / 8;     // P fragment: four e4m3 a register
+  static_assert(kTileKeys == 64 || kTileKeys == 128,
+                "S is one m64n64 or m64n128 fragment: one or two cubes of keys in 32-key halves");
+  static constexpr int kSRegs = kTileKeys / 2;    // S fragment: int32 per thread
+  static constexpr int kORegs = kHeadDim / 2;     // O fragment: fp32 per thread
+  static constexpr int kPRegs = kTileKeys / 8;    // P fragment: four e4m3 a register
   static constexpr int kHalfKeys = 32;
+  static constexpr int kKSteps = kTileKeys / kHalfKeys;    // P V k-steps: one V^T half each
   static constexpr int kHalfBytes = kHeadDim * kHalfKeys;  // one V^T half
 
   // S: kHeadDim / 32 k-steps, each 32 bytes further along the 128-byte lines (K-major).
@@ -285,23 +324,27 @@ struct AttentionMma8 {
 
   static __device__ __forceinline__ void qk(int (&s)[kSRegs], uint32_t q_tile, uint32_t k_tile) {
 #pragma unroll
-    for (int t = 0; t < kHeadDim / 32; ++t) {
-      const uint64_t a = qk_descriptor(q_tile, t);
-      const uint64_t b = qk_descriptor(k_tile, t);
-      if (t == 0) {
-        Wgmma8::ss_n64_first(s, a, b);
-      } else {
-        Wgmma8::ss_n64(s, a, b);
-      }
-    }
+    for (int t = 0; t < kHeadDim / 32; ++t)
+      Wgmma8::ss(s, qk_descriptor(q_tile, t), qk_descriptor(k_tile, t), t > 0);
   }
 
-  // acc = P V (a fresh accumulator: two-level accumulation), register 4t + j is A register j of
-  // k-step t.
+  // acc = P V over O's columns kCols kPart .. kCols (kPart + 1) - 1 (kCols = kHeadDim / kParts:
+  // a fresh accumulator of kCols / 2 registers, two-level accumulation); register 4 t + j of P
+  // is A register j of k-step t. A part's V^T rows (head_dim channels) start kCols rows of 32
+  // bytes into each key half, a whole number of swizzle atoms (256 bytes).
+  template <int kParts, int kPart>
+  static __device__ __forceinline__ void pv_part(float (&acc)[kORegs / kParts],
+                                                 const uint32_t (&p)[kPRegs], uint32_t vt_tile) {
+    constexpr uint32_t kOffset = kPart * (kHeadDim / kParts) * kHalfKeys;
+#pragma unroll
+    for (int t = 0; t < kKSteps; ++t)
+      Wgmma8::rs(acc, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3],
+                 pv_descriptor(vt_tile + kOffset, t), t > 0);
+  }
+  // The whole of O's columns (64-key tiles).
   static __device__ __forceinline__ void pv(float (&acc)[kORegs], const uint32_t (&p)[kPRegs],
                                             uint32_t vt_tile) {
-    Wgmma8::rs_n128_first(acc, p[0], p[1], p[2], p[3], pv_descriptor(vt_tile, 0));
-    Wgmma8::rs_n128(acc, p[4], p[5], p[6], p[7], pv_descriptor(vt_tile, 1));
+    pv_part<1, 0>(acc, p, vt_tile);
   }
 };
 

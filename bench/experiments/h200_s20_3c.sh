@@ -12,7 +12,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-out/s20}
 mkdir -p "$OUT"
 source bench/experiments/gpu_env.sh
-Q8=${Q8:-default,pred,3c,3c_serial,3c_k4v3,3c_k2v2}
+Q8=${Q8:-default,kv64,3c,k128_2c}
 BF16=${BF16:-bf16_default,bf16_3c_k2v1,bf16_3c_k1v1}
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.sm --format=csv,noheader
 timeout "${SMALL_LIMIT:-200}" python3 bench/experiments/h200_quant_op.py --backend cuda \

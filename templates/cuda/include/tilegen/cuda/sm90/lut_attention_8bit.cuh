@@ -187,17 +187,6 @@ struct QuantConsumer {
     if (lane == 0) barrier_arrive(bar);
   }
 
-  // Two-level accumulation: O's columns of part k (of kParts) += acc, O first rescaled by the
-  // alpha of the tile whose P V acc holds.
-  template <int kParts, int N>
-  static __device__ __forceinline__ void add_into_o(float (&o)[Mma::kORegs], int k,
-                                                    const float (&acc)[N],
-                                                    const float (&alpha)[2]) {
-    static_assert(N * kParts == Mma::kORegs, "acc is one part of O");
-#pragma unroll
-    for (int i = 0; i < N; ++i) o[k * N + i] = fmaf(o[k * N + i], alpha[Fragment::half(i)], acc[i]);
-  }
-
   // The fills of tile j's halves (0 for a half that is absent).
   static __device__ __forceinline__ void fills_of(const int* plan_row, int plan_tiles, int j,
                                                   int (&fill)[T::kHalves]) {
@@ -271,7 +260,14 @@ struct QuantConsumer {
         // S_j's exponentials under part 1; last, P_j packed over P_{j-1}. (Session 20: 5.30 ms
         // for 128-key tiles against 5.39 with the exponentials under part 0 and S_j alone.)
         constexpr int kParts = T::kPvParts;
-        float acc[Mma::kORegs / kParts];
+        constexpr int kPartRegs = Mma::kORegs / kParts;
+        float acc[kPartRegs];
+        auto add_part = [&](int k) {
+#pragma unroll
+          for (int i = 0; i < kPartRegs; ++i)
+            o[k * kPartRegs + i] =
+                fmaf(o[k * kPartRegs + i], alpha_prev[Fragment::half(i)], acc[i]);
+        };
         auto issue_part = [&](auto part, const uint32_t (&p_in)[Mma::kPRegs],
                               uint32_t v_tile) {
           fence_operands(acc);
@@ -279,7 +275,7 @@ struct QuantConsumer {
           Mma::template pv_part<kParts, decltype(part)::value>(acc, p_in, v_tile);
           wgmma_commit();
         };
-        auto tile_parts = [&](int j) {
+        auto tile_parts = [&](int j, uint32_t (&p)[Mma::kPRegs]) {
           const int kt = kt0 + j;
           const int vt = vt0 + j - 1;
           const int ks = kt % T::kKStages;
@@ -301,7 +297,7 @@ struct QuantConsumer {
             constexpr int k = decltype(part)::value;
             wgmma_wait<0>();
             fence_operands(acc);
-            add_into_o<kParts>(o, k, acc, alpha_prev);
+            add_part(k);
             if constexpr (k + 1 < kParts)
               issue_part(std::integral_constant<int, k + 1>{}, p, ring.v_tile(vs));
             if constexpr (k == 0) softmax.template exponentiate<false>(f, alpha, c);
@@ -321,14 +317,14 @@ struct QuantConsumer {
             issue_part(part, p, ring.v_tile(vs));
             wgmma_wait<0>();
             fence_operands(acc);
-            add_into_o<kParts>(o, decltype(part)::value, acc, alpha_prev);
+            add_part(decltype(part)::value);
           });
           fence_operands(p);
           release(ring.v_empty(vs), lane);
         };
         // one P fragment (P_j packed once P_{j-1}'s last part has landed), so the loop is not
         // unrolled: two tiles' bodies in one loop spilled (session 20)
-        for (int j = 1; j < n; ++j) tile_parts(j);
+        for (int j = 1; j < n; ++j) tile_parts(j, p);
         last_parts();
       } else {
         float acc[Mma::kORegs];
@@ -360,7 +356,9 @@ struct QuantConsumer {
           fence_operands(acc);
           fence_operands(p_in);
           release(ring.v_empty(vs), lane);
-          add_into_o<1>(o, 0, acc, alpha_prev);
+#pragma unroll
+          for (int i = 0; i < Mma::kORegs; ++i)
+            o[i] = fmaf(o[i], alpha_prev[Fragment::half(i)], acc[i]);
           alpha_prev[0] = alpha[0];
           alpha_prev[1] = alpha[1];
         };
@@ -379,7 +377,9 @@ struct QuantConsumer {
           fence_operands(acc);
           fence_operands(p_last);
           release(ring.v_empty(vs), lane);
-          add_into_o<1>(o, 0, acc, alpha_prev);
+#pragma unroll
+          for (int i = 0; i < Mma::kORegs; ++i)
+            o[i] = fmaf(o[i], alpha_prev[Fragment::half(i)], acc[i]);
         };
         run_tiles(n, tile, last, p, p_next);
       }

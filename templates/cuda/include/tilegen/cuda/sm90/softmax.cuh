@@ -133,10 +133,12 @@ struct QuantSoftmax {
     bool partial = false;
 #pragma unroll
     for (int u = 0; u < kBlock / 32; ++u) partial |= fill[u] < 32;
-    if (partial) {  // group g's columns 8 g + 2 (lane % 4) + (0, 1) lie in half g / 4
+    if (partial) {
 #pragma unroll
-      for (int i = 0; i < kSRegs; ++i)
-        if (Fragment::column(i, lane) % 32 >= fill[i / 16]) f[i] = neg_inf();
+      for (int i = 0; i < kSRegs; ++i) {
+        const int col = Fragment::column(i, lane);
+        if (col % 32 >= fill[col / 32]) f[i] = neg_inf();
+      }
     }
   }
 

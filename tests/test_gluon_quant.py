@@ -252,3 +252,41 @@ def test_the_8bit_ops_entry_refuses_what_it_cannot_run_here():
         block_sparse_attention_8bit(qb, qb, qb, idx, vbs)
     with torch.no_grad(), pytest.raises(ValueError, match="needs a target with Hopper's wgmma"):
         block_sparse_attention_8bit(qb, qb, qb, idx, vbs)
+
+
+def test_the_thw_8bit_entry_refuses_what_it_cannot_run_and_traces_without_a_break():
+    """`tilegen.ops.block_sparse_attention_8bit_thw` (THW-ordered tokens, the diffusers
+    integration's 8-bit layer): bad dtypes, shapes, cubes and a call that needs gradients are
+    refused in one line; on this CPU the 8-bit op's load says which targets have its kernel; and
+    its fake implementation lets `torch.compile` trace a caller as one graph."""
+    from torch._dynamo.testing import CompileCounter
+
+    from tilegen.ops import block_sparse_attention_8bit_thw
+
+    grid = (4, 4, 8)
+    q = torch.randn(1, 128, 2, 64)
+    with pytest.raises(TypeError, match="bf16 or fp16"):
+        block_sparse_attention_8bit_thw(q, q, q, grid, 1)
+    qb = q.bfloat16()
+    with pytest.raises(ValueError, match=r"T\*H\*W=256"):
+        block_sparse_attention_8bit_thw(qb, qb, qb, (4, 8, 8), 1)
+    with pytest.raises(ValueError, match="holds 32 tokens"):
+        block_sparse_attention_8bit_thw(qb, qb, qb, grid, 1, cube=(2, 4, 4))
+    with pytest.raises(ValueError, match="forward only"):
+        g = qb.clone().requires_grad_()
+        block_sparse_attention_8bit_thw(g, g, g, grid, 1)
+    with torch.no_grad(), pytest.raises(ValueError, match="needs a target with Hopper's wgmma"):
+        block_sparse_attention_8bit_thw(qb, qb, qb, grid, 1)
+
+    def layer(x):
+        return block_sparse_attention_8bit_thw(x * 2, x, x, grid, 1).float().sum()
+
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode() as mode:
+            out = torch.compile(layer, backend=counter, fullgraph=True)(mode.from_tensor(qb))
+    assert out.shape == () and counter.frame_count == 1
+    torch._dynamo.reset()

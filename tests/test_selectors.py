@@ -219,6 +219,41 @@ def test_pool_kernel_matches_pool_cubes(interpreter):
     x[0, 64 + 32:128] = 1e4  # padding slots: must not count
     for heads in (2, 1):  # heads per program (a contiguous slice of each token's row)
         out = torch.empty(1, 6, 4, 16)
-        _pool_kernel[(4, 6 // heads)](x, vbs, out, 256, 6, 4, HEAD_DIM=16, HEADS=heads,
-                                      BLOCK=64, ROWS=8)
+        _pool_kernel[(4, 6 // heads)](x, vbs, vbs, out, 256, 6, 4, HEAD_DIM=16, HEADS=heads,
+                                      BLOCK=64, ROWS=8, GATHER=False)
         torch.testing.assert_close(out, sparsity.pool_cubes(x, vbs), rtol=1e-3, atol=1e-4)
+
+
+def test_pool_kernel_gathers_token_order_inputs(interpreter):
+    """With ``sources`` the pooling reads token-order rows (no reorder to cubes first): the
+    means of ``to_cubes`` then `pool_cubes`, on a grid of partial cubes (vbs 8 to 64)."""
+    from tilegen.coarse_gpu import _pool_kernel
+
+    grid = (5, 6, 4)  # cubes 2 x 2 x 1, partial along t and h
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 5 * 6 * 4, 2, 16, generator=gen).to(torch.float16)
+    xc, vbs = layout.to_cubes(x, grid)
+    src = layout.cube_sources(grid)
+    nc = vbs.numel()
+    assert vbs.tolist() == [64, 32, 16, 8]
+    out = torch.empty(1, 2, nc, 16)
+    _pool_kernel[(nc, 1)](x, vbs, src, out, x.shape[1], 2, nc, HEAD_DIM=16, HEADS=2, BLOCK=64,
+                          ROWS=8, GATHER=True)
+    torch.testing.assert_close(out, sparsity.pool_cubes(xc, vbs), rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("grid,heads_kv", [((5, 6, 8), 4), ((8, 7, 4), 2)])
+def test_mean_pool_topk_thw_selects_as_the_cube_major_path(grid, heads_kv):
+    """The selection of THW-ordered tokens (what the 8-bit THW op runs) is `mean_pool_topk` of
+    the reordered tokens: partial cubes, GQA, several seeds; bad shapes refused by name."""
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        n = math.prod(grid)
+        q = torch.randn(2, n, 4, 16, generator=gen)
+        k = torch.randn(2, n, heads_kv, 16, generator=gen)
+        qc, vbs = layout.to_cubes(q, grid)
+        kc, _ = layout.to_cubes(k, grid)
+        got = sparsity.mean_pool_topk_thw(q, k, grid, 3)
+        assert torch.equal(got, sparsity.mean_pool_topk(qc, kc, vbs, 3))
+    with pytest.raises(ValueError, match=r"T\*H\*W="):
+        sparsity.mean_pool_topk_thw(q[:, :-1], k, grid, 3)

@@ -21,9 +21,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _pool_kernel(X, VBS, OUT, seq_len, num_heads, nc, HEAD_DIM: tl.constexpr,
-                 HEADS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    """HEADS neighbouring heads of one cube: their H*D slice is contiguous in BSHD."""
+def _pool_kernel(X, VBS, SRC, OUT, seq_len, num_heads, nc, HEAD_DIM: tl.constexpr,
+                 HEADS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                 GATHER: tl.constexpr):
+    """HEADS neighbouring heads of one cube: their H*D slice is contiguous in BSHD. With
+    GATHER, X is in token order and cube slot i reads token SRC[i]."""
     cube = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     groups = num_heads // HEADS
@@ -36,6 +38,8 @@ def _pool_kernel(X, VBS, OUT, seq_len, num_heads, nc, HEAD_DIM: tl.constexpr,
     for r0 in range(0, BLOCK, ROWS):
         rows = r0 + tl.arange(0, ROWS)
         tok = cube * BLOCK + rows
+        if GATHER:
+            tok = tl.load(SRC + tok, mask=rows < n, other=0)
         ptr = X + ((b * seq_len + tok) * num_heads + h0)[:, None] * HEAD_DIM + cols[None, :]
         acc += tl.sum(tl.load(ptr, mask=(rows < n)[:, None], other=0.0).to(tl.float32), 0)
     total = acc.to(X.dtype.element_ty).to(tl.float32)
@@ -46,18 +50,25 @@ def _pool_kernel(X, VBS, OUT, seq_len, num_heads, nc, HEAD_DIM: tl.constexpr,
     tl.store(OUT + ((b * num_heads + h) * nc + cube) * HEAD_DIM + d, mean)
 
 
-def pool_means(x: torch.Tensor, vbs: torch.Tensor, block: int = 64) -> torch.Tensor:
+def pool_means(x: torch.Tensor, vbs: torch.Tensor, block: int = 64,
+               sources: torch.Tensor | None = None) -> torch.Tensor:
     """(B, S, H, D) BSHD -> (B, H, NC, D) fp32 cube means over the first vbs[c] tokens (NaN for
-    a vbs outside 1..block); GPU tensors only (`sparsity.pool_cubes` is the general form)."""
+    a vbs outside 1..block); GPU tensors only (`sparsity.pool_cubes` is the general form).
+    ``sources`` (`tilegen.layout.cube_sources`): x is in token order, cube slot i being token
+    ``sources[i]``; the means are those of ``x.index_select(1, sources)``, with no reorder."""
     b, s, h, d = x.shape
+    seq_len = s
+    if sources is not None:
+        s = sources.numel()
     nc = s // block
     x = x.contiguous()
     heads = next(n for n in (4, 2, 1) if h % n == 0)  # 4 x 128 bf16 = 1 KB contiguous per row
     out = torch.empty((b, h, nc, d), dtype=torch.float32, device=x.device)
     # 8-row steps at 2 warps: 0.098 ms for q on the H200 (4.2 TB/s), against 0.14-0.25 for
     # 16/32-row steps at 4/8 warps (bench/experiments/h200_mean_pool_probe.py)
-    _pool_kernel[(nc, b * h // heads)](x, vbs, out, s, h, nc, HEAD_DIM=d, HEADS=heads,
-                                       BLOCK=block, ROWS=8, num_warps=2)
+    _pool_kernel[(nc, b * h // heads)](x, vbs, vbs if sources is None else sources, out,
+                                       seq_len, h, nc, HEAD_DIM=d, HEADS=heads, BLOCK=block,
+                                       ROWS=8, GATHER=sources is not None, num_warps=2)
     return out
 
 

@@ -27,7 +27,8 @@ from tilegen.targets import TARGET_NAMES, Target, detect_target, get_target
 log = logging.getLogger("tilegen")
 
 __all__ = ["AttentionOutput", "BlockSparseAttention", "block_sparse_attention",
-           "block_sparse_attention_8bit", "block_sparse_attention_varlen", "load",
+           "block_sparse_attention_8bit", "block_sparse_attention_8bit_thw",
+           "block_sparse_attention_varlen", "load",
            "resolve_config", "video_sparse_attention",
            "vsa_fine", "vsa_fine_op"]
 
@@ -665,6 +666,68 @@ def block_sparse_attention_8bit(
         raise TypeError(f"q has dtype {q.dtype}; the 8-bit kernels take bf16 or fp16 inputs")
     return torch.ops.tilegen.block_sparse_attention_8bit(q, k, v, topk_idx, vbs, counts, quant,
                                                          sm_scale)
+
+
+@torch.library.custom_op("tilegen::block_sparse_attention_8bit_thw", mutates_args=())
+def _block_sparse_attention_8bit_thw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                     grid: list[int], cube: list[int], topk: int, quant: str,
+                                     sm_scale: float | None) -> torch.Tensor:
+    from tilegen import layout, sparsity
+
+    g, c = tuple(grid), tuple(cube)
+    op = _quant_op_for(q, quant)  # first: where no kernel loads, the call says so before any work
+    vbs = layout.vbs_for_grid(g, c, device=q.device)
+    idx = sparsity.mean_pool_topk_thw(q, k, g, topk, c)
+    qi = op.quantize(q, k, v, vbs, sources=layout._sources_on(g, c, q.device))
+    oc = op.from_quantized(qi, idx, vbs, sm_scale=sm_scale, return_lse=False)
+    return layout.from_cubes(oc, g, c)
+
+
+@_block_sparse_attention_8bit_thw.register_fake
+def _block_sparse_attention_8bit_thw_fake(q, k, v, grid, cube, topk, quant, sm_scale):
+    return torch.empty_like(q)
+
+
+def block_sparse_attention_8bit_thw(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grid: tuple[int, int, int],
+    topk: int,
+    *,
+    cube: tuple[int, int, int] = (4, 4, 4),
+    quant: str = "int8_fp8",
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """Mean-pool block-sparse attention of THW-ordered tokens by an 8-bit recipe, for a model
+    that keeps its tokens in THW order (a video DiT's attention processor): ``q``, ``k``, ``v``
+    ``(B, T*H*W, H, D)`` bf16/fp16 over ``grid``; each query cube attends to the ``topk`` KV
+    cubes of `tilegen.sparsity.mean_pool_topk_thw`; o ``(B, T*H*W, H, D)`` in q's dtype.
+
+    The same numbers as ``to_cubes`` of q, k, v, `mean_pool_topk` and
+    `block_sparse_attention_8bit`, then ``from_cubes``, without the three reorders: the
+    pooling and the 8-bit pre-pass read each cube's tokens where they lie
+    (`tilegen.quant.quantize(..., sources=...)`). Forward only; a custom op
+    (``torch.ops.tilegen.block_sparse_attention_8bit_thw``), traced by ``torch.compile``
+    without a graph break."""
+    from tilegen import layout
+    from tilegen.integrations.attention import check_cube
+
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("block_sparse_attention_8bit_thw computes the forward only: call it "
+                         "under torch.no_grad(), or train with block_sparse_attention")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _tensor(name, t)
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"q has dtype {q.dtype}; the 8-bit kernels take bf16 or fp16 inputs")
+    g, c = layout._triple(grid, "grid"), check_cube(cube)
+    if k.shape != q.shape or v.shape != q.shape or q.dim() != 4 \
+            or q.shape[1] != g[0] * g[1] * g[2]:
+        raise ValueError(f"q, k, v must be one shape (B, T*H*W, H, D) with T*H*W="
+                         f"{g[0] * g[1] * g[2]} for grid={g}; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    return torch.ops.tilegen.block_sparse_attention_8bit_thw(q, k, v, list(g), list(c),
+                                                            int(topk), quant, sm_scale)
 
 
 # -- the full VSA forward (tilegen.vsa) ---------------------------------------------------------

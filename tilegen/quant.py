@@ -13,10 +13,15 @@ kernels are held to (contract.md, the quantized rule's check 4).
   cost the kernel a GEMV per tile; measured on the default workload it buys 0.001 of relative L1
   on ``"int8_fp8"`` (bench/NOTES.md), so the kernels' recipe leaves it out. `quantize_torch`
   keeps it as an ablation (``q_smooth=True``), and `emulate` adds the term when ``q_mean`` is set.
-* **Per-token INT8.** ``x8 = round(x * (1 / s))``, ``s = amax_d |x| / 127`` per token (round
-  half to even, ``|x8| <= 127``; the reciprocal once per token, IEEE, in both pre-passes):
-  ``S_ij = sq_i sk_j (q8_i · k8_j)`` exactly in int32 (128 products of at most 127^2 stay below
-  2^24, so fp32 holds the sum exactly too).
+* **INT8 Q per token, K per half cube.** ``x8 = round(x * (1 / s))`` (round half to even,
+  ``|x8| <= 127``; the reciprocal once per scale, IEEE, in both pre-passes) with ``s = amax
+  |x| / 127`` over each query token's channels, and over each ``K_SCALE_GROUP``-token half of a
+  key cube (its real tokens, every channel; the kernels' 32-key halves): ``S_ij = sq_i sk_j
+  (q8_i · k8_j)`` exactly in int32 (128 products of at most 127^2 stay below 2^24, so fp32
+  holds the sum exactly too). ``k_scale`` stays one value per token (equal within a half), so
+  any kernel may read it per key; the CUDA kernel reads one a half and multiplies it into the
+  row's scale, not into every score (session 21: relative L1 0.0123 / 0.0136 against 0.0114 /
+  0.0126 per token on the two default-workload captures, bench/NOTES.md).
 * **V** (``"int8_fp8"``): smoothed by its sampled channel mean ``v̄`` (added back after the
   normalization: the softmax weights sum to 1), then e4m3 with one scale per channel, the
   sample's amax times ``V_HEADROOM`` (values past 448 saturate), stored transposed ``(B, H, D,
@@ -53,7 +58,7 @@ from tilegen.spec import QUANT_MODES  # "none", "int8" (INT8 Q·K, bf16 P·V), "
 __all__ = ["QUANT_MODES", "QuantizedInputs", "quantize", "quantize_torch", "quantize_triton",
            "emulate", "QuantReference", "quant_reference", "vt_to_tiles", "vt_natural",
            "vt_slot_keys", "vt_to_slots", "E4M3_MAX", "INT8_MAX", "P_SCALE", "V_HEADROOM",
-           "SAMPLE_CUBES"]
+           "SAMPLE_CUBES", "K_SCALE_GROUP"]
 
 #: largest finite e4m3fn value (a property of the format, not of any device)
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
@@ -64,6 +69,8 @@ P_SCALE = E4M3_MAX
 V_HEADROOM = 8.0
 #: cubes whose first token is the sample for K's and V's means and V's scales
 SAMPLE_CUBES = 16
+#: key tokens that share one INT8 scale: a 32-key half of a cube (the 8-bit kernels' K box)
+K_SCALE_GROUP = 32
 
 
 @dataclass(frozen=True)
@@ -204,7 +211,10 @@ def quantize_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch
     qs = torch.where(real, qf, 0.0)
     ks = torch.where(real, k.float().view(B, n, block, H, D) - k_mean[:, None, None], 0.0)
     q_scale = qs.abs().amax(-1) / INT8_MAX             # (B, n, block, H)
-    k_scale = ks.abs().amax(-1) / INT8_MAX
+    groups = ks.view(B, n, block // K_SCALE_GROUP, K_SCALE_GROUP, H, D)
+    k_scale = (groups.abs().amax(dim=(3, 5), keepdim=True) / INT8_MAX).expand(
+        -1, -1, -1, K_SCALE_GROUP, -1, -1).reshape(B, n, block, H)
+    k_scale = torch.where(real[..., 0], k_scale, 0.0)  # padded keys: scale 0, as their rows
     q8 = _round_int8(qs, q_scale[..., None]).view(B, S, H, D)
     k8 = _round_int8(ks, k_scale[..., None]).view(B, S, H, D)
 
@@ -258,13 +268,25 @@ def _int8_per_token(x):
 
 
 @triton.jit
+def _int8_per_group(x, TOKENS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A tile's rows to int8 with one scale per GROUP rows (amax over the group's rows and
+    channels / 127): the integer values (fp32) and each row's scale (its group's)."""
+    g = tl.reshape(x, (TOKENS // GROUP, GROUP, HEAD_DIM))
+    scale = tl.max(tl.max(tl.abs(g), 2), 1) / 127.0
+    inv = tl.div_rn(1.0, tl.where(scale > 0, scale, 1.0))
+    x8 = _round_half_even(_clamp_int8(g * inv[:, None, None]))
+    rows = tl.reshape(tl.broadcast_to(scale[:, None], (TOKENS // GROUP, GROUP)), (TOKENS,))
+    return tl.reshape(x8, (TOKENS, HEAD_DIM)), rows
+
+
+@triton.jit
 def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, VMEAN, SRC,
                      seq_len, in_len, num_heads, n_cubes, n_sample, FIRST_PART,
                      GATHER: tl.constexpr,
                      FP8_V: tl.constexpr, VT_TILES: tl.constexpr, VT_SLOTS: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                      TOKENS: tl.constexpr, SAMPLE: tl.constexpr, E4M3: tl.constexpr,
-                     HEADROOM: tl.constexpr):
+                     HEADROOM: tl.constexpr, K_GROUP: tl.constexpr):
     # a program quantizes TOKENS tokens of one cube and one tensor (axis 2: 0 Q, 1 K, 2 V):
     # with a whole cube of all three, 255 registers and spills left one or two programs an SM
     chunk = tl.program_id(0)
@@ -303,9 +325,10 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
         k_smp = tl.load(K + s_off, mask=s_ok[:, None], other=0.0).to(tl.float32)
         k_mean = tl.sum(k_smp, 0) / n_sample
         k = tl.load(K + in_off).to(tl.float32)
-        k8, k_scale = _int8_per_token(tl.where(valid[:, None], k - k_mean[None, :], 0.0))
+        k8, k_scale = _int8_per_group(tl.where(valid[:, None], k - k_mean[None, :], 0.0),
+                                      TOKENS, K_GROUP, HEAD_DIM)
         tl.store(K8 + off, k8.to(tl.int8))
-        tl.store(KSCALE + bh * seq_len + tok, k_scale)
+        tl.store(KSCALE + bh * seq_len + tok, tl.where(valid, k_scale, 0.0))
         if first:
             tl.store(KMEAN + bh * HEAD_DIM + d, k_mean)
     elif FP8_V:
@@ -369,7 +392,8 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
                     vt_tiles: bool = False, vt_slots: bool = False,
                     sources: torch.Tensor | None = None) -> QuantizedInputs:
     """The Triton pre-pass (what `quantize` runs on a GPU; the tests run it under the
-    interpreter on CPU tensors); ``tokens`` a program: a power of two from 16 to ``block``.
+    interpreter on CPU tensors); ``tokens`` a program: a power of two from 32 (K's scale
+    group) to ``block``.
     The defaults are the H200's fastest (bench/NOTES.md, session 15: K and V in 0.51 ms at the
     default workload against 0.59 for a whole cube on 4 warps). ``vt_slots``: V^T's keys
     written at their MMA slots (`vt_to_slots`), in the same pass."""
@@ -378,9 +402,9 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
         raise ValueError("vt_slots orders V^T's keys in its natural layout, not with vt_tiles")
     if vt_tiles and tokens < VT_TILE:
         raise ValueError(f"vt_tiles: tokens={tokens} must cover a {VT_TILE}-key tile")
-    if tokens & (tokens - 1) or block % tokens or tokens < 16:
-        raise ValueError(f"tokens={tokens}: a power of two from 16 that divides the cube "
-                         f"({block})")
+    if tokens & (tokens - 1) or block % tokens or tokens < K_SCALE_GROUP:
+        raise ValueError(f"tokens={tokens}: a power of two from {K_SCALE_GROUP} (K's scale "
+                         f"group) that divides the cube ({block})")
     B, S_in, H, D = q.shape
     S = _check_sources(sources, S_in, block, q.device)
     if D & (D - 1):
@@ -411,7 +435,7 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
         VT_SLOTS=vt_slots, HEAD_DIM=D,
         BLOCK=block, TOKENS=tokens,
         SAMPLE=triton.next_power_of_2(SAMPLE_CUBES), E4M3=E4M3_MAX, HEADROOM=V_HEADROOM,
-        num_warps=num_warps)
+        K_GROUP=K_SCALE_GROUP, num_warps=num_warps)
     tiles, slots = vt_tiles and fp8, vt_slots and fp8
     if not with_q:
         return QuantizedInputs(mode, None, None, k8, k_scale, k_mean, v8t, v_scale, v_mean,

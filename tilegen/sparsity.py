@@ -43,6 +43,7 @@ import torch
 from tilegen import layout
 
 __all__ = ["lut_to_mask", "mask_to_lut", "pool_cubes", "coarse_scores", "mean_pool_topk",
+           "mean_pool_topk_thw",
            "cdf_select", "cdf_mask", "adjacency_mask", "jenga_mask", "jenga_lut",
            "ADJACENCY", "ranked_topk", "adaptive_topk", "cut_lut",
            "ADAPTIVE_DEFAULTS"]
@@ -296,6 +297,46 @@ def mean_pool_topk(
     from tilegen.coarse_gpu import row_topk_ids
 
     return row_topk_ids(_scores(q, k, vbs, q_vbs, block), topk)
+
+
+def mean_pool_topk_thw(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    grid: Sequence[int],
+    topk: int,
+    cube: Sequence[int] = (4, 4, 4),
+) -> torch.Tensor:
+    """`mean_pool_topk` of THW-ordered tokens, without reordering them: ``q``, ``k`` are
+    ``(B, T*H*W, H, D)`` (k's heads may divide q's) over ``grid``; the selection equals
+    ``mean_pool_topk(to_cubes(q), to_cubes(k), vbs, topk)`` (up to fp32 summation order on
+    the GPU, where the pooling reads each cube's tokens where they lie). Returns
+    ``(B, H, NQ, topk)`` int32, ascending by cube id."""
+    g, c = layout._triple(grid, "grid"), layout._triple(cube, "cube")
+    n_tok, block = g[0] * g[1] * g[2], math.prod(c)
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1] != n_tok:
+            raise ValueError(f"{name} must be (B, T*H*W, H, D) with T*H*W={n_tok} for grid={g}, "
+                             f"got {tuple(getattr(t, 'shape', ()))}")
+    vbs = layout.vbs_for_grid(g, c, device=q.device)
+    d = q.shape[-1]
+    if not (q.is_cuda and d & (d - 1) == 0):  # the general form: reorder, then pool
+        qc, _ = layout.to_cubes(q, g, c, zero_padding=False)
+        kc, _ = layout.to_cubes(k, g, c, zero_padding=False)
+        return mean_pool_topk(qc, kc, vbs, topk, block=block)
+    from tilegen.coarse_gpu import pool_means, row_topk_ids
+
+    if q.device != k.device:
+        raise ValueError(f"q and k must be on one device, got {q.device} and {k.device}")
+    # the cube-major shapes' checks (B, D, GQA heads, dtypes) on shapes alone
+    as_cubes = lambda t: torch.empty((t.shape[0], vbs.numel() * block, *t.shape[2:]),  # noqa: E731
+                                     dtype=t.dtype, device="meta")
+    _check_qkv_cubes(as_cubes(q), as_cubes(k), vbs, block, None)
+    topk = _check_pos_int(topk, "topk")
+    if topk > vbs.numel():
+        raise ValueError(f"topk={topk} exceeds the number of KV cubes NKV={vbs.numel()}")
+    src = layout._sources_on(g, c, q.device)
+    qm, km = pool_means(q, vbs, block, sources=src), pool_means(k, vbs, block, sources=src)
+    return row_topk_ids(qm @ _per_query_head(km, q.shape[2]).transpose(-1, -2), topk)
 
 
 def cdf_mask(

@@ -52,8 +52,8 @@ def main() -> int:
                                 (4, 8, 2)):
         rows[f"pool kernel heads={heads} rows={rows_} warps={warps}"] = ms(
             lambda heads=heads, rows_=rows_, warps=warps: _pool_kernel[(nc, b * h // heads)](
-                q, vbs, out, s, h, nc, HEAD_DIM=d, HEADS=heads, BLOCK=64, ROWS=rows_,
-                num_warps=warps))
+                q, vbs, vbs, out, s, h, nc, HEAD_DIM=d, HEADS=heads, BLOCK=64, ROWS=rows_,
+                GATHER=False, num_warps=warps))
     torch.cuda.set_sync_debug_mode("error")
     idx = sparsity.mean_pool_topk(q, k, vbs, 78)  # no host sync on the selection path
     torch.cuda.set_sync_debug_mode(0)

@@ -46,7 +46,9 @@ PINGPONG = {"consumers": 2, "pingpong": True, "k_stages": 2, "v_stages": 2}
 #: runs 1-4 that are gone from the headers: "pred", "pred_mask" (now the code: scale-d from a
 #: predicate, the select only on tiles with a partial half), "3c_serial", "k128_plain",
 #: "k128_mask", and the parts' orders TILEGEN_EXP_PACK_LAST ("k128", "3c") and
-#: TILEGEN_EXP_PARTS_WITH_S ("k128_with_s": now the code, "3c_with_s").
+#: TILEGEN_EXP_PARTS_WITH_S ("k128_with_s": now the code, "3c_with_s"). Session 21, run 4:
+#: TILEGEN_EXP_S_AHEAD ("kv64_sahead", "_k4v3", "_2c": 64-key tiles with S_{j+1} issued once
+#: S_j's scores are out of s; 3.5-4.5% slower than "kv64", removed).
 THREE = {"consumers": 3, "k_stages": 3, "v_stages": 2}
 KV64 = {"consumers": 1, "k_stages": 3, "v_stages": 2}  # session 19's 8-bit defaults
 VARIANTS: dict[str, tuple[dict, tuple[str, ...]]] = {

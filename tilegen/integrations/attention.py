@@ -60,16 +60,23 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Tr
     The kernel runs in q's dtype when that is bf16 or fp16, else in bf16 (fp32 inputs are
     rounded; scores, softmax and P·V accumulate in fp32 in the kernel either way).
     Differentiable in q, k and v (the selection gets no gradient). With ``quant="int8_fp8"``
-    the selected cubes go through `tilegen.ops.block_sparse_attention_8bit` instead: forward
-    only, on Hopper (the selection is the same).
+    the layer is `tilegen.ops.block_sparse_attention_8bit_thw` instead (the same selection;
+    the pooling and the 8-bit pre-pass read the tokens in THW order, so q, k and v are never
+    reordered): forward only, on Hopper.
     """
-    from tilegen.ops import block_sparse_attention, block_sparse_attention_8bit
+    from tilegen.ops import block_sparse_attention, block_sparse_attention_8bit_thw
 
     n_tok = grid[0] * grid[1] * grid[2]
     if q.shape[1] != n_tok:
         raise ValueError(f"self-attention got {q.shape[1]} tokens, the latent grid {grid} has "
                          f"{n_tok}")
     work = q.dtype if q.dtype in KERNEL_DTYPES else torch.bfloat16
+    if quant != "none":
+        n_cubes = math.prod(layout.cube_grid(grid, cube))
+        topk = cubes_kept if isinstance(cubes_kept, int) else cubes_kept(n_cubes)
+        o = block_sparse_attention_8bit_thw(q.to(work), k.to(work), v.to(work), grid, topk,
+                                            cube=cube, quant=quant)
+        return o.to(q.dtype)
     # padded slots hold a copy of their cube's first token (one gather, no zero fill): the
     # kernel masks padded keys, the selector pools real tokens only, padded rows are dropped
     qc, vbs = layout.to_cubes(q.to(work), grid, cube, zero_padding=False)
@@ -80,8 +87,5 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Tr
     block = math.prod(cube)
     with torch.no_grad():
         idx = selectors.mean_pool_topk(qc.detach(), kc.detach(), vbs, topk, block=block)
-    if quant == "none":
-        oc = block_sparse_attention(qc, kc, vc, idx, vbs)
-    else:
-        oc = block_sparse_attention_8bit(qc, kc, vc, idx, vbs, quant=quant)
+    oc = block_sparse_attention(qc, kc, vc, idx, vbs)
     return layout.from_cubes(oc, grid, cube).to(q.dtype)

@@ -437,8 +437,9 @@ def enable_block_sparse(
             graphs.
         quant: ``"none"`` (bf16/fp16 attention), or ``"int8_fp8"``: the sparse layers run
             `tilegen.quant`'s INT8 Q.K / e4m3 P.V recipe through
-            `tilegen.ops.block_sparse_attention_8bit` (forward only, Hopper GPUs: a call
-            elsewhere raises and says why; dense layers and steps stay with diffusers).
+            `tilegen.ops.block_sparse_attention_8bit_thw` (the tokens stay in THW order: no
+            reorder to cubes; forward only, Hopper GPUs: a call elsewhere raises and says why;
+            dense layers and steps stay with diffusers).
             ``"int8"`` (INT8 Q.K, bf16 P.V) has no kernel yet and is refused.
         plan: a `SparsityPlan` (or its JSON file) from `calibrate`: its layers' sparsity and
             dense layers, unioned with ``dense_layers``; refused for another transformer config.

@@ -119,7 +119,7 @@ def ulysses_attention(
         topk: KV cubes kept per query cube instead of ``sparsity`` (clamped to the cube count).
         cube: the cube shape in latent tokens, 64 tokens (default (4, 4, 4)).
         quant: ``"none"``, or ``"int8_fp8"`` for the 8-bit kernel (forward only, Hopper:
-            `tilegen.ops.block_sparse_attention_8bit`).
+            `tilegen.ops.block_sparse_attention_8bit_thw`).
 
     Returns:
         ``(B, S/P, H, D)``: this rank's tokens, every head, in q's dtype; differentiable in q,

@@ -125,12 +125,13 @@ def q_buffers(opts: Mapping[str, Any]) -> int:
 def smem_bytes(opts: Mapping[str, Any], head_dim: int, quant: bool = False) -> int:
     """Dynamic shared memory of one CTA: per consumer its Q buffers and K and V rings, plus the
     1024 bytes the kernel may skip to align its tiles to the swizzle atom. 8-bit: K and V tiles
-    of one byte an element and 256 bytes of key scales a K stage; Q buffers 16-bit (O staging)."""
+    of one byte an element and 16 bytes of key scales a 32-key half of a K stage (one scale a
+    half, quant.K_SCALE_GROUP); Q buffers 16-bit (O staging)."""
     tile = 64 * head_dim * 2
     if quant:  # each consumer's slice rounded up to the 1024-byte swizzle atom
         kv = opts["kv_tile"] * head_dim
         per = (q_buffers(opts) * tile + (opts["k_stages"] + opts["v_stages"]) * kv
-               + opts["k_stages"] * 4 * opts["kv_tile"])
+               + opts["k_stages"] * 16 * (opts["kv_tile"] // 32))
         per = -(-per // 1024) * 1024
     else:
         per = (q_buffers(opts) + opts["k_stages"] + opts["v_stages"]) * tile

@@ -6,10 +6,11 @@
 // What differs from the 16-bit kernel:
 //   - the plan is the 8-bit Gluon pre-pass's (tilegen/backends/gluon/prepass.py, "halves"):
 //     plan[row, 2 t + u] = the first key row (within the batch) of half u of tile t | its fill
-//     << 25. A K stage is two 32-row boxes of K8 plus the halves' 2 x 32 key scales (bulk
-//     copies); a V stage is two V^T boxes of (32 keys, kHeadDim rows) under the 32-byte swizzle.
-//   - S = Q8 K8^T is int32 (IGMMA); f = k_scale_j S_ij; the row's scale c = q_scale_i sm_scale
-//     log2 e multiplies f inside exp2 (QuantSoftmax).
+//     << 25. A K stage is two 32-row boxes of K8 plus the halves' key scales (a 16-byte bulk
+//     copy each: K's scale is one a 32-key half); a V stage is two V^T boxes of (32 keys,
+//     kHeadDim rows) under the 32-byte swizzle.
+//   - S = Q8 K8^T is int32 (IGMMA); a half's key scale multiplies its max and, with the row's
+//     scale c = q_scale_i sm_scale log2 e, the exponent's coefficient (QuantSoftmax).
 //   - P V takes P in e4m3 from registers (QGMMA) into a fresh accumulator each tile, added into
 //     O in fp32 (two-level accumulation): O = O alpha_{j-1} + P_{j-1} V_{j-1}, one FFMA an
 //     element, where the 16-bit kernel rescales O in place. With kPvParts 2 or 4 the
@@ -27,6 +28,7 @@
 #include <type_traits>
 
 #include "tilegen/cuda/sm90/lut_attention.cuh"
+#include "tilegen/cuda/sm90/softmax_8bit.cuh"
 
 namespace tilegen {
 namespace sm90 {
@@ -52,7 +54,7 @@ struct QuantTraits : C {
   static constexpr int kPlanTiles = kHalves / 2;                 // the plan's 64-key tiles
   static constexpr int kTileBytes = kTileKeys * C::kHeadDim;     // K8 tile; V^T tile (halves)
   static constexpr int kHalfBytes = 32 * C::kHeadDim;
-  static constexpr int kScaleBytes = kTileKeys * 4;              // a K stage's key scales
+  static constexpr int kScaleBytes = kHalves * 16;               // a K stage's key scales
   // rounded up to the 1024-byte swizzle atom, so the next consumer's tiles start on one
   static constexpr int kConsumerBytes = (C::kQBuffers * kQBytes +
                                          (C::kKStages + C::kVStages) * kTileBytes +
@@ -85,7 +87,7 @@ struct QuantTraits : C {
 struct QuantArgs : LutArgs {  // sidx, tinfo, max_prob unused
   const int* plan;        // (rows, 2 topk)
   const float* q_scale;   // (B, H, S)
-  const float* k_scale;   // (B, H, S)
+  const float* k_scale;   // (B, H, S): equal within each 32-key half
   const float* v_scale;   // (B, H, D)
   const float* v_mean;    // (B, H, D)
 };
@@ -153,7 +155,7 @@ struct QuantProducer {
             const int key = key_cur[u];
             tma_load(ring.k_tile(s) + u * T::kHalfBytes, maps.k8, ring.k_full(s), rows.col,
                      rows.row0 + key);
-            bulk_load(ring.k_scale(s) + u * 128, k_scale + key, 128, ring.k_full(s));
+            bulk_load(ring.k_scale(s) + u * 16, k_scale + key, 16, ring.k_full(s));
           }
         }
         if (j > 0) {
@@ -228,6 +230,7 @@ struct QuantConsumer {
     float f[Mma::kSRegs];
     uint32_t p[Mma::kPRegs];
     int fill[T::kHalves];
+    float ks[T::kHalves];  // the tile's key scales, one a half
     float alpha[2];
     float alpha_prev[2] = {1.f, 1.f};  // O's rescale for the P V being added (tile j - 1's)
     Softmax softmax;
@@ -237,20 +240,21 @@ struct QuantConsumer {
       barrier_wait(ring.q_full(qb), (at.q_load_parity & bit) ? 1 : 0);
       at.q_load_parity ^= bit;
       {
-        const int ks = kt0 % T::kKStages;
+        const int kst = kt0 % T::kKStages;
         fills_of(plan_row, plan_tiles, 0, fill);
-        barrier_wait(ring.k_full(ks), (kt0 / T::kKStages) & 1);
+        barrier_wait(ring.k_full(kst), (kt0 / T::kKStages) & 1);
         turns.begin(turn0);
         wgmma_fence();
-        Mma::qk(s, q_tile, ring.k_tile(ks));
+        Mma::qk(s, q_tile, ring.k_tile(kst));
         wgmma_commit();
         turns.end(turn0);
         wgmma_wait<0>();
         fence_operands(s);
-        Softmax::scores(s, f, ring.k_scale(ks), fill, lane);
-        release(ring.k_empty(ks), lane);  // after its key scales are read
+        Softmax::key_scales(ring.k_scale(kst), ks);
+        Softmax::scores(s, f, fill, lane);
+        release(ring.k_empty(kst), lane);  // after its key scales are read
       }
-      softmax.template step<true>(f, p, alpha, c);
+      softmax.template step<true>(f, p, alpha, c, ks);
 
       // each branch its own accumulator (and the lambdas that use it)
       if constexpr (T::kPvParts > 1) {
@@ -278,21 +282,22 @@ struct QuantConsumer {
         auto tile_parts = [&](int j, uint32_t (&p)[Mma::kPRegs]) {
           const int kt = kt0 + j;
           const int vt = vt0 + j - 1;
-          const int ks = kt % T::kKStages;
+          const int kst = kt % T::kKStages;
           const int vs = vt % T::kVStages;
           fills_of(plan_row, plan_tiles, j, fill);
-          barrier_wait(ring.k_full(ks), (kt / T::kKStages) & 1);
+          barrier_wait(ring.k_full(kst), (kt / T::kKStages) & 1);
           wgmma_fence();
-          Mma::qk(s, q_tile, ring.k_tile(ks));
+          Mma::qk(s, q_tile, ring.k_tile(kst));
           wgmma_commit();
           barrier_wait(ring.v_full(vs), (vt / T::kVStages) & 1);  // S_j runs meanwhile
           fence_operands(p);
           issue_part(std::integral_constant<int, 0>{}, p, ring.v_tile(vs));
           wgmma_wait<1>();  // S_j has landed
           fence_operands(s);
-          Softmax::scores(s, f, ring.k_scale(ks), fill, lane);
-          release(ring.k_empty(ks), lane);
-          softmax.template update_max<false>(f, alpha, c);
+          Softmax::key_scales(ring.k_scale(kst), ks);
+          Softmax::scores(s, f, fill, lane);
+          release(ring.k_empty(kst), lane);
+          softmax.template update_max<false>(f, alpha, c, ks);
           constant_for<kParts>([&](auto part) {
             constexpr int k = decltype(part)::value;
             wgmma_wait<0>();
@@ -300,7 +305,7 @@ struct QuantConsumer {
             add_part(k);
             if constexpr (k + 1 < kParts)
               issue_part(std::integral_constant<int, k + 1>{}, p, ring.v_tile(vs));
-            if constexpr (k == 0) softmax.template exponentiate<false>(f, alpha, c);
+            if constexpr (k == 0) softmax.template exponentiate<false>(f, alpha, c, ks);
           });
           fence_operands(p);
           release(ring.v_empty(vs), lane);
@@ -333,25 +338,26 @@ struct QuantConsumer {
                         uint32_t (&p_out)[Mma::kPRegs]) {
           const int kt = kt0 + j;
           const int vt = vt0 + j - 1;
-          const int ks = kt % T::kKStages;
+          const int kst = kt % T::kKStages;
           const int vs = vt % T::kVStages;
           fills_of(plan_row, plan_tiles, j, fill);
-          barrier_wait(ring.k_full(ks), (kt / T::kKStages) & 1);
+          barrier_wait(ring.k_full(kst), (kt / T::kKStages) & 1);
           barrier_wait(ring.v_full(vs), (vt / T::kVStages) & 1);
           turns.begin(turn0 + j);
           fence_operands(acc);
           fence_operands(p_in);
           wgmma_fence();
-          Mma::qk(s, q_tile, ring.k_tile(ks));
+          Mma::qk(s, q_tile, ring.k_tile(kst));
           wgmma_commit();
           Mma::pv(acc, p_in, ring.v_tile(vs));
           wgmma_commit();
           turns.end(turn0 + j);
           wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
           fence_operands(s);
-          Softmax::scores(s, f, ring.k_scale(ks), fill, lane);
-          release(ring.k_empty(ks), lane);
-          softmax.template step<false>(f, p_out, alpha, c);
+          Softmax::key_scales(ring.k_scale(kst), ks);
+          Softmax::scores(s, f, fill, lane);
+          release(ring.k_empty(kst), lane);
+          softmax.template step<false>(f, p_out, alpha, c, ks);
           wgmma_wait<0>();
           fence_operands(acc);
           fence_operands(p_in);

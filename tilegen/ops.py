@@ -668,6 +668,9 @@ def block_sparse_attention_8bit(
                                                          sm_scale)
 
 
+_QUANT_BLOCK = Spec().block_kv  # the 8-bit kernels' cube (64 tokens)
+
+
 @torch.library.custom_op("tilegen::block_sparse_attention_8bit_thw", mutates_args=())
 def _block_sparse_attention_8bit_thw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                      grid: list[int], cube: list[int], topk: int, quant: str,
@@ -711,7 +714,6 @@ def block_sparse_attention_8bit_thw(
     (``torch.ops.tilegen.block_sparse_attention_8bit_thw``), traced by ``torch.compile``
     without a graph break."""
     from tilegen import layout
-    from tilegen.integrations.attention import check_cube
 
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError("block_sparse_attention_8bit_thw computes the forward only: call it "
@@ -720,7 +722,10 @@ def block_sparse_attention_8bit_thw(
         _tensor(name, t)
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"q has dtype {q.dtype}; the 8-bit kernels take bf16 or fp16 inputs")
-    g, c = layout._triple(grid, "grid"), check_cube(cube)
+    g, c = layout._triple(grid, "grid"), layout._triple(cube, "cube")
+    if math.prod(c) != _QUANT_BLOCK:
+        raise ValueError(f"cube={c} holds {math.prod(c)} tokens; the 8-bit kernels take "
+                         f"{_QUANT_BLOCK}-token cubes")
     if k.shape != q.shape or v.shape != q.shape or q.dim() != 4 \
             or q.shape[1] != g[0] * g[1] * g[2]:
         raise ValueError(f"q, k, v must be one shape (B, T*H*W, H, D) with T*H*W="

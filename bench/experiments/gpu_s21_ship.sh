@@ -3,7 +3,8 @@
 # spec (its winner merged into tuning_db/winners.json, so `tilegen.load(Spec())` takes the
 # fastest family), then `tilegen bench --sweep --backends cuda,gluon` with the 8-bit rows
 # (figures, JSON, plot), then the 8-bit CUDA kernel tuned (its H200 winner). On another GPU
-# only the sweep runs (that GPU's winners are already shipped), or nothing with H200_ONLY=1.
+# only the sweep runs (that GPU's winners are already shipped), or nothing with H200_ONLY=1;
+# TUNE_8BIT=0 leaves the 8-bit tune out.
 #   carry .kcache .whl;  OUT=$OUT TILEGEN_CACHE_DIR=$PWD/.kcache bash bench/experiments/gpu_s21_ship.sh
 set -uo pipefail
 OUT=${OUT:-out/s21_ship}
@@ -27,4 +28,6 @@ SECONDS=0
 timeout 240 python3 -m tilegen.cli bench --sweep --backends cuda,gluon --no-dense --no-flex \
     --json "$OUT/bench_sweep.json" --plot "$OUT/bench_sweep.png" > "$OUT/bench_sweep.log" 2>&1
 echo "bench: rc $? in ${SECONDS} s"; tail -n 45 "$OUT/bench_sweep.log" | cut -c1-230
-if [[ "$gpu" == *H200* ]]; then TUNE_LIMIT=230 tune int8_fp8 --spec bench/specs/int8_fp8.toml; fi
+if [[ "$gpu" == *H200* && "${TUNE_8BIT:-1}" = 1 ]]; then
+    TUNE_LIMIT=230 tune int8_fp8 --spec bench/specs/int8_fp8.toml
+fi

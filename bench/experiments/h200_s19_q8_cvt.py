@@ -48,7 +48,9 @@ PINGPONG = {"consumers": 2, "pingpong": True, "k_stages": 2, "v_stages": 2}
 #: "k128_mask", and the parts' orders TILEGEN_EXP_PACK_LAST ("k128", "3c") and
 #: TILEGEN_EXP_PARTS_WITH_S ("k128_with_s": now the code, "3c_with_s"). Session 21, run 4:
 #: TILEGEN_EXP_S_AHEAD ("kv64_sahead", "_k4v3", "_2c": 64-key tiles with S_{j+1} issued once
-#: S_j's scores are out of s; 3.5-4.5% slower than "kv64", removed).
+#: S_j's scores are out of s; 3.5-4.5% slower than "kv64", removed); run 7:
+#: TILEGEN_EXP_POLY_QUARTER / _HALF ("poly4", "poly2", "3c_poly4": a quarter / half of the
+#: exponentials as a degree-2 polynomial on the FMA pipe; 1.6-5% slower, removed).
 THREE = {"consumers": 3, "k_stages": 3, "v_stages": 2}
 KV64 = {"consumers": 1, "k_stages": 3, "v_stages": 2}  # session 19's 8-bit defaults
 VARIANTS: dict[str, tuple[dict, tuple[str, ...]]] = {

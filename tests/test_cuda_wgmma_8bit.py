@@ -338,3 +338,22 @@ def test_every_tile_starts_on_its_swizzle_atom(tmp_path):
         assert int(addr) % atom == 0, line
         assert int(tile) in (64 * 128 * 2, 128 * 128) or kernel == "8bit" and kind != "q", line
         assert int(addr) + int(tile) <= int(smem) - 1024, line
+
+
+def test_pre_quantized_inputs_with_per_key_scales_are_refused():
+    """The CUDA 8-bit kernel reads one K scale a 32-key half (`quant.K_SCALE_GROUP`, session 21):
+    `from_quantized` refuses inputs whose scales were made another way (``k_scale_group`` 1, the
+    default of a hand-made `QuantizedInputs`), by name, before any launch; the pre-pass's own
+    output records its group."""
+    import dataclasses
+
+    from tilegen import quant
+
+    op = tilegen.load(Q8, target="sm_90")
+    q = torch.randn(1, 128, 1, 128).to(torch.bfloat16)
+    vbs = torch.full((2,), 64, dtype=torch.int32)
+    qi = op.quantize(q, q, q, vbs)
+    assert qi.k_scale_group == quant.K_SCALE_GROUP == 32 and qi.vt_slots
+    idx = torch.zeros(1, 1, 2, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="one K scale a 32-key half"):
+        op.from_quantized(dataclasses.replace(qi, k_scale_group=1), idx, vbs)

@@ -82,7 +82,7 @@ class QuantizedInputs:
     q8: torch.Tensor | None       # (B, S, H, D) int8: q / q_scale (q - q̄_c with q_smooth)
     q_scale: torch.Tensor | None  # (B, H, S) fp32
     k8: torch.Tensor        # (B, S, H, D) int8: (k - k̄) / k_scale
-    k_scale: torch.Tensor   # (B, H, S) fp32
+    k_scale: torch.Tensor   # (B, H, S) fp32, equal within each group of k_scale_group keys
     k_mean: torch.Tensor    # (B, H, D) fp32: k̄ (a sampled mean)
     v8t: torch.Tensor | None    # int8_fp8: (B, H, D, S) e4m3, (v - v̄) / v_scale, transposed
     v_scale: torch.Tensor | None  # int8_fp8: (B, H, D) fp32
@@ -92,6 +92,9 @@ class QuantizedInputs:
     vt_tiles: bool = False
     #: v8t (B, H, D, S) with each 32-key half's keys in MMA slot order (`vt_to_slots`)
     vt_slots: bool = False
+    #: keys that share one K scale: the pre-pass's `K_SCALE_GROUP`; 1 (one a key) for inputs
+    #: made another way, which the CUDA kernel refuses (it reads one scale a 32-key half)
+    k_scale_group: int = 1
 
 
 #: keys a V^T tile holds (the kernels' half tile: 8-bit TMA boxes of V^T are 32 keys wide)
@@ -235,7 +238,8 @@ def quantize_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch
     return QuantizedInputs(mode, q8, per_head(q_scale), k8, per_head(k_scale), k_mean, v8t,
                            v_scale, v_mean,
                            None if q_mean is None else q_mean.permute(0, 2, 1, 3).contiguous(),
-                           vt_tiles=vt_tiles and v8t is not None)
+                           vt_tiles=vt_tiles and v8t is not None,
+                           k_scale_group=K_SCALE_GROUP)
 
 
 # -- the pre-pass: Triton (GPU), one launch -------------------------------------------------------
@@ -439,9 +443,9 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     tiles, slots = vt_tiles and fp8, vt_slots and fp8
     if not with_q:
         return QuantizedInputs(mode, None, None, k8, k_scale, k_mean, v8t, v_scale, v_mean,
-                               vt_tiles=tiles, vt_slots=slots)
+                               vt_tiles=tiles, vt_slots=slots, k_scale_group=K_SCALE_GROUP)
     return QuantizedInputs(mode, q8, q_scale, k8, k_scale, k_mean, v8t, v_scale, v_mean,
-                           vt_tiles=tiles, vt_slots=slots)
+                           vt_tiles=tiles, vt_slots=slots, k_scale_group=K_SCALE_GROUP)
 
 
 # -- the emulation --------------------------------------------------------------------------------

@@ -165,6 +165,7 @@ class WgmmaQuantLaunch(WgmmaLaunch):
             raise ValueError("the CUDA wgmma 8-bit kernel reads V^T with its keys in MMA slot "
                              "order: quantize with tilegen.quant.quantize(..., vt_slots=True) "
                              "(or op.quantize)")
+
         batch, seq_len, heads, dim = qi.k8.shape
         nq, nkv = seq_len // self.spec.block_q, vbs.shape[0]
         if windows is None:
@@ -296,6 +297,22 @@ def _quant_op_class():
                                  "pre-pass")
             return quant.quantize(q, k, v, vbs, self.spec.quant, vt_slots=True,
                                   sources=sources)
+
+        def from_quantized(self, quantized, topk_idx, vbs, counts=None, *, sm_scale=None,
+                           return_lse: bool = True):
+            """As the 8-bit op's (`_QuantLutOp.from_quantized`); K's scales must be the
+            pre-pass's, one a 32-key half (``quantized.k_scale_group``): this kernel reads
+            one scale a half, so per-key scales would be read wrong, and are refused."""
+            from tilegen import quant
+
+            if quantized.k_scale_group != quant.K_SCALE_GROUP:
+                raise ValueError(
+                    f"the CUDA wgmma 8-bit kernel reads one K scale a {quant.K_SCALE_GROUP}-key "
+                    f"half; these inputs have one a group of {quantized.k_scale_group} "
+                    "(QuantizedInputs.k_scale_group): quantize with tilegen.quant.quantize "
+                    "(or op.quantize)")
+            return super().from_quantized(quantized, topk_idx, vbs, counts, sm_scale=sm_scale,
+                                          return_lse=return_lse)
 
     return CudaWgmmaQuantAttention
 

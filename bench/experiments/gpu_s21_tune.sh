@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 21: the CUDA family tuned on this GPU for the default spec, bf16 and int8_fp8 (every
-# feasible point of [tunable.cuda]; the cubins prebuilt on a CPU and carried), the winners
-# merged into tuning_db/winners.json (a copy in $OUT).
+# feasible point of [tunable.cuda]; the cubins prebuilt on a CPU by prebuild_cuda_space.py and
+# carried), the winners merged into tuning_db/winners.json (a copy in $OUT).
 #   carry .kcache .whl;  OUT=$OUT TILEGEN_CACHE_DIR=$PWD/.kcache bash bench/experiments/gpu_s21_tune.sh
 set -euo pipefail
 OUT=${OUT:-out/s21_tune}

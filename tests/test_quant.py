@@ -101,6 +101,22 @@ def test_emulation_meets_the_quantized_rule(mode, seed):
     assert s.rel_l1 > 1e-3
 
 
+def test_the_row_sum_ablation_sums_the_e4m3_p():
+    """``emulate(..., l_from_p8=True)`` (the recipe study's ablation) divides by the sum of the
+    e4m3 P that P.V multiplies: a different output that still meets the rule, each row's
+    weights summing to one exactly as P.V sees them; "int8" (bf16 P) ignores it."""
+    cap = _capture(1)
+    call = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"])
+    o32, _ = attention_fp32(*call)
+    base = quant.emulate(*call)
+    ablated = quant.emulate(*call, l_from_p8=True)
+    assert not torch.equal(base, ablated)
+    s = captures.quant_score(ablated, o32.to(torch.bfloat16), ablated, o32, vbs=cap["vbs"])
+    assert s.passed, str(s)
+    assert torch.equal(quant.emulate(*call, mode="int8"),
+                       quant.emulate(*call, mode="int8", l_from_p8=True))
+
+
 def test_the_rule_fails_a_broken_recipe():
     """K's scales one cube off: the emulation of that broken recipe fails checks 2-3, and as a
     'kernel' against the right recipe's emulation it fails check 4 as well."""

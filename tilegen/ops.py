@@ -613,6 +613,11 @@ def block_sparse_attention_varlen(
     return out[0]
 
 
+#: the kernels' 64-token block: of tilegen::block_sparse_attention (its backward) and of the
+#: 8-bit ops (module level: traced)
+_BLOCK = Spec().block_kv
+
+
 # -- the 8-bit forward (tilegen.quant's recipes, issue #19) --------------------------------------
 def _quant_op_for(q: torch.Tensor, quant: str) -> Any:
     """The 8-bit op for q's dtype and head dim (`load` of ``Spec(quant=quant)``), once."""
@@ -638,6 +643,19 @@ def _block_sparse_attention_8bit_fake(q, k, v, topk_idx, vbs, counts, quant, sm_
     return torch.empty_like(q)
 
 
+def _check_8bit_call(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """What the 8-bit entry points refuse before anything loads: a call that needs gradients,
+    and inputs that are not bf16/fp16 tensors."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError(f"{name} computes the forward only: call it under torch.no_grad() (or "
+                         "with inputs that do not require grad), or train with "
+                         "block_sparse_attention")
+    for arg, t in (("q", q), ("k", k), ("v", v)):
+        _tensor(arg, t)
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"q has dtype {q.dtype}; the 8-bit kernels take bf16 or fp16 inputs")
+
+
 def block_sparse_attention_8bit(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -652,23 +670,15 @@ def block_sparse_attention_8bit(
     """`block_sparse_attention` by an 8-bit recipe of `tilegen.quant` (``"int8_fp8"``: INT8
     Q.K, e4m3 P.V; the op of ``tilegen.load(Spec(quant=quant))`` for q's dtype and head dim):
     BSHD q, k, v of one shape in bf16 or fp16, o in q's dtype, no lse. Forward only: a call
-    that needs gradients is refused (train with `block_sparse_attention`). The kernel is the
-    Gluon family's for Hopper: elsewhere (a CPU, another GPU) the load raises and says why.
+    that needs gradients is refused (train with `block_sparse_attention`). The kernels are
+    Hopper's (the CUDA family's, the Gluon one for what it does not build): elsewhere (a CPU,
+    another GPU) the load raises and says why.
 
     A `torch.library` custom op (``torch.ops.tilegen.block_sparse_attention_8bit``) with a fake
     implementation, so ``torch.compile`` traces models that call it without a graph break."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ValueError("block_sparse_attention_8bit computes the forward only: call it under "
-                         "torch.no_grad() (or with inputs that do not require grad), or train "
-                         "with block_sparse_attention")
-    _tensor("q", q)
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"q has dtype {q.dtype}; the 8-bit kernels take bf16 or fp16 inputs")
+    _check_8bit_call("block_sparse_attention_8bit", q, k, v)
     return torch.ops.tilegen.block_sparse_attention_8bit(q, k, v, topk_idx, vbs, counts, quant,
                                                          sm_scale)
-
-
-_QUANT_BLOCK = Spec().block_kv  # the 8-bit kernels' cube (64 tokens)
 
 
 @torch.library.custom_op("tilegen::block_sparse_attention_8bit_thw", mutates_args=())
@@ -715,17 +725,11 @@ def block_sparse_attention_8bit_thw(
     without a graph break."""
     from tilegen import layout
 
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ValueError("block_sparse_attention_8bit_thw computes the forward only: call it "
-                         "under torch.no_grad(), or train with block_sparse_attention")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _tensor(name, t)
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"q has dtype {q.dtype}; the 8-bit kernels take bf16 or fp16 inputs")
+    _check_8bit_call("block_sparse_attention_8bit_thw", q, k, v)
     g, c = layout._triple(grid, "grid"), layout._triple(cube, "cube")
-    if math.prod(c) != _QUANT_BLOCK:
+    if math.prod(c) != _BLOCK:
         raise ValueError(f"cube={c} holds {math.prod(c)} tokens; the 8-bit kernels take "
-                         f"{_QUANT_BLOCK}-token cubes")
+                         f"{_BLOCK}-token cubes")
     if k.shape != q.shape or v.shape != q.shape or q.dim() != 4 \
             or q.shape[1] != g[0] * g[1] * g[2]:
         raise ValueError(f"q, k, v must be one shape (B, T*H*W, H, D) with T*H*W="
@@ -736,7 +740,6 @@ def block_sparse_attention_8bit_thw(
 
 
 # -- the full VSA forward (tilegen.vsa) ---------------------------------------------------------
-_GRAD_BLOCK = Spec().block_kv  # block of tilegen::block_sparse_attention (module level: traced)
 
 
 @functools.lru_cache(maxsize=16)
@@ -756,9 +759,9 @@ def vsa_fine(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, idx: torch.Te
     from tilegen import vsa
 
     if differentiable:
-        if math.prod(cube) != _GRAD_BLOCK:
+        if math.prod(cube) != _BLOCK:
             raise ValueError(f"cube={cube}: gradients of video_sparse_attention need "
-                             f"{_GRAD_BLOCK}-token cubes (the block of the differentiable "
+                             f"{_BLOCK}-token cubes (the block of the differentiable "
                              f"op tilegen::block_sparse_attention)")
         return block_sparse_attention(qc, kc, vc, idx, vbs, sm_scale=sm_scale)
     op = vsa_fine_op(vsa.fine_spec(qc, grid, cube, idx.shape[-1]))

@@ -452,12 +452,13 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
 def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.Tensor,
             vbs: torch.Tensor, counts: torch.Tensor | None = None, *, mode: str = "int8_fp8",
             sm_scale: float | None = None, block: int = 64,
-            quantized: QuantizedInputs | None = None) -> torch.Tensor:
+            quantized: QuantizedInputs | None = None, l_from_p8: bool = False) -> torch.Tensor:
     """Block-sparse attention with exactly the recipe's quantization, in fp32 (BSHD, cube-major
     padded; padded query rows come out zero, as the reference's do). Tile by tile in LUT order
     with the kernels' online softmax (base 2), so each rounding happens where a kernel's does.
-    ``quantized``: the pre-pass's output to use (default: `quantize_torch` of q, k, v). Returns
-    o in fp32."""
+    ``quantized``: the pre-pass's output to use (default: `quantize_torch` of q, k, v).
+    ``l_from_p8`` (``"int8_fp8"``, an ablation: `bench/experiments/int8_recipe_variants.py`):
+    the row sum adds the e4m3 P that P.V multiplies instead of the fp32 p. Returns o in fp32."""
     _check_mode(mode)
     if quantized is not None and quantized.mode != mode:
         raise ValueError(f"quantized holds a {quantized.mode!r} pre-pass, mode is {mode!r}")
@@ -503,13 +504,16 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.T
                 m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
                 alpha = torch.exp2(m - m_safe)
                 p = torch.exp2(s - m_safe[..., None])
+                p_sum = p.sum(-1)
                 if mode == "int8_fp8":
                     p8 = (p * P_SCALE).to(torch.float8_e4m3fn).float()
                     pv = torch.bmm(p8, vt[c]) / P_SCALE
+                    if l_from_p8:
+                        p_sum = (p8 / P_SCALE).sum(-1)
                 else:
                     pv = torch.bmm(p.to(torch.bfloat16).float(), vt[c])
                 acc = acc * alpha[..., None] + pv
-                l_sum = l_sum * alpha + p.sum(-1)
+                l_sum = l_sum * alpha + p_sum
                 m = m_new
             o = acc / l_sum.clamp_min(1e-30)[..., None]
             if mode == "int8_fp8":

@@ -157,6 +157,13 @@ def mask_to_lut(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, counts
 
 
+def _check_topk(topk: int, nkv: int) -> int:
+    topk = _check_pos_int(topk, "topk")
+    if topk > nkv:
+        raise ValueError(f"topk={topk} exceeds the number of KV cubes NKV={nkv}")
+    return topk
+
+
 def _check_qkv_cubes(
     q: torch.Tensor, k: torch.Tensor, vbs: torch.Tensor, block: int, q_vbs: torch.Tensor | None
 ) -> tuple[int, int, torch.Tensor]:
@@ -231,15 +238,20 @@ def _pool(x4: torch.Tensor, vbs: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, vbs: torch.Tensor, q_vbs: torch.Tensor,
-            block: int) -> torch.Tensor:
+            block: int, sources: torch.Tensor | None = None) -> torch.Tensor:
     """Unchecked coarse scores ``(B, H, NQ, NKV)`` fp32 for a selection (inputs validated by the
     caller; no gradient): on the GPU through one pooling launch per tensor
-    (`tilegen.coarse_gpu.pool_means`, the same means up to fp32 summation order)."""
+    (`tilegen.coarse_gpu.pool_means`, the same means up to fp32 summation order). ``sources``:
+    q and k in token order, gathered by the pooling (GPU and a power-of-two head dim only)."""
     d = q.shape[-1]
     if q.is_cuda and d & (d - 1) == 0:  # the kernel's lanes: a power-of-two head dim
         from tilegen.coarse_gpu import pool_means
 
-        qm, km = pool_means(q, q_vbs.to(q.device), block), pool_means(k, vbs.to(k.device), block)
+        qm = pool_means(q, q_vbs.to(q.device), block, sources=sources)
+        km = pool_means(k, vbs.to(k.device), block, sources=sources)
+    elif sources is not None:
+        raise ValueError("sources: the gathering pooling runs on a GPU with a power-of-two "
+                         "head dim; reorder with layout.to_cubes elsewhere")
     else:
         qm, km = pool_cubes(q, q_vbs, block), pool_cubes(k, vbs, block)
     return qm @ _per_query_head(km, q.shape[2]).transpose(-1, -2)
@@ -291,9 +303,7 @@ def mean_pool_topk(
         ``(B, H, NQ, topk)`` int32, each row's ids sorted **ascending by cube id** (not by score).
     """
     nq, nkv, q_vbs = _check_qkv_cubes(q, k, vbs, block, q_vbs)
-    topk = _check_pos_int(topk, "topk")
-    if topk > nkv:
-        raise ValueError(f"topk={topk} exceeds the number of KV cubes NKV={nkv}")
+    topk = _check_topk(topk, nkv)
     from tilegen.coarse_gpu import row_topk_ids
 
     return row_topk_ids(_scores(q, k, vbs, q_vbs, block), topk)
@@ -323,7 +333,7 @@ def mean_pool_topk_thw(
         qc, _ = layout.to_cubes(q, g, c, zero_padding=False)
         kc, _ = layout.to_cubes(k, g, c, zero_padding=False)
         return mean_pool_topk(qc, kc, vbs, topk, block=block)
-    from tilegen.coarse_gpu import pool_means, row_topk_ids
+    from tilegen.coarse_gpu import row_topk_ids
 
     if q.device != k.device:
         raise ValueError(f"q and k must be on one device, got {q.device} and {k.device}")
@@ -331,12 +341,9 @@ def mean_pool_topk_thw(
     as_cubes = lambda t: torch.empty((t.shape[0], vbs.numel() * block, *t.shape[2:]),  # noqa: E731
                                      dtype=t.dtype, device="meta")
     _check_qkv_cubes(as_cubes(q), as_cubes(k), vbs, block, None)
-    topk = _check_pos_int(topk, "topk")
-    if topk > vbs.numel():
-        raise ValueError(f"topk={topk} exceeds the number of KV cubes NKV={vbs.numel()}")
-    src = layout._sources_on(g, c, q.device)
-    qm, km = pool_means(q, vbs, block, sources=src), pool_means(k, vbs, block, sources=src)
-    return row_topk_ids(qm @ _per_query_head(km, q.shape[2]).transpose(-1, -2), topk)
+    topk = _check_topk(topk, vbs.numel())
+    return row_topk_ids(_scores(q, k, vbs, vbs, block, layout._sources_on(g, c, q.device)),
+                        topk)
 
 
 def cdf_mask(
@@ -576,9 +583,7 @@ def ranked_topk(
     ``n`` cubes: the LUT that ``counts`` (e.g. from :func:`adaptive_topk`) cut down.
     ``(B, H, NQ, topk)`` int32."""
     nq, nkv, q_vbs = _check_qkv_cubes(q, k, vbs, block, q_vbs)
-    topk = _check_pos_int(topk, "topk")
-    if topk > nkv:
-        raise ValueError(f"topk={topk} exceeds the number of KV cubes NKV={nkv}")
+    topk = _check_topk(topk, nkv)
     scores = coarse_scores(q, k, vbs, block, q_vbs)
     return scores.topk(topk, dim=-1, sorted=True).indices.to(torch.int32)
 

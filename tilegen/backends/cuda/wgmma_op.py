@@ -165,7 +165,6 @@ class WgmmaQuantLaunch(WgmmaLaunch):
             raise ValueError("the CUDA wgmma 8-bit kernel reads V^T with its keys in MMA slot "
                              "order: quantize with tilegen.quant.quantize(..., vt_slots=True) "
                              "(or op.quantize)")
-
         batch, seq_len, heads, dim = qi.k8.shape
         nq, nkv = seq_len // self.spec.block_q, vbs.shape[0]
         if windows is None:

@@ -50,7 +50,10 @@ PINGPONG = {"consumers": 2, "pingpong": True, "k_stages": 2, "v_stages": 2}
 #: TILEGEN_EXP_S_AHEAD ("kv64_sahead", "_k4v3", "_2c": 64-key tiles with S_{j+1} issued once
 #: S_j's scores are out of s; 3.5-4.5% slower than "kv64", removed); run 7:
 #: TILEGEN_EXP_POLY_QUARTER / _HALF ("poly4", "poly2", "3c_poly4": a quarter / half of the
-#: exponentials as a degree-2 polynomial on the FMA pipe; 1.6-5% slower, removed).
+#: exponentials as a degree-2 polynomial on the FMA pipe; 1.6-5% slower, removed). Session 22,
+#: run 4: TILEGEN_EXP_ROWSUM_MMA ("rowsum", "k128_2c_rowsum", "3c_rowsum": l from an m64n8
+#: MMA of P against a block of e4m3 ones) and TILEGEN_EXP_SUM_TREE ("sumtree": l in four
+#: chains); -0.5% for the default, -0.8% / -1.8% with two / three consumers, removed.
 THREE = {"consumers": 3, "k_stages": 3, "v_stages": 2}
 KV64 = {"consumers": 1, "k_stages": 3, "v_stages": 2}  # session 19's 8-bit defaults
 VARIANTS: dict[str, tuple[dict, tuple[str, ...]]] = {

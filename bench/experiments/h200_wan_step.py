@@ -56,6 +56,46 @@ def _bench_ms(fn) -> float:
     return float(do_bench(fn, warmup=25, rep=200))
 
 
+def _profile_step(step, say, label: str, top: int = 25) -> dict:
+    """One step under torch.profiler: device microseconds and launches by kernel name (the top
+    `top` by total), and the q/k/v strides the 8-bit pre-pass received (a copy in front of the
+    op would show as contiguous=False here and as copy kernels above)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tilegen import quant
+
+    seen: list = []
+    inner = quant.quantize_triton
+
+    def recording(q, k, v, *a, **kw):
+        if len(seen) < 3:
+            seen.append([(tuple(t.shape), tuple(t.stride()), t.is_contiguous())
+                         for t in (q, k, v)])
+        return inner(q, k, v, *a, **kw)
+
+    quant.quantize_triton = recording
+    try:
+        step()
+        _sync()
+        # on a CPU (--tiny) the ops' CPU time stands in: the script's logic, not a figure
+        with profile(activities=[ProfilerActivity.CUDA if CUDA else ProfilerActivity.CPU]) \
+                as prof:
+            step()
+            _sync()
+    finally:
+        quant.quantize_triton = inner
+    own = (lambda e: e.self_device_time_total) if CUDA else (lambda e: e.self_cpu_time_total)
+    kernels = sorted(((e.key, own(e), e.count) for e in prof.key_averages() if own(e) > 0),
+                     key=lambda r: -r[1])
+    total = sum(r[1] for r in kernels)
+    say(f"profile {label}: {total / 1e3:.1f} ms of device time in {len(kernels)} kernels; "
+        f"pre-pass inputs {seen[:1]}")
+    for name, us, n in kernels[:top]:
+        say(f"   {us / 1e3:9.2f} ms  x{n:<4d} {us / max(n, 1):9.1f} us each  {name[:110]}")
+    return {"total_ms": total / 1e3, "prepass_inputs": seen,
+            "kernels": [{"name": k, "ms": us / 1e3, "count": n} for k, us, n in kernels[:top]]}
+
+
 def prebuild() -> None:
     """The CUDA wgmma cubins the step loads on a Hopper GPU (the bf16 and 8-bit defaults, which
     are the shipped H100 winners; with and without lse), compiled here for sm_90a with no GPU
@@ -86,6 +126,11 @@ def main() -> int:
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--quant", default="int8_fp8",
                     help="the 8-bit recipe timed beside bf16 ('none': bf16 rows only)")
+    ap.add_argument("--profile", action="store_true",
+                    help="one compiled step of dense and of the 8-bit layer under "
+                         "torch.profiler: device time by kernel (where a sparse layer's "
+                         "time goes inside the model), and the strides the 8-bit pre-pass "
+                         "receives")
     ap.add_argument("--tiny", action="store_true",
                     help="a 2-head model at a small grid: checks this script on a CPU")
     args = ap.parse_args()
@@ -319,8 +364,12 @@ def main() -> int:
                 result[f"compile_tilegen_{quant}_s"] = time.perf_counter() - t0
                 timed(f"tilegen_{quant}_compiled")
                 result["graph_breaks_8bit"] = dict(counters["graph_break"])
+                if args.profile:
+                    result["profile_8bit"] = _profile_step(step, say, f"compiled {quant}")
                 tgd.disable_block_sparse(model)
             timed("dense_compiled_again")
+            if args.profile:
+                result["profile_dense"] = _profile_step(step, say, "compiled dense")
         except Exception as exc:
             result["compile_error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
             say(f"compile failed: {result['compile_error']}")

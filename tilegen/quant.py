@@ -285,7 +285,7 @@ def _int8_per_group(x, TOKENS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.c
 
 @triton.jit
 def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, VMEAN, SRC,
-                     seq_len, in_len, num_heads, n_cubes, n_sample, FIRST_PART,
+                     seq_len, in_len, num_heads, batch_heads, n_cubes, n_sample, FIRST_PART,
                      GATHER: tl.constexpr,
                      FP8_V: tl.constexpr, VT_TILES: tl.constexpr, VT_SLOTS: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
@@ -293,11 +293,11 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
                      HEADROOM: tl.constexpr, K_GROUP: tl.constexpr):
     # a program quantizes TOKENS tokens of one cube and one tensor (axis 2: 0 Q, 1 K, 2 V):
     # with a whole cube of all three, 255 registers and spills left one or two programs an SM.
-    # The heads are the fastest axis: programs in flight together read and write each token's
-    # heads side by side (whole BSHD rows), not one head's 256 bytes every H x 256 (-4% on the
-    # H100, session 22, bench/NOTES.md)
-    bh = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
+    # Axis 0 is (chunk, batch x head), the heads fastest: programs in flight together read and
+    # write each token's heads side by side (whole BSHD rows), not one head's 256 bytes every
+    # H x 256 (-4% on the H100, session 22, bench/NOTES.md)
+    bh = tl.program_id(0).to(tl.int64) % batch_heads
+    chunk = tl.program_id(0) // batch_heads
     part = tl.program_id(2) + FIRST_PART
     cube = chunk // (BLOCK // TOKENS)
     first = chunk == 0  # writes the per-head statistics
@@ -414,9 +414,6 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
                          f"group) that divides the cube ({block})")
     B, S_in, H, D = q.shape
     S = _check_sources(sources, S_in, block, q.device)
-    if S // tokens > 65535:  # the chunks are the grid's second axis
-        raise ValueError(f"{S} tokens: the pre-pass takes at most {65535 * tokens} a sequence "
-                         f"at tokens={tokens}")
     if D & (D - 1):
         raise ValueError(f"head_dim {D}: the pre-pass kernel takes a power-of-two head dim")
     n = S // block
@@ -436,11 +433,12 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     v_mean = torch.empty((B, H, D), **f32) if fp8 else None
     n_sample = len(sample_cubes(n))
     parts = (3 if fp8 else 2) - (0 if with_q else 1)  # program axis 2: Q, K, V from FIRST_PART
-    _quantize_kernel[(B * H, n * block // tokens, parts)](
+    chunks = n * block // tokens
+    _quantize_kernel[(chunks * B * H, 1, parts)](
         q, k, v, vbs, q8, q_scale, k8, k_scale, k_mean,
         v8t if fp8 else q8, v_scale if fp8 else q_scale, v_mean if fp8 else q_scale,
         vbs if sources is None else sources,
-        S, S_in, H, n, n_sample, 0 if with_q else 1, GATHER=sources is not None,
+        S, S_in, H, B * H, n, n_sample, 0 if with_q else 1, GATHER=sources is not None,
         FP8_V=fp8, VT_TILES=vt_tiles,
         VT_SLOTS=vt_slots, HEAD_DIM=D,
         BLOCK=block, TOKENS=tokens,

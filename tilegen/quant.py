@@ -295,7 +295,7 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
     # with a whole cube of all three, 255 registers and spills left one or two programs an SM.
     # Axis 0 is (chunk, batch x head), the heads fastest: programs in flight together read and
     # write each token's heads side by side (whole BSHD rows), not one head's 256 bytes every
-    # H x 256 (-4% on the H100, session 22, bench/NOTES.md)
+    # H x 256 (-3% on the H100, session 22, bench/NOTES.md)
     bh = tl.program_id(0).to(tl.int64) % batch_heads
     chunk = tl.program_id(0) // batch_heads
     part = tl.program_id(2) + FIRST_PART

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import inspect
 import json
 import math
 
@@ -50,6 +51,7 @@ def main() -> int:
     from tilegen.ops import _quant_op_for, block_sparse_attention_8bit_thw
 
     dev = torch.device("cuda")
+    stats_first = "stats_first" in inspect.signature(quant.quantize_triton).parameters
     g = torch.Generator(device=dev).manual_seed(0)
     rows: dict[str, dict] = {}
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -81,6 +83,12 @@ def main() -> int:
     gb = 3 * 3 * S * HEADS * DIM / 1e9
     hashes("default", op.quantize(q, k, v, vbs))
     say("prepass_default", _ms(lambda: op.quantize(q, k, v, vbs)), gb)
+    if stats_first:  # the statistics from a launch of their own (session 22, run 9)
+        hashes("default_stats_first", quant.quantize_triton(q, k, v, vbs, "int8_fp8",
+                                                            vt_slots=True, stats_first=True))
+        say("prepass_default_stats_first", _ms(functools.partial(
+            quant.quantize_triton, q, k, v, vbs, "int8_fp8", vt_slots=True, stats_first=True)),
+            gb)
     del q, k, v
     torch.cuda.empty_cache()
 
@@ -96,6 +104,12 @@ def main() -> int:
     qi = op.quantize(q, k, v, vbs, sources=src)
     hashes("wan_thw", qi)
     say("prepass_wan_thw", _ms(lambda: op.quantize(q, k, v, vbs, sources=src)), gb)
+    if stats_first:
+        hashes("wan_thw_stats_first", quant.quantize_triton(
+            q, k, v, vbs, "int8_fp8", vt_slots=True, sources=src, stats_first=True))
+        say("prepass_wan_thw_stats_first", _ms(functools.partial(
+            quant.quantize_triton, q, k, v, vbs, "int8_fp8", vt_slots=True, sources=src,
+            stats_first=True)), gb)
     idx = sparsity.mean_pool_topk_thw(q, k, WAN_GRID, topk)
     say("select_thw_pooling", _ms(lambda: sparsity.mean_pool_topk_thw(q, k, WAN_GRID, topk)),
         2 * 2 * n_tok * HEADS * DIM / 1e9)

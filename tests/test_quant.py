@@ -319,34 +319,6 @@ def test_prepass_reorders_token_order_inputs_as_to_cubes_does(interpreter, mode)
         quant.quantize_triton(q, k, v, vbs, mode, sources=src.float())
 
 
-@pytest.mark.parametrize("mode", ["int8", "int8_fp8"])
-def test_prepass_statistics_from_a_launch_of_their_own_are_the_same(interpreter, mode):
-    """``stats_first=True``: k̄, v̄ and V's scales from one program a head before the pass
-    (which then reads them) give every output byte of the pass that computes them in each
-    program, on cube-major inputs and on THW tokens gathered by the pass, without Q too."""
-    from tilegen import layout
-
-    grid, cube = (5, 6, 7), (4, 4, 4)
-    g = torch.Generator().manual_seed(13)
-    q, k, v = (torch.randn(1, 5 * 6 * 7, 2, 64, generator=g).to(torch.bfloat16)
-               for _ in range(3))
-    src = layout.cube_sources(grid, cube)
-    (qc, vbs), (kc, _), (vc, _) = (layout.to_cubes(t, grid, cube, zero_padding=False)
-                                   for t in (q, k, v))
-    for args, sources, with_q in (((qc, kc, vc), None, True), ((q, k, v), src, True),
-                                  ((qc, kc, vc), None, False)):
-        want = quant.quantize_triton(*args, vbs, mode, sources=sources, with_q=with_q)
-        got = quant.quantize_triton(*args, vbs, mode, sources=sources, with_q=with_q,
-                                    stats_first=True)
-        for name in ("q8", "q_scale", "k8", "k_scale", "k_mean", "v8t", "v_scale", "v_mean"):
-            a, b = getattr(got, name), getattr(want, name)
-            if a is None or b is None:
-                assert a is None and b is None, name
-                continue
-            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), name
-
-
 def _prepass_stores(vt_slots: bool) -> dict[str, int]:
     """The global stores of the Triton pre-pass (Q, K and e4m3 V^T) cross-compiled for sm_90a
     with the alignment Triton's launcher specializes on, by SASS opcode (run without the
@@ -366,11 +338,10 @@ def _prepass_stores(vt_slots: bool) -> dict[str, int]:
     types = ["*bf16"] * 3 + ["*i32", "*i8", "*fp32", "*i8", "*fp32", "*fp32", "*fp8e4nv",
                              "*fp32", "*fp32", "*i64"]
     sig = dict(zip(names, types, strict=True))
-    sig.update({n: "i32" for n in ("seq_len", "in_len", "num_heads", "batch_heads", "n_cubes",
-                                   "n_sample", "FIRST_PART")})
-    consts = dict(GATHER=False, STATS_READ=False, FP8_V=True, VT_TILES=False,
-                  VT_SLOTS=vt_slots, HEAD_DIM=128, BLOCK=64, TOKENS=32, SAMPLE=16,
-                  E4M3=448.0, HEADROOM=8.0, K_GROUP=quant.K_SCALE_GROUP)
+    sig.update({n: "i32" for n in ("seq_len", "in_len", "num_heads", "batch_heads",
+                                   "FIRST_PART")})
+    consts = dict(GATHER=False, FP8_V=True, VT_TILES=False, VT_SLOTS=vt_slots, HEAD_DIM=128,
+                  BLOCK=64, TOKENS=32, E4M3=448.0, K_GROUP=quant.K_SCALE_GROUP)
     sig.update({c: "constexpr" for c in consts})
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
                if sig[n].startswith("*") or n == "seq_len"}

@@ -8,7 +8,7 @@ kernels are held to (contract.md, the quantized rule's check 4).
 * **K smoothing.** ``k - k̄``, with ``k̄`` the mean of K's first token of ``SAMPLE_CUBES``
   cubes spread over the sequence (always real tokens). Softmax is invariant to any vector
   subtracted from every key, so the choice of ``k̄`` changes only the rounding; a sample keeps
-  the pre-pass one launch (every program computes its head's ``k̄`` from the same 16 rows).
+  the statistics one small launch of a program a head, before the pass reads them.
 * **No Q smoothing.** Subtracting each query cube's mean and adding ``q̄_c · k_j`` back would
   cost the kernel a GEMV per tile; measured on the default workload it buys 0.001 of relative L1
   on ``"int8_fp8"`` (bench/NOTES.md), so the kernels' recipe leaves it out. `quantize_torch`
@@ -38,7 +38,7 @@ kernels are held to (contract.md, the quantized rule's check 4).
   reduced precision inside one instruction, so tiles are summed outside it).
 * ``"int8"`` keeps V in bf16 and rounds P to bf16, as the bf16 kernels do.
 
-`quantize` runs the pre-pass (one Triton launch on a GPU, no host sync; the same arithmetic in
+`quantize` runs the pre-pass (two Triton launches on a GPU, no host sync; the same arithmetic in
 PyTorch on a CPU, since Triton 3.6's interpreter rounds fp8 casts wrongly), `emulate` computes
 block-sparse attention with exactly this arithmetic in fp32, tile by tile in LUT order with the
 online softmax the kernels use. The rule itself is `tilegen.captures.quant_score`.
@@ -242,7 +242,7 @@ def quantize_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch
                            k_scale_group=K_SCALE_GROUP)
 
 
-# -- the pre-pass: Triton (GPU), one launch -------------------------------------------------------
+# -- the pre-pass: Triton (GPU), the statistics, then one pass ------------------------------------
 @triton.jit
 def _clamp_int8(x):
     # the clamp before the rounding, not after: it rounds the product to fp32 first. Fed the
@@ -284,11 +284,15 @@ def _int8_per_group(x, TOKENS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.c
 
 
 @triton.jit
-def _sampled_stats(K, V, SRC, bh, in_len, num_heads, n_cubes, n_sample, GATHER: tl.constexpr,
-                   FP8_V: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                   SAMPLE: tl.constexpr, E4M3: tl.constexpr, HEADROOM: tl.constexpr):
-    """One head's k̄, v̄ and V's channel scales from the first token of n_sample cubes spread
-    over the sequence (v̄ and the scales only with FP8_V; else k̄ stands in for them)."""
+def _stats_kernel(K, V, SRC, KMEAN, VSCALE, VMEAN, in_len, num_heads, n_cubes, n_sample,
+                  GATHER: tl.constexpr, FP8_V: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK: tl.constexpr, SAMPLE: tl.constexpr, E4M3: tl.constexpr,
+                  HEADROOM: tl.constexpr):
+    """One program a (batch, head): k̄, and with FP8_V v̄ and V's channel scales, from the first
+    token of n_sample cubes spread over the sequence; the pass's K and V programs read them
+    (each computing them from the samples made the pass 15% slower: session 22,
+    bench/NOTES.md)."""
+    bh = tl.program_id(0).to(tl.int64)
     b = bh // num_heads
     h = bh % num_heads
     d = tl.arange(0, HEAD_DIM)
@@ -298,44 +302,23 @@ def _sampled_stats(K, V, SRC, bh, in_len, num_heads, n_cubes, n_sample, GATHER: 
     if GATHER:  # inputs in token order: each cube slot reads its source token (to_cubes' order)
         s_tok = tl.load(SRC + s_tok, mask=s_ok, other=0)
     s_off = ((b * in_len + s_tok) * num_heads + h)[:, None] * HEAD_DIM + d[None, :]
-    k_mean = tl.sum(tl.load(K + s_off, mask=s_ok[:, None], other=0.0).to(tl.float32), 0) \
-        / n_sample
+    k_smp = tl.load(K + s_off, mask=s_ok[:, None], other=0.0).to(tl.float32)
+    tl.store(KMEAN + bh * HEAD_DIM + d, tl.sum(k_smp, 0) / n_sample)
     if FP8_V:
         v_smp = tl.load(V + s_off, mask=s_ok[:, None], other=0.0).to(tl.float32)
         v_mean = tl.sum(v_smp, 0) / n_sample
         v_amax = tl.max(tl.where(s_ok[:, None], tl.abs(v_smp - v_mean[None, :]), 0.0), 0)
-        v_scale = tl.maximum(v_amax * (HEADROOM / E4M3), 1e-30)
-    else:
-        v_mean = k_mean
-        v_scale = k_mean
-    return k_mean, v_mean, v_scale
-
-
-@triton.jit
-def _stats_kernel(K, V, SRC, KMEAN, VSCALE, VMEAN, in_len, num_heads, n_cubes, n_sample,
-                  GATHER: tl.constexpr, FP8_V: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK: tl.constexpr, SAMPLE: tl.constexpr, E4M3: tl.constexpr,
-                  HEADROOM: tl.constexpr):
-    # one program a (batch, head): the statistics every K and V program of the pre-pass reads
-    bh = tl.program_id(0).to(tl.int64)
-    k_mean, v_mean, v_scale = _sampled_stats(K, V, SRC, bh, in_len, num_heads, n_cubes,
-                                             n_sample, GATHER, FP8_V, HEAD_DIM, BLOCK, SAMPLE,
-                                             E4M3, HEADROOM)
-    d = tl.arange(0, HEAD_DIM)
-    tl.store(KMEAN + bh * HEAD_DIM + d, k_mean)
-    if FP8_V:
-        tl.store(VSCALE + bh * HEAD_DIM + d, v_scale)
+        tl.store(VSCALE + bh * HEAD_DIM + d, tl.maximum(v_amax * (HEADROOM / E4M3), 1e-30))
         tl.store(VMEAN + bh * HEAD_DIM + d, v_mean)
 
 
 @triton.jit
 def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, VMEAN, SRC,
-                     seq_len, in_len, num_heads, batch_heads, n_cubes, n_sample, FIRST_PART,
-                     GATHER: tl.constexpr, STATS_READ: tl.constexpr,
+                     seq_len, in_len, num_heads, batch_heads, FIRST_PART,
+                     GATHER: tl.constexpr,
                      FP8_V: tl.constexpr, VT_TILES: tl.constexpr, VT_SLOTS: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                     TOKENS: tl.constexpr, SAMPLE: tl.constexpr, E4M3: tl.constexpr,
-                     HEADROOM: tl.constexpr, K_GROUP: tl.constexpr):
+                     TOKENS: tl.constexpr, E4M3: tl.constexpr, K_GROUP: tl.constexpr):
     # a program quantizes TOKENS tokens of one cube and one tensor (axis 2: 0 Q, 1 K, 2 V):
     # with a whole cube of all three, 255 registers and spills left one or two programs an SM.
     # Axis 0 is (chunk, batch x head), the heads fastest: programs in flight together read and
@@ -345,7 +328,6 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
     chunk = tl.program_id(0) // batch_heads
     part = tl.program_id(2) + FIRST_PART
     cube = chunk // (BLOCK // TOKENS)
-    first = chunk == 0  # writes the per-head statistics
     b = bh // num_heads
     h = bh % num_heads
     rows = (chunk % (BLOCK // TOKENS)) * TOKENS + tl.arange(0, TOKENS)
@@ -366,31 +348,16 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
         tl.store(Q8 + off, q8.to(tl.int8))
         tl.store(QSCALE + bh * seq_len + tok, q_scale)
     elif part == 1:
-        # K: smoothed by the sampled mean, per-token int8 (the samples loaded first: issuing the
-        # tile's load first was slower on the H200, bench/NOTES.md); with STATS_READ the mean
-        # `_stats_kernel` wrote
-        if STATS_READ:
-            k_mean = tl.load(KMEAN + bh * HEAD_DIM + d)
-        else:
-            k_mean, _, _ = _sampled_stats(K, V, SRC, bh, in_len, num_heads, n_cubes, n_sample,
-                                          GATHER, False, HEAD_DIM, BLOCK, SAMPLE, E4M3,
-                                          HEADROOM)
+        # K: smoothed by the sampled mean `_stats_kernel` wrote, per-token int8
+        k_mean = tl.load(KMEAN + bh * HEAD_DIM + d)
         k = tl.load(K + in_off).to(tl.float32)
         k8, k_scale = _int8_per_group(tl.where(valid[:, None], k - k_mean[None, :], 0.0),
                                       TOKENS, K_GROUP, HEAD_DIM)
         tl.store(K8 + off, k8.to(tl.int8))
         tl.store(KSCALE + bh * seq_len + tok, tl.where(valid, k_scale, 0.0))
-        if first and not STATS_READ:
-            tl.store(KMEAN + bh * HEAD_DIM + d, k_mean)
     elif FP8_V:
-        if STATS_READ:
-            v_mean = tl.load(VMEAN + bh * HEAD_DIM + d)
-            v_scale = tl.load(VSCALE + bh * HEAD_DIM + d)
-        else:
-            _, v_mean, v_scale = _sampled_stats(K, V, SRC, bh, in_len, num_heads, n_cubes,
-                                                n_sample, GATHER, True, HEAD_DIM, BLOCK, SAMPLE,
-                                                E4M3, HEADROOM)
-        v_inv = tl.div_rn(1.0, v_scale)
+        v_mean = tl.load(VMEAN + bh * HEAD_DIM + d)
+        v_inv = tl.div_rn(1.0, tl.load(VSCALE + bh * HEAD_DIM + d))
         v = (tl.load(V + in_off).to(tl.float32) - v_mean[None, :]) * v_inv[None, :]
         v = tl.minimum(tl.maximum(tl.where(valid[:, None], v, 0.0), -E4M3), E4M3)
         if VT_TILES:  # (B, H, S / 32, D, 32), 16-byte halves swizzled (vt_to_tiles)
@@ -408,9 +375,6 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
                 v = tl.reshape(v, (TOKENS // 16, 2, 2, 2, 2, HEAD_DIM))
                 v = tl.reshape(tl.permute(v, (0, 2, 3, 1, 4, 5)), (TOKENS, HEAD_DIM))
         tl.store(V8T + vt_off, tl.trans(v).to(tl.float8e4nv))
-        if first and not STATS_READ:
-            tl.store(VSCALE + bh * HEAD_DIM + d, v_scale)
-            tl.store(VMEAN + bh * HEAD_DIM + d, v_mean)
 
 
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
@@ -418,7 +382,7 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tenso
              vt_tiles: bool = False, vt_slots: bool = False,
              sources: torch.Tensor | None = None) -> QuantizedInputs:
     """The pre-pass: Q, K (and V for ``"int8_fp8"``) quantized by the recipe (module
-    docstring). On a GPU one Triton launch, no host sync; on a CPU `quantize_torch`.
+    docstring). On a GPU two Triton launches, no host sync; on a CPU `quantize_torch`.
     ``with_q=False`` leaves Q out on the GPU (q8 and q_scale None: the op's kernel quantizes
     each query cube itself). ``vt_tiles``: V^T as 32-key tiles in shared-memory order;
     ``vt_slots``: V^T's keys in MMA slot order, in the same pass (module docstring).
@@ -444,17 +408,14 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
                     mode: str = "int8_fp8", block: int = 64, *,
                     num_warps: int = 2, tokens: int = 32, with_q: bool = True,
                     vt_tiles: bool = False, vt_slots: bool = False,
-                    sources: torch.Tensor | None = None,
-                    stats_first: bool = False) -> QuantizedInputs:
+                    sources: torch.Tensor | None = None) -> QuantizedInputs:
     """The Triton pre-pass (what `quantize` runs on a GPU; the tests run it under the
     interpreter on CPU tensors); ``tokens`` a program: a power of two from 32 (K's scale
     group) to ``block``.
     The defaults are the H200's fastest (bench/NOTES.md, session 15: K and V in 0.51 ms at the
     default workload against 0.59 for a whole cube on 4 warps). ``vt_slots``: V^T's keys
-    written at their MMA slots (`vt_to_slots`), in the same pass. ``stats_first``: k̄, v̄ and
-    V's scales from a launch of one program a head before the pass, which then reads them,
-    instead of every K and V program computing them from the samples (the same values; an
-    experiment of session 22, bench/NOTES.md)."""
+    written at their MMA slots (`vt_to_slots`), in the same pass. Two launches: the sampled
+    statistics (`_stats_kernel`, one program a head), then the pass."""
     _check_mode(mode)
     if vt_slots and vt_tiles:
         raise ValueError("vt_slots orders V^T's keys in its natural layout, not with vt_tiles")
@@ -485,23 +446,20 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     n_sample = len(sample_cubes(n))
     parts = (3 if fp8 else 2) - (0 if with_q else 1)  # program axis 2: Q, K, V from FIRST_PART
     chunks = n * block // tokens
-    stats = (k_mean, v_scale if fp8 else k_mean, v_mean if fp8 else k_mean)
     src = vbs if sources is None else sources
-    if stats_first:
-        _stats_kernel[(B * H,)](
-            k, v, src, *stats, S_in, H, n, n_sample, GATHER=sources is not None, FP8_V=fp8,
-            HEAD_DIM=D, BLOCK=block, SAMPLE=triton.next_power_of_2(SAMPLE_CUBES), E4M3=E4M3_MAX,
-            HEADROOM=V_HEADROOM, num_warps=num_warps)
+    # without fp8 V its statistics are not written: k_mean stands in for the pointers
+    _stats_kernel[(B * H,)](
+        k, v, src, k_mean, v_scale if fp8 else k_mean, v_mean if fp8 else k_mean, S_in, H, n,
+        n_sample, GATHER=sources is not None, FP8_V=fp8, HEAD_DIM=D, BLOCK=block,
+        SAMPLE=triton.next_power_of_2(SAMPLE_CUBES), E4M3=E4M3_MAX, HEADROOM=V_HEADROOM,
+        num_warps=num_warps)
     _quantize_kernel[(chunks * B * H, 1, parts)](
         q, k, v, vbs, q8, q_scale, k8, k_scale, k_mean,
         v8t if fp8 else q8, v_scale if fp8 else q_scale, v_mean if fp8 else q_scale, src,
-        S, S_in, H, B * H, n, n_sample, 0 if with_q else 1, GATHER=sources is not None,
-        STATS_READ=stats_first,
+        S, S_in, H, B * H, 0 if with_q else 1, GATHER=sources is not None,
         FP8_V=fp8, VT_TILES=vt_tiles,
         VT_SLOTS=vt_slots, HEAD_DIM=D,
-        BLOCK=block, TOKENS=tokens,
-        SAMPLE=triton.next_power_of_2(SAMPLE_CUBES), E4M3=E4M3_MAX, HEADROOM=V_HEADROOM,
-        K_GROUP=K_SCALE_GROUP, num_warps=num_warps)
+        BLOCK=block, TOKENS=tokens, E4M3=E4M3_MAX, K_GROUP=K_SCALE_GROUP, num_warps=num_warps)
     tiles, slots = vt_tiles and fp8, vt_slots and fp8
     if not with_q:
         return QuantizedInputs(mode, None, None, k8, k_scale, k_mean, v8t, v_scale, v_mean,

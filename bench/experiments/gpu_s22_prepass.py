@@ -13,7 +13,9 @@ two trees must write the same bytes), the THW selection, the pre-pass's program 
 
 Runs 1 and 2 of session 22 also timed a build, since removed, whose pre-pass pooled q and k
 for the selection (``quantize(..., pool=True)``): the pooling cost the pre-pass 0.19-0.23 ms and
-saved the selection 0.27 (bench/NOTES.md, session 22).
+saved the selection 0.27. Run 9 timed the statistics from a launch of their own as an option
+(``quantize_triton(..., stats_first=True)``, rows ``*_stats_first``, the same bytes): 15% faster,
+since the only path (bench/NOTES.md, session 22).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import inspect
 import json
 import math
 
@@ -51,7 +52,6 @@ def main() -> int:
     from tilegen.ops import _quant_op_for, block_sparse_attention_8bit_thw
 
     dev = torch.device("cuda")
-    stats_first = "stats_first" in inspect.signature(quant.quantize_triton).parameters
     g = torch.Generator(device=dev).manual_seed(0)
     rows: dict[str, dict] = {}
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -83,12 +83,6 @@ def main() -> int:
     gb = 3 * 3 * S * HEADS * DIM / 1e9
     hashes("default", op.quantize(q, k, v, vbs))
     say("prepass_default", _ms(lambda: op.quantize(q, k, v, vbs)), gb)
-    if stats_first:  # the statistics from a launch of their own (session 22, run 9)
-        hashes("default_stats_first", quant.quantize_triton(q, k, v, vbs, "int8_fp8",
-                                                            vt_slots=True, stats_first=True))
-        say("prepass_default_stats_first", _ms(functools.partial(
-            quant.quantize_triton, q, k, v, vbs, "int8_fp8", vt_slots=True, stats_first=True)),
-            gb)
     del q, k, v
     torch.cuda.empty_cache()
 
@@ -104,12 +98,6 @@ def main() -> int:
     qi = op.quantize(q, k, v, vbs, sources=src)
     hashes("wan_thw", qi)
     say("prepass_wan_thw", _ms(lambda: op.quantize(q, k, v, vbs, sources=src)), gb)
-    if stats_first:
-        hashes("wan_thw_stats_first", quant.quantize_triton(
-            q, k, v, vbs, "int8_fp8", vt_slots=True, sources=src, stats_first=True))
-        say("prepass_wan_thw_stats_first", _ms(functools.partial(
-            quant.quantize_triton, q, k, v, vbs, "int8_fp8", vt_slots=True, sources=src,
-            stats_first=True)), gb)
     idx = sparsity.mean_pool_topk_thw(q, k, WAN_GRID, topk)
     say("select_thw_pooling", _ms(lambda: sparsity.mean_pool_topk_thw(q, k, WAN_GRID, topk)),
         2 * 2 * n_tok * HEADS * DIM / 1e9)

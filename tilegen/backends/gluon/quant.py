@@ -1,7 +1,7 @@
 """The Gluon family's 8-bit kernel (issue #19): INT8 Q.K^T and e4m3 P.V on Hopper's wgmma
 (IGMMA, QGMMA), rendered from templates/gluon/lut_ws_quant.py.j2, for ``Spec(quant="int8_fp8")``.
 
-The op quantizes q, k and v with `tilegen.quant.quantize` (one launch, no host sync), plans the
+The op quantizes q, k and v with `tilegen.quant.quantize` (two launches, no host sync), plans the
 tiles in 32-key halves (`prepass._plan_halves`: LUT rows or sliding-tile windows), then
 runs the kernel. A model that keeps its K/V quantized passes the pre-pass's output instead
 (`GluonQuantAttention.from_quantized`). Forward only: a call that needs gradients is refused.

@@ -279,3 +279,48 @@ def test_the_8bit_processor_runs_where_its_kernel_does_and_says_why_elsewhere():
     tgd.disable_block_sparse(model)
     assert torch.equal(run(model, call()), want)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_fused_prologue_is_diffusers_norm_and_rotation(dtype, monkeypatch):
+    """Without gradients, a bf16/fp16 layer's q/k norm and rotation run through
+    `tilegen.prologue` (the custom op); its q, k equal diffusers' modules' within one ulp, the
+    transformer's output stays within the model's tolerance, and recording gradients (or an fp32
+    model) takes diffusers' modules."""
+    from tilegen import prologue
+
+    model, kwargs = tiny(dtype), call(dtype=dtype)
+    model.rope.float()  # as from_pretrained(torch_dtype=...) keeps it: fp32 tables
+    tgd.enable_block_sparse(model, sparsity=0.0)
+    calls = []
+    inner = prologue.rms_norm_rope
+    monkeypatch.setattr(prologue, "rms_norm_rope", lambda *a: calls.append(1) or inner(*a))
+    fused = run(model, kwargs)
+    assert len(calls) == len(model.blocks)
+    monkeypatch.setattr(tgd, "_fused_prologue_applies", lambda *a: False)
+    unfused = run(model, kwargs)
+    assert len(calls) == len(model.blocks)
+    torch.testing.assert_close(fused, unfused, atol=2e-2, rtol=2e-2)
+    monkeypatch.undo()
+
+    attn = model.blocks[0].attn1
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(1, 64, attn.inner_dim, generator=g).to(dtype)
+    rotary = model.rope(kwargs["hidden_states"][:, :, :1, :16, :16])
+    with torch.no_grad():
+        assert tgd._fused_prologue_applies(attn, attn.to_q(hidden), rotary)
+        q, k, v = tgd._project(attn, hidden, rotary)
+        monkeypatch.setattr(tgd, "_fused_prologue_applies", lambda *a: False)
+        q0, k0, v0 = tgd._project(attn, hidden, rotary)
+    assert torch.equal(v, v0)
+    for a, b in ((q, q0), (k, k0)):
+        diff = (a.float() - b.float()).abs()
+        assert float((diff > 0).float().mean()) < 0.02
+        torch.testing.assert_close(a.float(), b.float(), atol=0, rtol=2 ** -7)
+    monkeypatch.undo()
+    assert not tgd._fused_prologue_applies(attn, attn.to_q(hidden), rotary)  # gradients
+    with torch.no_grad():
+        assert not tgd._fused_prologue_applies(attn, attn.to_q(hidden).float(), rotary)
+        assert not tgd._fused_prologue_applies(attn, attn.to_q(hidden),
+                                               tuple(t.to(dtype) for t in rotary))
+        assert not tgd._fused_prologue_applies(attn, attn.to_q(hidden), None)

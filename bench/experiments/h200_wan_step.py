@@ -124,6 +124,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument("--no-eager", action="store_true",
+                    help="skip the eager step rows (the compiled ones are the comparison)")
     ap.add_argument("--quant", default="int8_fp8",
                     help="the 8-bit recipe timed beside bf16 ('none': bf16 rows only)")
     ap.add_argument("--profile", action="store_true",
@@ -214,18 +216,23 @@ def main() -> int:
         rows[name] = {"ms": min(ms), "all_ms": ms}
         say(f"{name}: {min(ms):.1f} ms (all {[round(m, 1) for m in ms]})")
 
-    timed("dense_eager")
+    eager = not args.no_eager
+    if eager:
+        timed("dense_eager")
     tgd.enable_block_sparse(model, sparsity=0.875, dense_layers=dense_layers)
-    timed("tilegen_eager")
+    if eager:
+        timed("tilegen_eager")
     out_sparse = step().float()
     tgd.disable_block_sparse(model)
     quant = None if args.quant == "none" else args.quant
     if quant:
         tgd.enable_block_sparse(model, sparsity=0.875, dense_layers=dense_layers, quant=quant)
-        timed(f"tilegen_{quant}_eager")
+        if eager:
+            timed(f"tilegen_{quant}_eager")
         out_8bit = step().float()
         tgd.disable_block_sparse(model)
-    timed("dense_eager_again")
+    if eager:
+        timed("dense_eager_again")
     out_dense = step().float()
     result["step_rel_l1_sparse_vs_dense"] = rel(out_sparse, out_dense)
     if quant:  # random weights: a sanity figure only, not a quality one
@@ -375,17 +382,18 @@ def main() -> int:
             say(f"compile failed: {result['compile_error']}")
 
     # -- the table ---------------------------------------------------------------------------
-    dense = min(rows["dense_eager"]["ms"], rows["dense_eager_again"]["ms"])
-    result["speedup_eager"] = dense / rows["tilegen_eager"]["ms"]
-    result["attention_share_dense"] = (args.layers * rows["attn_dense_cudnn"]["ms"]) / dense
+    if eager:
+        dense = min(rows["dense_eager"]["ms"], rows["dense_eager_again"]["ms"])
+        result["speedup_eager"] = dense / rows["tilegen_eager"]["ms"]
+        result["attention_share_dense"] = (args.layers * rows["attn_dense_cudnn"]["ms"]) / dense
     if "tilegen_compiled" in rows:
         dc = min(rows["dense_compiled"]["ms"], rows["dense_compiled_again"]["ms"])
         result["speedup_compiled"] = dc / rows["tilegen_compiled"]["ms"]
         if quant and f"tilegen_{quant}_compiled" in rows:
             result[f"speedup_compiled_{quant}"] = dc / rows[f"tilegen_{quant}_compiled"]["ms"]
-    if quant:
+    if quant and eager:
         result[f"speedup_eager_{quant}"] = dense / rows[f"tilegen_{quant}_eager"]["ms"]
-    if "tilegen_cuda_graph" in rows:
+    if "tilegen_cuda_graph" in rows and eager:
         result["speedup_graph_vs_dense_eager"] = dense / rows["tilegen_cuda_graph"]["ms"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     result["log"] = log

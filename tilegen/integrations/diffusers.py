@@ -11,8 +11,11 @@ selector, the fine stage only, chosen layers kept dense)::
 What changes, per self-attention layer (``attn1`` of each block; the cross-attention ``attn2``,
 with the I2V image branch, keeps diffusers' processor):
 
-1. the projections, the q/k RMS norms and the rotary embedding exactly as diffusers'
-   ``WanAttnProcessor`` computes them;
+1. the projections, the q/k RMS norms and the rotary embedding as diffusers'
+   ``WanAttnProcessor`` computes them; without gradients, the norms and the rotation of bf16 or
+   fp16 projections run fused (`tilegen.prologue.rms_norm_rope`: one Triton launch a tensor on a
+   GPU, where ``torch.compile`` makes a reduction kernel of them that rotates in fp64; the same
+   values but where the fp32 rotation rounds to the other neighbouring bf16 value);
 2. q, k, v reordered from the model's token order (T*H*W after patchify) into cubes
    (`tilegen.layout.to_cubes`; a grid that is not whole cubes pads its edge cubes, their real
    tokens in ``vbs``);
@@ -86,7 +89,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tilegen import __version__, layout
+from tilegen import __version__, layout, prologue
 from tilegen.integrations.attention import (
     DEFAULT_SPARSITY,
     Triple,
@@ -395,11 +398,47 @@ def _project(attn: torch.nn.Module, hidden: torch.Tensor,
         q, k, v = attn.to_qkv(hidden).chunk(3, dim=-1)
     else:
         q, k, v = attn.to_q(hidden), attn.to_k(hidden), attn.to_v(hidden)
+    if _fused_prologue_applies(attn, q, rotary_emb):
+        cos, sin = prologue.rope_tables(*rotary_emb)
+        q, k = prologue.rms_norm_rope(q, k, attn.norm_q.weight, attn.norm_k.weight,
+                                      _eps(attn.norm_q, q), _eps(attn.norm_k, k), cos, sin,
+                                      attn.heads)
+        return q, k, v.unflatten(2, (attn.heads, -1))
     q, k = attn.norm_q(q), attn.norm_k(k)
     q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
     if rotary_emb is not None:
         q, k = _apply_rotary(q, *rotary_emb), _apply_rotary(k, *rotary_emb)
     return q, k, v
+
+
+def _fused_prologue_applies(attn: torch.nn.Module, q: torch.Tensor,
+                            rotary_emb: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    """Whether `tilegen.prologue` computes this layer's norm and rotation: Wan's
+    ``rms_norm_across_heads`` (a ``torch.nn.RMSNorm`` with a weight over all channels) on
+    bf16/fp16 projections with a power-of-two head dim, rotary tables in fp32 or fp64 (as
+    diffusers keeps them: in bf16 its rotation rounds after every product), forward only (the
+    fused op has no backward); other layers, and any call that records gradients, run
+    diffusers' modules."""
+    if rotary_emb is None or any(t.dtype not in (torch.float32, torch.float64)
+                                 or t.dim() != 4 or t.shape[0] != 1 or t.shape[2] != 1
+                                 for t in rotary_emb):
+        return False
+    width = q.shape[-1]
+    head_dim = width // attn.heads
+    norms = (getattr(attn, "norm_q", None), getattr(attn, "norm_k", None))
+    if torch.is_grad_enabled() and (q.requires_grad or any(
+            getattr(n, "weight", None) is not None and n.weight.requires_grad for n in norms)):
+        return False
+    return (q.dtype in (torch.bfloat16, torch.float16) and q.stride(-1) == 1
+            and width % attn.heads == 0 and head_dim % 2 == 0
+            and head_dim & (head_dim - 1) == 0
+            and all(type(n) is torch.nn.RMSNorm and n.weight is not None
+                    and tuple(n.normalized_shape) == (width,) for n in norms))
+
+
+def _eps(norm: torch.nn.RMSNorm, x: torch.Tensor) -> float:
+    """torch.nn.RMSNorm's epsilon (its default: the input dtype's machine epsilon)."""
+    return norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
 
 
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

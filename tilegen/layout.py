@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["cube_grid", "vbs_for_grid", "cube_coords", "token_slots", "cube_sources", "to_cubes",
-           "from_cubes"]
+__all__ = ["cube_grid", "vbs_for_grid", "cube_coords", "token_slots", "cube_sources", "slot_tokens",
+           "to_cubes", "from_cubes"]
 
 Triple = tuple[int, int, int]
 
@@ -186,6 +186,39 @@ def _sources_on(grid: Triple, cube: Triple, device: torch.device) -> torch.Tenso
     if torch.compiler.is_compiling():  # as _vbs_on
         return _build_sources(grid, cube, device)
     return _sources_cached(grid, cube, device)
+
+
+def _build_slot_tokens(grid: Triple, cube: Triple, device: torch.device | None = None
+                       ) -> torch.Tensor:
+    vol = cube[0] * cube[1] * cube[2]
+    src = _build_sources(grid, cube, device)
+    idx = torch.arange(src.numel(), device=device)
+    real = (idx % vol) < _build_vbs(grid, cube, device).long().repeat_interleave(vol)
+    return torch.where(real, src, -1).to(torch.int32)
+
+
+@functools.lru_cache(maxsize=32)
+def _slot_tokens_cached(grid: Triple, cube: Triple, device: torch.device) -> torch.Tensor:
+    return _build_slot_tokens(grid, cube).to(device)
+
+
+def _slot_tokens_on(grid: Triple, cube: Triple, device: torch.device) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # as _vbs_on
+        return _build_slot_tokens(grid, cube, device)
+    return _slot_tokens_cached(grid, cube, device)
+
+
+def slot_tokens(
+    grid: Sequence[int], cube: Sequence[int] = (4, 4, 4), device: torch.device | str | None = None
+) -> torch.Tensor:
+    """``(NC * ct*ch*cw,)`` int32: the row-major token each slot of the cube-major padded
+    sequence holds, -1 for a padded slot: where `from_cubes` takes each slot's row from. What
+    the CUDA 8-bit kernel takes to write o in token order (``from_quantized(...,
+    out_rows=...)``)."""
+    g, c = _triple(grid, "grid"), _triple(cube, "cube")
+    dev = torch.device(device if device is not None else "cpu")
+    return _slot_tokens_on(g, c, dev) if torch.compiler.is_compiling() \
+        else _slot_tokens_on(g, c, dev).clone()
 
 
 def cube_sources(

@@ -692,6 +692,10 @@ def _block_sparse_attention_8bit_thw(q: torch.Tensor, k: torch.Tensor, v: torch.
     vbs = layout.vbs_for_grid(g, c, device=q.device)
     idx = sparsity.mean_pool_topk_thw(q, k, g, topk, c)
     qi = op.quantize(q, k, v, vbs, sources=layout._sources_on(g, c, q.device))
+    if getattr(op, "writes_token_order", False):  # the kernel stores o in THW order itself
+        return op.from_quantized(qi, idx, vbs, sm_scale=sm_scale, return_lse=False,
+                                 out_rows=layout._slot_tokens_on(g, c, q.device),
+                                 out_len=q.shape[1])
     oc = op.from_quantized(qi, idx, vbs, sm_scale=sm_scale, return_lse=False)
     return layout.from_cubes(oc, g, c)
 

@@ -67,26 +67,29 @@ def main() -> int:
         ref_eager = modules(q_lin, k_lin)
         ref = compiled(q_lin, k_lin)
         got = fused(q_lin, k_lin)
-        checks = {}
-        for name, a, b in (("q", got[0], ref[0]), ("k", got[1], ref[1])):
+        def compare(a, b):
             ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
             ia = torch.where(ia < 0, -32768 - ia, ia)
             ib = torch.where(ib < 0, -32768 - ib, ib)
             ulps = (ia - ib).abs()
-            checks[name] = {"differ_fraction": float((ulps > 0).float().mean()),
-                            "max_ulps": int(ulps.max()),
-                            "max_abs": float((a.float() - b.float()).abs().max()),
-                            "compiled_equals_eager": bool(torch.equal(ref[0 if name == "q"
-                                                                          else 1],
-                                                                      ref_eager[0 if name == "q"
-                                                                                else 1]))}
+            return {"differ_fraction": float((ulps > 0).float().mean()),
+                    "over_one_ulp_fraction": float((ulps > 1).float().mean()),
+                    "max_abs": float((a.float() - b.float()).abs().max()),
+                    "rel_l1": float((a.float() - b.float()).abs().sum() / b.float().abs().sum())}
+
+        # against diffusers' modules eager (the arithmetic the kernel copies) and compiled
+        # (Inductor keeps the norm's output in fp32 inside its fused kernel: not the eager value)
+        checks = {f"{name}_vs_{kind}": compare(got[i], r[i])
+                  for i, name in enumerate("qk")
+                  for kind, r in (("eager", ref_eager), ("compiled", ref))}
+        checks["compiled_vs_eager_q"] = compare(ref[0], ref_eager[0])
         result["checks"] = checks
         print("checks:", checks, flush=True)
         rows["diffusers_modules_eager"] = do_bench(lambda: modules(q_lin, k_lin))
         rows["diffusers_modules_compiled"] = do_bench(lambda: compiled(q_lin, k_lin))
         rows["rope_tables"] = do_bench(lambda: prologue.rope_tables(*rotary))
         launch = prologue._launch
-        for warps in (4, 8, 16):
+        for warps in (2, 4, 8):
             def at(x, w, eps, c, s, heads, warps=warps):
                 bsz, sq, width = x.shape
                 half = width // heads // 2

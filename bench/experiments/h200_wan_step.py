@@ -305,9 +305,16 @@ def main() -> int:
                 lambda: op8.from_quantized(qi, idx, vbs, return_lse=False))}
             rows["attn_from_cubes"] = {"ms": _bench_ms(
                 lambda: layout.from_cubes(qc, grid))}
+            names_token = []
+            if getattr(op8, "writes_token_order", False):  # the kernel's epilogue reorders
+                slot_rows = layout.slot_tokens(grid, device=dev)
+                rows[f"attn_kernel_from_quantized_token_order_{quant}"] = {"ms": _bench_ms(
+                    lambda: op8.from_quantized(qi, idx, vbs, return_lse=False,
+                                               out_rows=slot_rows, out_len=S))}
+                names_token = [f"attn_kernel_from_quantized_token_order_{quant}"]
             names += [f"attn_tilegen_processor_{quant}", f"attn_tilegen_kernel_op_{quant}",
                       "attn_select_thw", f"attn_prepass_thw_{quant}",
-                      f"attn_kernel_from_quantized_{quant}", "attn_from_cubes"]
+                      f"attn_kernel_from_quantized_{quant}", "attn_from_cubes", *names_token]
             del qi
     for name in names:
         say(f"{name}: {rows[name]['ms']:.2f} ms")

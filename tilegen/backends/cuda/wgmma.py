@@ -331,7 +331,8 @@ QUANT_KERNEL_SIGNATURE: tuple[tuple[str, str], ...] = (
     ("plan", "ptr"), ("meta", "ptr"), ("vbs", "ptr"), ("lse", "ptr"), ("q_scale", "ptr"),
     ("k_scale", "ptr"), ("v_scale", "ptr"), ("v_mean", "ptr"), ("seq_len", "i32"),
     ("num_heads", "i32"), ("batch_heads", "i32"), ("num_q_blocks", "i32"), ("topk", "i32"),
-    ("qk_scale", "f32"), ("zero_pad_rows", "i32"),
+    ("qk_scale", "f32"), ("zero_pad_rows", "i32"), ("o_tokens", "ptr"), ("out_rows", "ptr"),
+    ("out_seq_len", "i32"),
 )
 
 

@@ -150,7 +150,7 @@ class WgmmaQuantLaunch(WgmmaLaunch):
     def __call__(self, q, k, v, topk_idx, vbs, counts, o, lse, err, sm_scale: float,
                  zero_pad_rows: bool = False, max_prob_out=None, windows=None,
                  cube_grid: tuple[int, int, int] | None = None, topk: int = 0, o32=None,
-                 q_vbs=None, quantized=None) -> None:
+                 q_vbs=None, quantized=None, out_rows=None) -> None:
         from tilegen import quant
         from tilegen.backends.cuda.tensor_map import byte_geometry, encode, tile_geometry
         from tilegen.backends.gluon.prepass import run_halves_prepass, run_halves_window_prepass
@@ -187,6 +187,10 @@ class WgmmaQuantLaunch(WgmmaLaunch):
                              byte_geometry(seq_len, batch * heads * dim, (32, dim), 32), "u8"),
             "o_map": encode(o.data_ptr(), tile_geometry(tuple(o.shape), "bshd", 64),
                             self.spec.dtype),
+            # o in token order: the kernel stores each slot's row to out_rows[slot] of o
+            "o_tokens": o.data_ptr() if out_rows is not None else 0,
+            "out_rows": out_rows.data_ptr() if out_rows is not None else 0,
+            "out_seq_len": o.shape[1] if out_rows is not None else 0,
             "plan": bufs["plan"].data_ptr(), "meta": bufs["meta"].data_ptr(),
             "vbs": vbs.data_ptr(), "q_scale": qi.q_scale.data_ptr(),
             "k_scale": qi.k_scale.data_ptr(), "v_scale": qi.v_scale.data_ptr(),
@@ -297,11 +301,21 @@ def _quant_op_class():
             return quant.quantize(q, k, v, vbs, self.spec.quant, vt_slots=True,
                                   sources=sources)
 
+        #: `from_quantized` takes ``out_rows``: o written in the model's token order
+        writes_token_order = True
+
         def from_quantized(self, quantized, topk_idx, vbs, counts=None, *, sm_scale=None,
-                           return_lse: bool = True):
+                           return_lse: bool = True, out_rows=None, out_len: int | None = None):
             """As the 8-bit op's (`_QuantLutOp.from_quantized`); K's scales must be the
             pre-pass's, one a 32-key half (``quantized.k_scale_group``): this kernel reads
-            one scale a half, so per-key scales would be read wrong, and are refused."""
+            one scale a half, so per-key scales would be read wrong, and are refused.
+
+            ``out_rows`` (int32 ``(S,)`` on the inputs' device, with ``out_len``): o comes out
+            ``(B, out_len, H, D)`` with slot ``s``'s row at token ``out_rows[s]`` (the
+            kernel's epilogue stores it there, so no reorder follows); a slot whose entry lies
+            outside ``[0, out_len)`` (-1: a padded slot) is not written, and a token no slot
+            names is left unwritten (`tilegen.layout.slot_tokens` names each token once).
+            Forward only: lse, when asked, stays in slot order."""
             from tilegen import quant
 
             if quantized.k_scale_group != quant.K_SCALE_GROUP:
@@ -310,8 +324,31 @@ def _quant_op_class():
                     f"half; these inputs have one a group of {quantized.k_scale_group} "
                     "(QuantizedInputs.k_scale_group): quantize with tilegen.quant.quantize "
                     "(or op.quantize)")
-            return super().from_quantized(quantized, topk_idx, vbs, counts, sm_scale=sm_scale,
-                                          return_lse=return_lse)
+            if out_rows is None:
+                if out_len is not None:
+                    raise ValueError("out_len goes with out_rows")
+                return super().from_quantized(quantized, topk_idx, vbs, counts,
+                                              sm_scale=sm_scale, return_lse=return_lse)
+            import torch
+
+            B, S, H, _ = quantized.q8.shape
+            if topk_idx.dim() != 4 or tuple(topk_idx.shape[:3]) != (B, H, S // 64):
+                raise ValueError(f"topk_idx of shape {tuple(topk_idx.shape)}: want "
+                                 f"({B}, {H}, {S // 64}, topk)")
+            if not isinstance(out_rows, torch.Tensor) or out_rows.dtype != torch.int32 \
+                    or tuple(out_rows.shape) != (S,) or out_rows.device != quantized.q8.device \
+                    or not out_rows.is_contiguous():
+                raise ValueError(f"out_rows must be a contiguous int32 ({S},) tensor on "
+                                 f"{quantized.q8.device} (tilegen.layout.slot_tokens)")
+            if isinstance(out_len, bool) or not isinstance(out_len, int) or out_len < 1:
+                raise ValueError(f"out_len must be a positive int (the tokens of o), got "
+                                 f"{out_len!r}")
+            from tilegen.backends.gluon.quant import _from_quantized
+
+            return _from_quantized(self, quantized, vbs,
+                                   {"topk_idx": topk_idx, "counts": counts,
+                                    "out_rows": out_rows},
+                                   sm_scale=sm_scale, return_lse=return_lse, out_len=out_len)
 
     return CudaWgmmaQuantAttention
 

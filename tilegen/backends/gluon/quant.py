@@ -465,14 +465,16 @@ def _check_quantized(spec: Spec, qi, vbs) -> None:
                          "per 64-token cube")
 
 
-def _from_quantized(op, qi, vbs, plan: dict, *, sm_scale, return_lse: bool):
+def _from_quantized(op, qi, vbs, plan: dict, *, sm_scale, return_lse: bool,
+                    out_len: int | None = None):
     import torch
 
     _check_quantized(op.spec, qi, vbs)
     B, S, H, D = qi.q8.shape
     dtype = torch.bfloat16 if op.spec.dtype == "bf16" else torch.float16
     dev = qi.q8.device
-    o = torch.empty((B, S, H, D), dtype=dtype, device=dev)
+    # out_len: o in the model's token order (a launch that takes out_rows writes it so)
+    o = torch.empty((B, S if out_len is None else out_len, H, D), dtype=dtype, device=dev)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=dev) if return_lse else None
     op.errors.raise_pending(dev)
     scale = sm_scale if sm_scale is not None else op.spec.sm_scale

@@ -90,6 +90,12 @@ struct QuantArgs : LutArgs {  // sidx, tinfo, max_prob unused
   const float* k_scale;   // (B, H, S): equal within each 32-key half
   const float* v_scale;   // (B, H, D)
   const float* v_mean;    // (B, H, D)
+  // o in the model's token order (nullptr: o by TMA in slot order): slot s of batch b is
+  // token out_rows[s] of o_tokens (B, out_seq_len, H, D); a slot outside [0, out_seq_len)
+  // (a padded one: -1) is not written
+  void* o_tokens;
+  const int* out_rows;    // (S,)
+  int out_seq_len;
 };
 
 struct QuantMaps {
@@ -397,8 +403,35 @@ struct QuantConsumer {
     at.cube_done(bit);
   }
 
+  // The staged O tile to the token rows out_rows names, 16 bytes a thread a step: a row's
+  // 16 chunks are 16 neighbouring threads' (256 contiguous bytes a row and head).
+  static __device__ __forceinline__ void store_token_order(const QuantArgs& a, uint32_t q_tile,
+                                                           const Item<T>& item, int tid) {
+    constexpr int kChunks = T::kHeadDim / 8;
+    const int b = static_cast<int>(item.bh / a.num_heads);
+    const int h = static_cast<int>(item.bh % a.num_heads);
+    const int* slot_rows = a.out_rows + item.q_cube * T::kBlock;
+    unsigned short* out = static_cast<unsigned short*>(a.o_tokens);  // o's 16-bit elements
+#pragma unroll
+    for (int i = tid; i < T::kBlock * kChunks; i += 128) {
+      const int row = i / kChunks;
+      const int col = (i % kChunks) * 8;
+      const int token = __ldg(slot_rows + row);
+      if (token < 0 || token >= a.out_seq_len) continue;
+      uint4 chunk;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(chunk.x), "=r"(chunk.y), "=r"(chunk.z), "=r"(chunk.w)
+                   : "r"(q_tile + staged_offset<T>(row, col)));
+      const long long at =
+          ((static_cast<long long>(b) * a.out_seq_len + token) * a.num_heads + h) *
+              T::kHeadDim + col;
+      *reinterpret_cast<uint4*>(out + at) = chunk;
+    }
+  }
+
   // o = (acc / l) v_scale + v_mean (0 for a row with no key or a padded row when asked, NaN for
-  // a bad row), staged over the Q buffer and stored by TMA; lse base 2 of the smoothed keys.
+  // a bad row), staged over the Q buffer and stored by TMA (or in token order, out_rows); lse
+  // base 2 of the smoothed keys.
   static __device__ __forceinline__ void epilogue(const QuantMaps& maps, const QuantArgs& a,
                                                   uint32_t q_empty, uint32_t q_tile,
                                                   int consumer, float (&o)[Mma::kORegs],
@@ -435,7 +468,10 @@ struct QuantConsumer {
     fence_proxy_async();
     named_sync(kEpilogueBarrier + consumer, 128);
     const TokenRows<T> rows(item.bh, a);
-    if (warp == 0 && lane == 0) {
+    if (a.out_rows != nullptr) {
+      store_token_order(a, q_tile, item, warp * 32 + lane);
+      named_sync(kEpilogueBarrier + consumer, 128);  // every read of the staged O is done
+    } else if (warp == 0 && lane == 0) {
 #pragma unroll
       for (int p = 0; p < T::kHeadDim / kPanelCols; ++p)
         tma_store(maps.o, q_tile + p * T::kPanelBytes, rows.col + p * kPanelCols,

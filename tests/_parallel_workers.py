@@ -253,9 +253,9 @@ def wan_head_sharded(rank: int, world: int) -> None:
     heads = []
     real = tgd.sparse_attention
 
-    def seen(q, k, v, *args):
+    def seen(q, k, v, *args, **kwargs):
         heads.append(q.shape[2])
-        return real(q, k, v, *args)
+        return real(q, k, v, *args, **kwargs)
 
     tgd.sparse_attention = seen
     try:

@@ -71,12 +71,8 @@ def test_load_takes_the_faster_family_where_it_builds(caplog):
     vbs = torch.full((2,), 64, dtype=torch.int32)
     with pytest.raises(ValueError, match="one shape"):
         op(q, q[:, :64], q, idx, vbs)
-    # Q left out of the pre-pass (the prologue brings it): from_quantized refuses it unset
-    import dataclasses
-
-    bare = dataclasses.replace(op.quantize(q, q, q, vbs, with_q=False), q8=None, q_scale=None)
-    with pytest.raises(ValueError, match="without q8/q_scale"):
-        op.from_quantized(bare, idx, vbs)
+    with pytest.raises(ValueError, match="with_q"):
+        op.quantize(q, q, q, vbs, with_q=False)
     with pytest.raises(ValueError, match="forward only"):
         op.forward_for_grad(q, q, q, idx, vbs)
 

@@ -309,10 +309,9 @@ def test_the_fused_prologue_is_diffusers_norm_and_rotation(dtype, monkeypatch):
     rotary = model.rope(kwargs["hidden_states"][:, :, :1, :16, :16])
     with torch.no_grad():
         assert tgd._fused_prologue_applies(attn, attn.to_q(hidden), rotary)
-        q, k, v, none = tgd._project(attn, hidden, rotary)
-        assert none is None
+        q, k, v = tgd._project(attn, hidden, rotary)
         monkeypatch.setattr(tgd, "_fused_prologue_applies", lambda *a: False)
-        q0, k0, v0, _ = tgd._project(attn, hidden, rotary)
+        q0, k0, v0 = tgd._project(attn, hidden, rotary)
     assert torch.equal(v, v0)
     for a, b in ((q, q0), (k, k0)):
         diff = (a.float() - b.float()).abs()

@@ -4,8 +4,6 @@ interpreter against the model, the custom op, and the diffusers processor's use 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -79,7 +77,7 @@ def test_kernel_matches_model(dtype, seed):
     q, k, w = _inputs(seed, seq=12, heads=heads, head_dim=head_dim, dtype=dtype)
     cos, sin = prologue.rope_tables(*_tables(q.shape[1], head_dim, seed))
     for x in (q, k):
-        got = prologue._launch(x, w, 1e-6, cos, sin, heads)[0]
+        got = prologue._launch(x, w, 1e-6, cos, sin, heads)
         ref = prologue.rms_norm_rope_torch(x, w, 1e-6, cos, sin, heads)
         assert torch.isfinite(got.float()).all()
         if dtype == torch.float16:
@@ -96,7 +94,7 @@ def test_kernel_reads_strided_rows():
     q = qkv[..., : heads * head_dim]
     w = torch.ones(heads * head_dim, dtype=torch.float16)
     cos, sin = prologue.rope_tables(*_tables(6, head_dim, 5))
-    got = prologue._launch(q, w, 1e-5, cos, sin, heads)[0]
+    got = prologue._launch(q, w, 1e-5, cos, sin, heads)
     ref = prologue.rms_norm_rope_torch(q.contiguous(), w, 1e-5, cos, sin, heads)
     assert int(_ulps(got, ref).max()) <= 1
 
@@ -119,52 +117,3 @@ def test_op_checks_and_fake():
     compiled = torch.compile(prologue.rms_norm_rope, fullgraph=True, backend="eager")
     qc, kc = compiled(q, k, w, w, 1e-6, 1e-6, cos, sin, heads)
     assert torch.equal(qc, qo) and torch.equal(kc, ko)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_kernel_quantizes_q_at_the_cube_slots(dtype):
-    """With slots, the kernel (interpreter) also writes the 8-bit recipe's Q of the q it
-    returns, at each token's cube slot: equal to `quantize_q_torch` of that q on every real
-    slot, scale 0 on padded ones; and `quantize_q_torch` is the pre-pass's Q
-    (`quant.quantize_torch` of the cube-major q) bit for bit. A 3x6x5 grid: partial cubes."""
-    from tilegen import layout, quant
-
-    heads, head_dim, grid = 3, 16, (3, 6, 5)
-    seq = grid[0] * grid[1] * grid[2]
-    q, k, w = _inputs(7, seq=seq, heads=heads, head_dim=head_dim, bsz=2, dtype=dtype)
-    cos, sin = prologue.rope_tables(*_tables(seq, head_dim, 7))
-    slots = layout.token_slots(grid).to(torch.int32)
-    padded = math.prod(layout.cube_grid(grid)) * 64
-    out, q8, q_scale = prologue._launch(q, w, 1e-6, cos, sin, heads, slots, padded)
-    ref8, ref_scale = prologue.quantize_q_torch(out, slots, padded)
-    real = torch.zeros(padded, dtype=torch.bool)
-    real[slots.long()] = True
-    assert torch.equal(q8[:, real], ref8[:, real])
-    assert torch.equal(q_scale, ref_scale)
-    assert not q_scale[:, :, ~real].any()
-    # the pre-pass's Q of the same q, reordered to cubes
-    vbs = layout.vbs_for_grid(grid)
-    qc, _ = layout.to_cubes(out, grid)
-    qi = quant.quantize_torch(qc, qc, qc, vbs, "int8_fp8")
-    assert torch.equal(qi.q8, ref8) and torch.equal(qi.q_scale, ref_scale)
-
-
-def test_op_with_slots_returns_q8_and_checks_them():
-    heads, head_dim, grid = 2, 8, (2, 4, 4)
-    seq = 32
-    q, k, w = _inputs(1, seq=seq, heads=heads, head_dim=head_dim)
-    cos, sin = prologue.rope_tables(*_tables(seq, head_dim, 1))
-    from tilegen import layout
-
-    slots = layout.token_slots(grid)
-    qo, ko, q8, q_scale = prologue.rms_norm_rope(q, k, w, w, 1e-6, 1e-6, cos, sin, heads,
-                                                 slots=slots, padded_len=64)
-    assert q8.shape == (2, 64, heads, head_dim) and q_scale.shape == (2, heads, 64)
-    ref8, ref_scale = prologue.quantize_q_torch(qo, slots, 64)
-    assert torch.equal(q8, ref8) and torch.equal(q_scale, ref_scale)
-    with pytest.raises(ValueError, match="padded_len"):
-        prologue.rms_norm_rope(q, k, w, w, 1e-6, 1e-6, cos, sin, heads, slots=slots,
-                               padded_len=8)
-    with pytest.raises(ValueError, match="slots must be"):
-        prologue.rms_norm_rope(q, k, w, w, 1e-6, 1e-6, cos, sin, heads, slots=slots[:5],
-                               padded_len=64)

@@ -684,22 +684,14 @@ def block_sparse_attention_8bit(
 @torch.library.custom_op("tilegen::block_sparse_attention_8bit_thw", mutates_args=())
 def _block_sparse_attention_8bit_thw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                      grid: list[int], cube: list[int], topk: int, quant: str,
-                                     sm_scale: float | None, q8: torch.Tensor | None = None,
-                                     q_scale: torch.Tensor | None = None) -> torch.Tensor:
-    import dataclasses
-
+                                     sm_scale: float | None) -> torch.Tensor:
     from tilegen import layout, sparsity
 
     g, c = tuple(grid), tuple(cube)
     op = _quant_op_for(q, quant)  # first: where no kernel loads, the call says so before any work
     vbs = layout.vbs_for_grid(g, c, device=q.device)
     idx = sparsity.mean_pool_topk_thw(q, k, g, topk, c)
-    src = layout._sources_on(g, c, q.device)
-    if q8 is not None:  # Q came quantized with q (the prologue): the pre-pass leaves it out
-        qi = dataclasses.replace(op.quantize(q, k, v, vbs, sources=src, with_q=False),
-                                 q8=q8, q_scale=q_scale)
-    else:
-        qi = op.quantize(q, k, v, vbs, sources=src)
+    qi = op.quantize(q, k, v, vbs, sources=layout._sources_on(g, c, q.device))
     if getattr(op, "writes_token_order", False):  # the kernel stores o in THW order itself
         return op.from_quantized(qi, idx, vbs, sm_scale=sm_scale, return_lse=False,
                                  out_rows=layout._slot_tokens_on(g, c, q.device),
@@ -709,8 +701,7 @@ def _block_sparse_attention_8bit_thw(q: torch.Tensor, k: torch.Tensor, v: torch.
 
 
 @_block_sparse_attention_8bit_thw.register_fake
-def _block_sparse_attention_8bit_thw_fake(q, k, v, grid, cube, topk, quant, sm_scale, q8=None,
-                                          q_scale=None):
+def _block_sparse_attention_8bit_thw_fake(q, k, v, grid, cube, topk, quant, sm_scale):
     return torch.empty_like(q)
 
 
@@ -724,7 +715,6 @@ def block_sparse_attention_8bit_thw(
     cube: tuple[int, int, int] = (4, 4, 4),
     quant: str = "int8_fp8",
     sm_scale: float | None = None,
-    q_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Mean-pool block-sparse attention of THW-ordered tokens by an 8-bit recipe, for a model
     that keeps its tokens in THW order (a video DiT's attention processor): ``q``, ``k``, ``v``
@@ -736,12 +726,7 @@ def block_sparse_attention_8bit_thw(
     pooling and the 8-bit pre-pass read each cube's tokens where they lie
     (`tilegen.quant.quantize(..., sources=...)`). Forward only; a custom op
     (``torch.ops.tilegen.block_sparse_attention_8bit_thw``), traced by ``torch.compile``
-    without a graph break.
-
-    ``q_quantized``: ``(q8, q_scale)`` of the recipe already computed from ``q`` at the cube
-    slots (`tilegen.prologue.rms_norm_rope(..., slots=...)` makes them with q), so the
-    pre-pass quantizes K and V only; the result is the same bit for bit. Shapes are checked,
-    values are trusted."""
+    without a graph break."""
     from tilegen import layout
 
     _check_8bit_call("block_sparse_attention_8bit_thw", q, k, v)
@@ -754,20 +739,8 @@ def block_sparse_attention_8bit_thw(
         raise ValueError(f"q, k, v must be one shape (B, T*H*W, H, D) with T*H*W="
                          f"{g[0] * g[1] * g[2]} for grid={g}; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    q8 = q_scale = None
-    if q_quantized is not None:
-        q8, q_scale = q_quantized
-        padded = math.prod(layout.cube_grid(g, c)) * _BLOCK
-        B, _, H, D = q.shape
-        if not (isinstance(q8, torch.Tensor) and isinstance(q_scale, torch.Tensor)) \
-                or q8.dtype != torch.int8 or tuple(q8.shape) != (B, padded, H, D) \
-                or q_scale.dtype != torch.float32 or tuple(q_scale.shape) != (B, H, padded):
-            raise ValueError(f"q_quantized must be (q8 int8 {(B, padded, H, D)}, q_scale fp32 "
-                             f"{(B, H, padded)}) at the cube slots "
-                             "(tilegen.prologue.rms_norm_rope(..., slots=...))")
     return torch.ops.tilegen.block_sparse_attention_8bit_thw(q, k, v, list(g), list(c),
-                                                            int(topk), quant, sm_scale, q8,
-                                                            q_scale)
+                                                            int(topk), quant, sm_scale)
 
 
 # -- the full VSA forward (tilegen.vsa) ---------------------------------------------------------

@@ -27,9 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tilegen.quant import _int8_per_token, _round_int8
-
-__all__ = ["rms_norm_rope", "rms_norm_rope_torch", "rope_tables", "quantize_q_torch"]
+__all__ = ["rms_norm_rope", "rms_norm_rope_torch", "rope_tables"]
 
 
 def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,28 +53,9 @@ def rms_norm_rope_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: 
     return out.flatten(-2).to(x.dtype)
 
 
-def quantize_q_torch(q: torch.Tensor, slots: torch.Tensor, padded_len: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 8-bit recipe's Q (`tilegen.quant`: int8 per token and head, amax / 127) of THW-order
-    ``q`` ``(B, S, H, D)`` written at each token's cube slot (``slots``: `layout.token_slots`):
-    ``q8`` ``(B, padded_len, H, D)`` and ``q_scale`` ``(B, H, padded_len)``, a padded slot's
-    scale 0 and its q8 0 (the GPU kernel leaves a padded slot's q8 unwritten: the 8-bit
-    kernel's score is q8 . k8 times the scale, 0 whatever q8 holds, and a padded row's output
-    is dropped)."""
-    bsz, _, heads, dim = q.shape
-    x = q.float()
-    scale = x.abs().amax(-1) / 127.0
-    q8 = torch.zeros(bsz, padded_len, heads, dim, dtype=torch.int8, device=q.device)
-    q_scale = torch.zeros(bsz, heads, padded_len, dtype=torch.float32, device=q.device)
-    q8[:, slots.long()] = _round_int8(x, scale[..., None])
-    q_scale[:, :, slots.long()] = scale.transpose(1, 2)
-    return q8, q_scale
-
-
 @triton.jit
-def _rms_norm_rope_kernel(X, W, COS, SIN, OUT, SLOTS, Q8, QSCALE, seq_len, padded_len, eps,
-                          x_stride_b, x_stride_s, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-                          HALF: tl.constexpr, WITH_Q8: tl.constexpr):
+def _rms_norm_rope_kernel(X, W, COS, SIN, OUT, seq_len, eps, x_stride_b, x_stride_s,
+                          HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
     # one program a token row, (HEADS_PAD, D) in registers (the padded heads masked); loaded
     # and stored as whole rows of a head (16-byte accesses), split into channel pairs between
     row = tl.program_id(0)
@@ -94,40 +73,20 @@ def _rms_norm_rope_kernel(X, W, COS, SIN, OUT, SLOTS, Q8, QSCALE, seq_len, padde
     c = tl.load(COS + s * HALF + tl.arange(0, HALF))[None, :]
     sn = tl.load(SIN + s * HALF + tl.arange(0, HALF))[None, :]
     out = tl.reshape(tl.join(even * c - odd * sn, even * sn + odd * c), (HEADS_PAD, 2 * HALF))
-    out = out.to(OUT.dtype.element_ty)
-    tl.store(OUT + row * (HEADS * HALF * 2) + col, out, mask=mask)
-    if WITH_Q8:
-        # the 8-bit recipe's Q from the rounded q, each head a row: what the pre-pass would
-        # compute from it, written at the token's cube slot (so the pre-pass skips Q)
-        q8, q_scale = _int8_per_token(out.to(tl.float32))
-        slot = tl.load(SLOTS + s).to(tl.int64)
-        hh = tl.arange(0, HEADS_PAD)
-        tl.store(Q8 + ((b * padded_len + slot) * HEADS + h) * (2 * HALF)
-                 + tl.arange(0, 2 * HALF)[None, :], q8.to(tl.int8), mask=mask)
-        tl.store(QSCALE + (b * HEADS + hh) * padded_len + slot, q_scale, mask=hh < HEADS)
+    tl.store(OUT + row * (HEADS * HALF * 2) + col, out.to(OUT.dtype.element_ty), mask=mask)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
-            sin: torch.Tensor, heads: int, slots: torch.Tensor | None = None,
-            padded_len: int = 0) -> tuple[torch.Tensor, torch.Tensor | None,
-                                          torch.Tensor | None]:
-    """out, and with ``slots`` the recipe's q8 and q_scale at the cube slots."""
+            sin: torch.Tensor, heads: int) -> torch.Tensor:
     bsz, seq, width = x.shape
     half = width // heads // 2
     out = torch.empty(bsz, seq, heads, 2 * half, device=x.device, dtype=x.dtype)
-    q8 = q_scale = None
-    if slots is not None:
-        q8 = torch.empty(bsz, padded_len, heads, 2 * half, device=x.device, dtype=torch.int8)
-        # a padded slot keeps scale 0 (its q8 is never written: 0 x anything is 0)
-        q_scale = torch.zeros(bsz, heads, padded_len, device=x.device, dtype=torch.float32)
     heads_pad = triton.next_power_of_2(heads)
     # 4 warps: 0.463 ms for q and k against 0.517 at 8 and 0.598 at 16 (H100, session 23)
     _rms_norm_rope_kernel[(bsz * seq,)](
-        x, weight, cos, sin, out, slots if slots is not None else cos,
-        q8 if q8 is not None else out, q_scale if q_scale is not None else cos, seq,
-        padded_len, eps, x.stride(0), x.stride(1), HEADS=heads, HEADS_PAD=heads_pad,
-        HALF=half, WITH_Q8=slots is not None, num_warps=4)
-    return out, q8, q_scale
+        x, weight, cos, sin, out, seq, eps, x.stride(0), x.stride(1),
+        HEADS=heads, HEADS_PAD=heads_pad, HALF=half, num_warps=4)
+    return out
 
 
 def _check(name: str, x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor,
@@ -162,8 +121,8 @@ def _rms_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     if q.device.type == "cpu":
         return (rms_norm_rope_torch(q, q_weight, q_eps, cos, sin, heads),
                 rms_norm_rope_torch(k, k_weight, k_eps, cos, sin, heads))
-    return (_launch(q, q_weight, q_eps, cos, sin, heads)[0],
-            _launch(k, k_weight, k_eps, cos, sin, heads)[0])
+    return (_launch(q, q_weight, q_eps, cos, sin, heads),
+            _launch(k, k_weight, k_eps, cos, sin, heads))
 
 
 @_rms_norm_rope.register_fake
@@ -172,61 +131,18 @@ def _rms_norm_rope_fake(q, k, q_weight, k_weight, q_eps, k_eps, cos, sin, heads)
     return q.new_empty(shape), k.new_empty(shape)
 
 
-@torch.library.custom_op("tilegen::rms_norm_rope_q8", mutates_args=())
-def _rms_norm_rope_q8(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-                      k_weight: torch.Tensor, q_eps: float, k_eps: float, cos: torch.Tensor,
-                      sin: torch.Tensor, heads: int, slots: torch.Tensor, padded_len: int
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    if q.device.type == "cpu":
-        qo = rms_norm_rope_torch(q, q_weight, q_eps, cos, sin, heads)
-        return (qo, rms_norm_rope_torch(k, k_weight, k_eps, cos, sin, heads),
-                *quantize_q_torch(qo, slots, padded_len))
-    qo, q8, q_scale = _launch(q, q_weight, q_eps, cos, sin, heads, slots, padded_len)
-    return qo, _launch(k, k_weight, k_eps, cos, sin, heads)[0], q8, q_scale
-
-
-@_rms_norm_rope_q8.register_fake
-def _rms_norm_rope_q8_fake(q, k, q_weight, k_weight, q_eps, k_eps, cos, sin, heads, slots,
-                           padded_len):
-    bsz, seq, width = q.shape
-    shape = (bsz, seq, heads, width // heads)
-    return (q.new_empty(shape), k.new_empty(shape),
-            q.new_empty((bsz, padded_len, heads, width // heads), dtype=torch.int8),
-            q.new_empty((bsz, heads, padded_len), dtype=torch.float32))
-
-
 def rms_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
                   k_weight: torch.Tensor, q_eps: float, k_eps: float, cos: torch.Tensor,
-                  sin: torch.Tensor, heads: int, *, slots: torch.Tensor | None = None,
-                  padded_len: int = 0) -> tuple[torch.Tensor, ...]:
+                  sin: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over all ``heads * D`` channels of each token, then the rotary embedding, of the
     projections ``q`` and ``k`` ``(B, S, heads * D)`` (bf16/fp16, unit channel stride); returns
     ``(B, S, heads, D)`` each, in the input dtype (module docstring for the arithmetic).
     ``cos``/``sin``: fp32 ``(S, D / 2)`` from `rope_tables`. One Triton launch a tensor on a
-    GPU; PyTorch on a CPU.
-
-    With ``slots`` (int32/int64 ``(S,)``, each token's cube slot: `tilegen.layout.token_slots`) and
-    ``padded_len`` (the cube-major padded length) it also returns the 8-bit recipe's Q of the
-    result, ``q8`` ``(B, padded_len, heads, D)`` int8 and ``q_scale`` ``(B, heads,
-    padded_len)`` (`quantize_q_torch`; a padded slot's scale 0), computed from the rows the
-    program holds, bit for bit what `tilegen.quant.quantize` computes from the returned q: the
-    8-bit layer's pre-pass then leaves Q out (``with_q=False``)."""
+    GPU; PyTorch on a CPU."""
     for name, x, w in (("q", q, q_weight), ("k", k, k_weight)):
         _check(name, x, w, cos, sin, heads)
     if k.shape != q.shape or k.dtype != q.dtype:
         raise ValueError(f"q and k must be one shape and dtype; got {tuple(q.shape)} "
                          f"{q.dtype} and {tuple(k.shape)} {k.dtype}")
-    if slots is not None:
-        if slots.dtype not in (torch.int32, torch.int64) \
-                or tuple(slots.shape) != (q.shape[1],) or slots.device != q.device:
-            raise ValueError(f"slots must be int32 or int64 ({q.shape[1]},) on {q.device} "
-                             "(tilegen.layout.token_slots)")
-        if isinstance(padded_len, bool) or not isinstance(padded_len, int) \
-                or padded_len < q.shape[1]:
-            raise ValueError(f"padded_len must be an int of at least {q.shape[1]} (the cube-major "
-                             f"padded length), got {padded_len!r}")
-        return torch.ops.tilegen.rms_norm_rope_q8(q, k, q_weight, k_weight, float(q_eps),
-                                                  float(k_eps), cos, sin, int(heads), slots,
-                                                  padded_len)
     return torch.ops.tilegen.rms_norm_rope(q, k, q_weight, k_weight, float(q_eps), float(k_eps),
                                            cos, sin, int(heads))

@@ -52,9 +52,7 @@ def check_sparsity(value: object, name: str = "sparsity") -> float:
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Triple,
                      cube: Triple, cubes_kept: Callable[[int], int] | int,
-                     quant: str = "none",
-                     q_quantized: tuple[torch.Tensor, torch.Tensor] | None = None
-                     ) -> torch.Tensor:
+                     quant: str = "none") -> torch.Tensor:
     """Block-sparse attention of THW-ordered ``(B, S, H, D)`` tokens, ``S = T*H*W`` of
     ``grid``: cubes, the mean-pool selection of ``cubes_kept`` KV cubes per query cube (an int,
     or a function of the cube count), tilegen's op, tokens back; ``(B, S, H, D)`` in q's dtype.
@@ -64,8 +62,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Tr
     Differentiable in q, k and v (the selection gets no gradient). With ``quant="int8_fp8"``
     the layer is `tilegen.ops.block_sparse_attention_8bit_thw` instead (the same selection;
     the pooling and the 8-bit pre-pass read the tokens in THW order, so q, k and v are never
-    reordered): forward only, on Hopper. ``q_quantized``: that recipe's ``(q8, q_scale)`` of
-    q, made with it by the fused prologue (the pre-pass then quantizes K and V only).
+    reordered): forward only, on Hopper.
     """
     from tilegen.ops import block_sparse_attention, block_sparse_attention_8bit_thw
 
@@ -78,8 +75,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Tr
         n_cubes = math.prod(layout.cube_grid(grid, cube))
         topk = cubes_kept if isinstance(cubes_kept, int) else cubes_kept(n_cubes)
         o = block_sparse_attention_8bit_thw(q.to(work), k.to(work), v.to(work), grid, topk,
-                                            cube=cube, quant=quant,
-                                            q_quantized=q_quantized if q.dtype == work else None)
+                                            cube=cube, quant=quant)
         return o.to(q.dtype)
     # padded slots hold a copy of their cube's first token (one gather, no zero fill): the
     # kernel masks padded keys, the selector pools real tokens only, padded rows are dropped

@@ -332,10 +332,7 @@ class BlockSparseWanAttnProcessor:
         if state.grid is None:
             raise RuntimeError("tilegen: the latent grid is unknown: call the transformer "
                                "itself (its pre-hook reads the grid), not a block alone")
-        # the 8-bit layer on one GPU: Q's int8 comes with q from the fused prologue
-        q8_grid = (state.grid, state.cube) if state.quant != "none" and group is None \
-            and state.calibration is None else None
-        q, k, v, q_quantized = _project(attn, hidden_states, rotary_emb, q8_grid)
+        q, k, v = _project(attn, hidden_states, rotary_emb)
         if state.calibration is not None:
             if group is not None:
                 raise ValueError(_CALIBRATE_CP)
@@ -347,7 +344,7 @@ class BlockSparseWanAttnProcessor:
                                     quant=state.quant)
         else:
             out = sparse_attention(q, k, v, state.grid, state.cube, self.cubes_kept,
-                                   state.quant, q_quantized=q_quantized)
+                                   state.quant)
         out = out.flatten(2, 3).type_as(q)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
@@ -394,35 +391,24 @@ def _share_parallel_config(proc: Any, original: Any) -> None:
 
 
 def _project(attn: torch.nn.Module, hidden: torch.Tensor,
-             rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
-             q8_grid: tuple[Triple, Triple] | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-    """q, k, v (B, S, heads, D) as diffusers' WanAttnProcessor makes them for self-attention,
-    and with ``q8_grid`` (grid, cube), where the fused prologue runs, the 8-bit recipe's
-    ``(q8, q_scale)`` of q at the cube slots (else None)."""
+             rotary_emb: tuple[torch.Tensor, torch.Tensor] | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v (B, S, heads, D) as diffusers' WanAttnProcessor makes them for self-attention."""
     if getattr(attn, "fused_projections", False):
         q, k, v = attn.to_qkv(hidden).chunk(3, dim=-1)
     else:
         q, k, v = attn.to_q(hidden), attn.to_k(hidden), attn.to_v(hidden)
     if _fused_prologue_applies(attn, q, rotary_emb):
         cos, sin = prologue.rope_tables(*rotary_emb)
-        args = (q, k, attn.norm_q.weight, attn.norm_k.weight, _eps(attn.norm_q, q),
-                _eps(attn.norm_k, k), cos, sin, attn.heads)
-        v = v.unflatten(2, (attn.heads, -1))
-        if q8_grid is None:
-            q, k = prologue.rms_norm_rope(*args)
-            return q, k, v, None
-        grid, cube = q8_grid
-        padded = math.prod(layout.cube_grid(grid, cube)) * math.prod(cube)
-        q, k, q8, q_scale = prologue.rms_norm_rope(
-            *args, slots=layout._slots_on(tuple(grid), tuple(cube), q.device),
-            padded_len=padded)
-        return q, k, v, (q8, q_scale)
+        q, k = prologue.rms_norm_rope(q, k, attn.norm_q.weight, attn.norm_k.weight,
+                                      _eps(attn.norm_q, q), _eps(attn.norm_k, k), cos, sin,
+                                      attn.heads)
+        return q, k, v.unflatten(2, (attn.heads, -1))
     q, k = attn.norm_q(q), attn.norm_k(k)
     q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
     if rotary_emb is not None:
         q, k = _apply_rotary(q, *rotary_emb), _apply_rotary(k, *rotary_emb)
-    return q, k, v, None
+    return q, k, v
 
 
 def _fused_prologue_applies(attn: torch.nn.Module, q: torch.Tensor,

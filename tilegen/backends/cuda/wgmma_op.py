@@ -291,14 +291,15 @@ def _quant_op_class():
 
         def quantize(self, q, k, v, vbs, *, with_q: bool = True, sources=None):
             """The pre-pass in the layout this kernel reads (V^T keys in MMA slot order):
-            what `from_quantized` takes. ``with_q=False`` leaves Q out (q8 and q_scale None):
-            the caller sets them (``dataclasses.replace``) before `from_quantized`, which
-            refuses inputs without them. ``sources``: token-order inputs reordered by the same
-            pass (`quant.quantize`)."""
+            what `from_quantized` takes. Q is always quantized (``with_q`` must be True).
+            ``sources``: token-order inputs reordered by the same pass (`quant.quantize`)."""
             from tilegen import quant
 
+            if not with_q:
+                raise ValueError("with_q=False: the CUDA 8-bit kernel reads Q quantized by the "
+                                 "pre-pass")
             return quant.quantize(q, k, v, vbs, self.spec.quant, vt_slots=True,
-                                  sources=sources, with_q=with_q)
+                                  sources=sources)
 
         #: `from_quantized` takes ``out_rows``: o written in the model's token order
         writes_token_order = True
@@ -330,9 +331,6 @@ def _quant_op_class():
                                               sm_scale=sm_scale, return_lse=return_lse)
             import torch
 
-            from tilegen.backends.gluon.quant import _check_quantized, _from_quantized
-
-            _check_quantized(self.spec, quantized, vbs)
             B, S, H, _ = quantized.q8.shape
             if topk_idx.dim() != 4 or tuple(topk_idx.shape[:3]) != (B, H, S // 64):
                 raise ValueError(f"topk_idx of shape {tuple(topk_idx.shape)}: want "
@@ -345,6 +343,8 @@ def _quant_op_class():
             if isinstance(out_len, bool) or not isinstance(out_len, int) or out_len < 1:
                 raise ValueError(f"out_len must be a positive int (the tokens of o), got "
                                  f"{out_len!r}")
+            from tilegen.backends.gluon.quant import _from_quantized
+
             return _from_quantized(self, quantized, vbs,
                                    {"topk_idx": topk_idx, "counts": counts,
                                     "out_rows": out_rows},

@@ -509,7 +509,6 @@ class _QuantLutOp(_QuantOp):
         K/V kept in its format across steps): ``quantized`` is a
         `tilegen.quant.QuantizedInputs` in the layout this op reads. Index values are checked
         on the GPU, as in a call; shapes here."""
-        _check_quantized(self.spec, quantized, vbs)
         B, S, H, _ = quantized.q8.shape
         if topk_idx.dim() != 4 or tuple(topk_idx.shape[:3]) != (B, H, S // 64):
             raise ValueError(f"topk_idx of shape {tuple(topk_idx.shape)}: want "

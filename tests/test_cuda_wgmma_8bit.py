@@ -75,6 +75,18 @@ def test_load_takes_the_faster_family_where_it_builds(caplog):
         op.quantize(q, q, q, vbs, with_q=False)
     with pytest.raises(ValueError, match="forward only"):
         op.forward_for_grad(q, q, q, idx, vbs)
+    # o in token order (out_rows): checked on the host before any launch; the Gluon op refuses
+    qi = op.quantize(q, q, q, vbs)
+    assert op.writes_token_order and not small.writes_token_order
+    rows = torch.arange(128, dtype=torch.int32)
+    with pytest.raises(ValueError, match="out_len goes with out_rows"):
+        op.from_quantized(qi, idx, vbs, out_len=128)
+    with pytest.raises(ValueError, match="contiguous int32"):
+        op.from_quantized(qi, idx, vbs, out_rows=rows.long(), out_len=128)
+    with pytest.raises(ValueError, match="out_len must be"):
+        op.from_quantized(qi, idx, vbs, out_rows=rows, out_len=0)
+    with pytest.raises(ValueError, match="stores o in slot order"):
+        small.from_quantized(qi, idx, vbs, out_rows=rows, out_len=128)
 
 
 def test_render_and_signature():

@@ -168,13 +168,22 @@ def _build_sources(grid: Triple, cube: Triple, device: torch.device | None = Non
     """For each slot of the cube-major padded sequence the token it holds: its own token, or
     for a padded slot the first token of its cube (always real)."""
     vol = cube[0] * cube[1] * cube[2]
+    src, real = _slot_token_map(grid, cube, device)
+    idx = torch.arange(src.numel(), device=device)
+    return torch.where(real, src, src[idx - idx % vol])
+
+
+def _slot_token_map(grid: Triple, cube: Triple, device: torch.device | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each slot's token (0 for a padded slot) and whether the slot is real."""
+    vol = cube[0] * cube[1] * cube[2]
     slots = _build_slots(grid, cube, device)
     size = math.prod(cube_grid(grid, cube)) * vol
     tokens = torch.arange(slots.numel(), device=device)
     src = torch.zeros(size, dtype=torch.int64, device=device).scatter(0, slots, tokens)
     idx = torch.arange(size, device=device)
     real = (idx % vol) < _build_vbs(grid, cube, device).long().repeat_interleave(vol)
-    return torch.where(real, src, src[idx - idx % vol])
+    return src, real
 
 
 @functools.lru_cache(maxsize=32)
@@ -190,10 +199,7 @@ def _sources_on(grid: Triple, cube: Triple, device: torch.device) -> torch.Tenso
 
 def _build_slot_tokens(grid: Triple, cube: Triple, device: torch.device | None = None
                        ) -> torch.Tensor:
-    vol = cube[0] * cube[1] * cube[2]
-    src = _build_sources(grid, cube, device)
-    idx = torch.arange(src.numel(), device=device)
-    real = (idx % vol) < _build_vbs(grid, cube, device).long().repeat_interleave(vol)
+    src, real = _slot_token_map(grid, cube, device)
     return torch.where(real, src, -1).to(torch.int32)
 
 

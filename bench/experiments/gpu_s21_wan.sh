@@ -5,14 +5,7 @@
 #   carry .kcache .whl_wan .whl;  OUT=$OUT TILEGEN_CACHE_DIR=$PWD/.kcache bash bench/experiments/gpu_s21_wan.sh
 set -euo pipefail
 source bench/experiments/gpu_env.sh
-if ! python3 -c "import diffusers" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/wan .whl_wan/diffusers-*.whl
-    export PYTHONPATH=/tmp/wan:$PYTHONPATH
-    if ! python3 -c "import diffusers.models" 2>/tmp/wan_import.log; then
-        tail -3 /tmp/wan_import.log
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/wan .whl_wan/huggingface_hub-*.whl
-    fi
-fi
+source bench/experiments/gpu_wan_env.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
 python3 bench/experiments/h200_wan_step.py --out "$OUT/wan_step.json" --no-graph ${WAN_ARGS:-} 2>&1 \
     | tee "$OUT/wan_step.log"

@@ -7,13 +7,7 @@ set -uo pipefail
 OUT=${OUT:-out/s23_run1}
 mkdir -p "$OUT"
 source bench/experiments/gpu_env.sh
-if ! python3 -c "import diffusers" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/wan .whl_wan/diffusers-*.whl
-    export PYTHONPATH=/tmp/wan:$PYTHONPATH
-    if ! python3 -c "import diffusers.models" 2>/dev/null; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/wan .whl_wan/huggingface_hub-*.whl
-    fi
-fi
+source bench/experiments/gpu_wan_env.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit --format=csv,noheader
 timeout 150 python3 bench/experiments/gpu_s23_prologue.py --out "$OUT/prologue.json" > "$OUT/prologue.log" 2>&1
 echo "prologue rc $?"; tail -14 "$OUT/prologue.log"

@@ -15,13 +15,7 @@ TILEGEN_DB=$OUT/tuning.sqlite timeout 300 python3 -m tilegen.cli tune --spec ben
     --summary "$OUT/summary_int8_fp8.json" > "$OUT/tune_int8_fp8.log" 2>&1
 echo "tune int8_fp8: rc $? in ${SECONDS} s"; grep -E "^winner|^trials|merged|export" "$OUT/tune_int8_fp8.log" | cut -c1-220
 cp tuning_db/winners.json "$OUT/winners.json"
-if ! python3 -c "import diffusers" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/wan .whl_wan/diffusers-*.whl
-    export PYTHONPATH=/tmp/wan:$PYTHONPATH
-    if ! python3 -c "import diffusers.models" 2>/dev/null; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/wan .whl_wan/huggingface_hub-*.whl
-    fi
-fi
+source bench/experiments/gpu_wan_env.sh
 timeout 120 python3 bench/experiments/gpu_s23_prologue.py --out "$OUT/prologue.json" > "$OUT/prologue.log" 2>&1
 echo "prologue rc $?"; head -c 1500 "$OUT/prologue.log"; echo; tail -14 "$OUT/prologue.log"
 timeout ${WAN_TIMEOUT:-300} python3 bench/experiments/h200_wan_step.py --out "$OUT/wan_step.json" --no-graph \

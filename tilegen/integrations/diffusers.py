@@ -14,8 +14,9 @@ with the I2V image branch, keeps diffusers' processor):
 1. the projections, the q/k RMS norms and the rotary embedding as diffusers'
    ``WanAttnProcessor`` computes them; without gradients, the norms and the rotation of bf16 or
    fp16 projections run fused (`tilegen.prologue.rms_norm_rope`: one Triton launch a tensor on a
-   GPU, where ``torch.compile`` makes a reduction kernel of them that rotates in fp64; the same
-   values but where the fp32 rotation rounds to the other neighbouring bf16 value);
+   GPU, where ``torch.compile`` makes one slower reduction kernel of them; the same values as
+   diffusers' eager modules but where the fp32 rotation rounds to the other neighbouring bf16
+   value);
 2. q, k, v reordered from the model's token order (T*H*W after patchify) into cubes
    (`tilegen.layout.to_cubes`; a grid that is not whole cubes pads its edge cubes, their real
    tokens in ``vbs``);

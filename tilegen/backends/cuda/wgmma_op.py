@@ -301,21 +301,14 @@ def _quant_op_class():
             return quant.quantize(q, k, v, vbs, self.spec.quant, vt_slots=True,
                                   sources=sources)
 
-        #: `from_quantized` takes ``out_rows``: o written in the model's token order
-        writes_token_order = True
+        writes_token_order = True  # the epilogue stores o's rows at ``out_rows``
 
         def from_quantized(self, quantized, topk_idx, vbs, counts=None, *, sm_scale=None,
                            return_lse: bool = True, out_rows=None, out_len: int | None = None):
-            """As the 8-bit op's (`_QuantLutOp.from_quantized`); K's scales must be the
-            pre-pass's, one a 32-key half (``quantized.k_scale_group``): this kernel reads
-            one scale a half, so per-key scales would be read wrong, and are refused.
-
-            ``out_rows`` (int32 ``(S,)`` on the inputs' device, with ``out_len``): o comes out
-            ``(B, out_len, H, D)`` with slot ``s``'s row at token ``out_rows[s]`` (the
-            kernel's epilogue stores it there, so no reorder follows); a slot whose entry lies
-            outside ``[0, out_len)`` (-1: a padded slot) is not written, and a token no slot
-            names is left unwritten (`tilegen.layout.slot_tokens` names each token once).
-            Forward only: lse, when asked, stays in slot order."""
+            """As the 8-bit op's (`_QuantLutOp.from_quantized`, ``out_rows`` included); K's
+            scales must be the pre-pass's, one a 32-key half (``quantized.k_scale_group``):
+            this kernel reads one scale a half, so per-key scales would be read wrong, and are
+            refused."""
             from tilegen import quant
 
             if quantized.k_scale_group != quant.K_SCALE_GROUP:
@@ -324,31 +317,9 @@ def _quant_op_class():
                     f"half; these inputs have one a group of {quantized.k_scale_group} "
                     "(QuantizedInputs.k_scale_group): quantize with tilegen.quant.quantize "
                     "(or op.quantize)")
-            if out_rows is None:
-                if out_len is not None:
-                    raise ValueError("out_len goes with out_rows")
-                return super().from_quantized(quantized, topk_idx, vbs, counts,
-                                              sm_scale=sm_scale, return_lse=return_lse)
-            import torch
-
-            B, S, H, _ = quantized.q8.shape
-            if topk_idx.dim() != 4 or tuple(topk_idx.shape[:3]) != (B, H, S // 64):
-                raise ValueError(f"topk_idx of shape {tuple(topk_idx.shape)}: want "
-                                 f"({B}, {H}, {S // 64}, topk)")
-            if not isinstance(out_rows, torch.Tensor) or out_rows.dtype != torch.int32 \
-                    or tuple(out_rows.shape) != (S,) or out_rows.device != quantized.q8.device \
-                    or not out_rows.is_contiguous():
-                raise ValueError(f"out_rows must be a contiguous int32 ({S},) tensor on "
-                                 f"{quantized.q8.device} (tilegen.layout.slot_tokens)")
-            if isinstance(out_len, bool) or not isinstance(out_len, int) or out_len < 1:
-                raise ValueError(f"out_len must be a positive int (the tokens of o), got "
-                                 f"{out_len!r}")
-            from tilegen.backends.gluon.quant import _from_quantized
-
-            return _from_quantized(self, quantized, vbs,
-                                   {"topk_idx": topk_idx, "counts": counts,
-                                    "out_rows": out_rows},
-                                   sm_scale=sm_scale, return_lse=return_lse, out_len=out_len)
+            return super().from_quantized(quantized, topk_idx, vbs, counts, sm_scale=sm_scale,
+                                          return_lse=return_lse, out_rows=out_rows,
+                                          out_len=out_len)
 
     return CudaWgmmaQuantAttention
 

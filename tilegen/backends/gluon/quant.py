@@ -503,18 +503,49 @@ class _QuantLutOp(_QuantOp):
                                 return_lse=return_lse, return_max_prob=return_max_prob,
                                 check_values=check_values)
 
+    #: whether the launch stores o in the caller's token order (``from_quantized``'s
+    #: ``out_rows``): the CUDA wgmma kernel's epilogue does, this family's does not
+    writes_token_order = False
+
     def from_quantized(self, quantized, topk_idx, vbs, counts=None, *, sm_scale=None,
-                       return_lse: bool = True):
+                       return_lse: bool = True, out_rows=None, out_len: int | None = None):
         """The kernel on inputs already quantized by the recipe (`quantize`, or a model's own
         K/V kept in its format across steps): ``quantized`` is a
         `tilegen.quant.QuantizedInputs` in the layout this op reads. Index values are checked
-        on the GPU, as in a call; shapes here."""
+        on the GPU, as in a call; shapes here.
+
+        ``out_rows`` (int32 ``(S,)`` on the inputs' device, with ``out_len``; ops whose
+        ``writes_token_order`` is set): o comes out ``(B, out_len, H, D)`` with slot ``s``'s
+        row at token ``out_rows[s]`` (the kernel's epilogue stores it there, so no reorder
+        follows); a slot whose entry lies outside ``[0, out_len)`` (-1: a padded slot) is not
+        written, and a token no slot names is left unwritten (`tilegen.layout.slot_tokens`
+        names each token once). lse, when asked, stays in slot order."""
+        import torch
+
         B, S, H, _ = quantized.q8.shape
         if topk_idx.dim() != 4 or tuple(topk_idx.shape[:3]) != (B, H, S // 64):
             raise ValueError(f"topk_idx of shape {tuple(topk_idx.shape)}: want "
                              f"({B}, {H}, {S // 64}, topk)")
-        return _from_quantized(self, quantized, vbs, {"topk_idx": topk_idx, "counts": counts},
-                               sm_scale=sm_scale, return_lse=return_lse)
+        plan = {"topk_idx": topk_idx, "counts": counts}
+        if out_rows is None:
+            if out_len is not None:
+                raise ValueError("out_len goes with out_rows")
+        else:
+            if not self.writes_token_order:
+                raise ValueError(f"out_rows: {type(self).__name__}'s kernel stores o in slot "
+                                 "order (layout.from_cubes reorders it); the CUDA wgmma 8-bit "
+                                 "kernel takes out_rows")
+            if not isinstance(out_rows, torch.Tensor) or out_rows.dtype != torch.int32 \
+                    or tuple(out_rows.shape) != (S,) or out_rows.device != quantized.q8.device \
+                    or not out_rows.is_contiguous():
+                raise ValueError(f"out_rows must be a contiguous int32 ({S},) tensor on "
+                                 f"{quantized.q8.device} (tilegen.layout.slot_tokens)")
+            if isinstance(out_len, bool) or not isinstance(out_len, int) or out_len < 1:
+                raise ValueError(f"out_len must be a positive int (the tokens of o), got "
+                                 f"{out_len!r}")
+            plan["out_rows"] = out_rows
+        return _from_quantized(self, quantized, vbs, plan, sm_scale=sm_scale,
+                               return_lse=return_lse, out_len=out_len)
 
 
 def _lut_op():

@@ -319,6 +319,72 @@ def test_prepass_reorders_token_order_inputs_as_to_cubes_does(interpreter, mode)
         quant.quantize_triton(q, k, v, vbs, mode, sources=src.float())
 
 
+def test_prepass_pools_q_and_k_from_its_own_read(interpreter):
+    """``pool=True``: the pass's Q and K programs also sum their tokens, and the cube means it
+    returns are the pooling kernel's (`coarse_gpu.pool_means` of the same token-order inputs,
+    bit for bit under the interpreter), `sparsity.pool_cubes`' up to summation order; the
+    quantized tensors are those of the pass without it, and the selection from the means is
+    `mean_pool_topk`'s. Partial cubes in every axis, three heads (not a power of two)."""
+    from tilegen import layout, sparsity
+    from tilegen.coarse_gpu import pool_means
+
+    grid, cube = (5, 6, 7), (4, 4, 4)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 5 * 6 * 7, 3, 64, generator=g).to(torch.bfloat16)
+               for _ in range(3))
+    k[:, :, 1] += 4.0  # an offset head: the pooled k is k's, not the smoothed k8's
+    src = layout.cube_sources(grid, cube)
+    (qc, vbs), (kc, _) = (layout.to_cubes(t, grid, cube, zero_padding=False) for t in (q, k))
+    plain = quant.quantize_triton(q, k, v, vbs, "int8_fp8", sources=src)
+    assert plain.q_pool is None and plain.k_pool is None
+    for tokens in (32, 64):
+        got = quant.quantize_triton(q, k, v, vbs, "int8_fp8", sources=src, pool=True,
+                                    tokens=tokens)
+        for name in ("q8", "q_scale", "k8", "k_scale", "v8t"):
+            a, b = getattr(got, name), getattr(plain, name)
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+        assert torch.equal(got.q_pool, pool_means(q, vbs, sources=src))
+        assert torch.equal(got.k_pool, pool_means(k, vbs, sources=src))
+        for mine, t in ((got.q_pool, qc), (got.k_pool, kc)):
+            want = sparsity.pool_cubes(t, vbs)
+            # one bf16 rounding step of the sum at most (the interpreter's cast truncates)
+            assert torch.allclose(mine, want, rtol=2 ** -7, atol=1e-6)
+    model = quant.quantize_torch(q, k, v, vbs, "int8_fp8", sources=src, pool=True)
+    assert torch.equal(model.q_pool, sparsity.pool_cubes(qc, vbs))
+    assert torch.equal(model.k_pool, sparsity.pool_cubes(kc, vbs))
+    idx = sparsity.topk_of_means(model.q_pool, model.k_pool, 5)
+    assert torch.equal(idx, sparsity.mean_pool_topk(qc, kc, vbs, 5))
+    with pytest.raises(ValueError, match="with_q"):
+        quant.quantize_triton(q, k, v, vbs, "int8_fp8", with_q=False, pool=True)
+    with pytest.raises(ValueError, match="topk"):
+        sparsity.topk_of_means(model.q_pool, model.k_pool, 10_000)
+    with pytest.raises(ValueError, match="cube means"):
+        sparsity.topk_of_means(model.q_pool, model.k_pool[:, :2], 5)
+
+
+def test_pool_from_sums_rounds_once_and_marks_bad_counts(interpreter):
+    """`coarse_gpu.pool_from_sums`: the chunk sums added in order, rounded once to the dtype,
+    divided by vbs; NaN for a vbs outside 1..block; its input checks."""
+    from tilegen.coarse_gpu import pool_from_sums
+
+    g = torch.Generator().manual_seed(2)
+    sums = torch.randn(3, 9 * 2, 32, generator=g) * 10
+    vbs = torch.tensor([64, 1, 33, 0, 65, 64, 17, 64, 2], dtype=torch.int32)
+    got = pool_from_sums(sums, vbs, torch.bfloat16)
+    pair = sums.view(3, 9, 2, 32)
+    total = (pair[:, :, 0] + pair[:, :, 1]).to(torch.bfloat16).float()
+    ok = (vbs >= 1) & (vbs <= 64)
+    want = total / vbs.clamp(min=1).float().view(1, 9, 1)
+    assert got.shape == (3, 9, 32)
+    assert torch.isnan(got[:, ~ok]).all()
+    # the interpreter's fp32 -> bf16 cast truncates: within one rounding step of torch's
+    assert torch.allclose(got[:, ok], want[:, ok], rtol=2 ** -7, atol=0)
+    with pytest.raises(ValueError, match="fp32"):
+        pool_from_sums(sums.half(), vbs, torch.bfloat16)
+    with pytest.raises(ValueError, match="NC=9"):
+        pool_from_sums(sums[:, :17], vbs, torch.bfloat16)
+
+
 def _prepass_stores(vt_slots: bool) -> dict[str, int]:
     """The global stores of the Triton pre-pass (Q, K and e4m3 V^T) cross-compiled for sm_90a
     with the alignment Triton's launcher specializes on, by SASS opcode (run without the
@@ -334,13 +400,13 @@ def _prepass_stores(vt_slots: bool) -> dict[str, int]:
     from triton.compiler import ASTSource
 
     names = ["Q", "K", "V", "VBS", "Q8", "QSCALE", "K8", "KSCALE", "KMEAN", "V8T", "VSCALE",
-             "VMEAN", "SRC"]
+             "VMEAN", "SRC", "POOL_SUMS"]
     types = ["*bf16"] * 3 + ["*i32", "*i8", "*fp32", "*i8", "*fp32", "*fp32", "*fp8e4nv",
-                             "*fp32", "*fp32", "*i64"]
+                             "*fp32", "*fp32", "*i64", "*fp32"]
     sig = dict(zip(names, types, strict=True))
     sig.update({n: "i32" for n in ("seq_len", "in_len", "num_heads", "batch_heads",
                                    "FIRST_PART")})
-    consts = dict(GATHER=False, FP8_V=True, VT_TILES=False, VT_SLOTS=vt_slots, HEAD_DIM=128,
+    consts = dict(GATHER=False, POOL=False, FP8_V=True, VT_TILES=False, VT_SLOTS=vt_slots, HEAD_DIM=128,
                   BLOCK=64, TOKENS=32, E4M3=448.0, K_GROUP=quant.K_SCALE_GROUP)
     sig.update({c: "constexpr" for c in consts})
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)

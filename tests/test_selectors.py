@@ -208,6 +208,25 @@ def test_row_topk_kernel_matches_torch_with_ties_and_inf(interpreter, rows_per_p
         assert torch.equal(want[2, 1:], ref[2, 1:])  # no ties there: the same as torch.topk
 
 
+def test_scores_kernel_is_the_per_head_product_of_the_means(interpreter):
+    """`coarse_gpu.scores_of_means` (the GPU scores, tf32x3 on the tensor cores) against the
+    fp64 product: GQA heads (query head h reads KV head h // 2), cube counts that are not
+    multiples of the 64-wide tiles, NQ != NKV, and a NaN mean (a bad vbs) kept in its row only.
+    The interpreter multiplies in fp32, so this checks the indexing and masking; the GPU's
+    precision is measured in bench/experiments/gpu_s24_select.py."""
+    from tilegen.coarse_gpu import scores_of_means
+
+    gen = torch.Generator().manual_seed(3)
+    qm = torch.randn(2, 4, 70, 64, generator=gen)
+    km = torch.randn(2, 2, 130, 64, generator=gen)
+    qm[1, 3, 5] = float("nan")
+    got = scores_of_means(qm, km)
+    want = (qm.double() @ km.double().repeat_interleave(2, dim=1).transpose(-1, -2)).float()
+    assert got.shape == (2, 4, 70, 130)
+    assert torch.isnan(got[1, 3, 5]).all() and torch.isnan(got).sum() == 130
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4, equal_nan=True)
+
+
 def test_pool_kernel_matches_pool_cubes(interpreter):
     """The selection path's one-launch pooling (GPU) against `pool_cubes`: the same cube means
     (sum in fp32, rounded once to the input dtype, divided by vbs), padding slots ignored."""

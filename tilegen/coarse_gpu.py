@@ -6,6 +6,10 @@ H200 the launches, not the bytes, set its time: 1.5 ms against a 0.2 ms byte flo
   fp32, one program per (cube, group of up to 4 heads: a contiguous 1 KB row slice): the sum
   in fp32, rounded once to the input dtype, then divided by vbs in fp32 (`sparsity.pool_cubes`'
   arithmetic, up to fp32 summation order).
+* `scores_of_means`: each head's ``qm @ km^T`` of the cube means on the tensor cores, the fp32
+  operands as three TF32 products (cuBLAS runs the batched fp32 GEMM on FMA units).
+* `pool_from_sums`: cube means from chunk sums the 8-bit pre-pass writes as it reads q and k
+  (`tilegen.quant.quantize(..., pool=True)`), so that its selection needs no pooling read.
 * `row_topk_ids`: one warp per row (`ROWS_PER_PROGRAM` rows a program) finds the k-th largest
   score by bisection on its order-preserving int32 bits (32 steps of a count over the row as
   two power-of-two pieces), takes the scores above it and the lowest ids among those equal to
@@ -69,6 +73,87 @@ def pool_means(x: torch.Tensor, vbs: torch.Tensor, block: int = 64,
     _pool_kernel[(nc, b * h // heads)](x, vbs, vbs if sources is None else sources, out,
                                        seq_len, h, nc, HEAD_DIM=d, HEADS=heads, BLOCK=block,
                                        ROWS=8, GATHER=sources is not None, num_warps=2)
+    return out
+
+
+@triton.jit
+def _pool_from_sums_kernel(SUMS, VBS, OUT, nc, DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           CHUNKS: tl.constexpr, CUBES: tl.constexpr, BLOCK: tl.constexpr):
+    """CUBES cubes of one (tensor, batch x head) row of SUMS (R, NC * CHUNKS, D): each cube's
+    chunk sums added in chunk order, rounded once to DTYPE, divided by vbs (`_pool_kernel`'s
+    arithmetic)."""
+    row = tl.program_id(1).to(tl.int64)
+    cubes = tl.program_id(0) * CUBES + tl.arange(0, CUBES)
+    d = tl.arange(0, HEAD_DIM)
+    live = cubes < nc
+    acc = tl.zeros([CUBES, HEAD_DIM], tl.float32)
+    for c in tl.static_range(CHUNKS):
+        ptr = SUMS + ((row * nc + cubes) * CHUNKS + c)[:, None] * HEAD_DIM + d[None, :]
+        acc += tl.load(ptr, mask=live[:, None], other=0.0)
+    n = tl.load(VBS + cubes, mask=live, other=1)
+    ok = (n >= 1) & (n <= BLOCK)
+    mean = acc.to(DTYPE).to(tl.float32) / tl.where(ok, n, 1).to(tl.float32)[:, None]
+    mean = tl.where(ok[:, None], mean, float("nan"))
+    tl.store(OUT + (row * nc + cubes)[:, None] * HEAD_DIM + d[None, :], mean, mask=live[:, None])
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def pool_from_sums(sums: torch.Tensor, vbs: torch.Tensor, dtype: torch.dtype,
+                   block: int = 64) -> torch.Tensor:
+    """Cube means from chunk sums: ``sums`` ``(R, NC * chunks, D)`` fp32, each cube's real
+    tokens summed in ``chunks`` consecutive pieces (the 8-bit pre-pass's ``pool=True``), ->
+    ``(R, NC, D)`` fp32: the sum rounded once to ``dtype``, divided by vbs, NaN for a vbs
+    outside 1..block (`pool_means`' arithmetic, up to fp32 summation order). One launch."""
+    r, rows, d = sums.shape
+    nc = vbs.numel()
+    if sums.dtype != torch.float32 or rows % nc or d & (d - 1) or dtype not in _TL_DTYPES:
+        raise ValueError(f"sums must be fp32 (R, NC * chunks, D) with NC={nc} and a power-of-two "
+                         f"D, dtype one of {list(_TL_DTYPES)}; got {sums.dtype} "
+                         f"{tuple(sums.shape)}, {dtype}")
+    out = torch.empty((r, nc, d), dtype=torch.float32, device=sums.device)
+    cubes = 8
+    _pool_from_sums_kernel[(triton.cdiv(nc, cubes), r)](
+        sums, vbs, out, nc, DTYPE=_TL_DTYPES[dtype], HEAD_DIM=d, CHUNKS=rows // nc,
+        CUBES=cubes, BLOCK=block, num_warps=2)
+    return out
+
+
+@triton.jit
+def _scores_kernel(QM, KM, OUT, nq, nkv, heads, kv_heads, HEAD_DIM: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr):
+    """A (BM, BN) tile of one head's ``qm @ km^T``: fp32 operands on the tensor cores."""
+    bh = tl.program_id(2).to(tl.int64)
+    b = bh // heads
+    hk = (bh % heads) // (heads // kv_heads)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    d = tl.arange(0, HEAD_DIM)
+    a = tl.load(QM + (bh * nq + rows)[:, None] * HEAD_DIM + d[None, :],
+                mask=(rows < nq)[:, None], other=0.0)
+    kb = tl.load(KM + ((b * kv_heads + hk) * nkv + cols)[:, None] * HEAD_DIM + d[None, :],
+                 mask=(cols < nkv)[:, None], other=0.0)
+    s = tl.dot(a, tl.trans(kb), input_precision=PRECISION)
+    tl.store(OUT + (bh * nq + rows)[:, None] * nkv + cols[None, :], s,
+             mask=(rows < nq)[:, None] & (cols < nkv)[None, :])
+
+
+def scores_of_means(qm: torch.Tensor, km: torch.Tensor) -> torch.Tensor:
+    """``qm @ km^T`` per head for cube means ``qm`` ``(B, H, NQ, D)`` and ``km``
+    ``(B, H_kv, NKV, D)`` fp32 (query head h reads KV head h // (H / H_kv)) -> ``(B, H, NQ,
+    NKV)`` fp32, in one launch on the tensor cores with fp32 operands split in three TF32
+    products (``tf32x3``: each product good to about 2^-21, against 2^-24 for an fp32 FMA; the
+    dropped term is the two low parts' product). cuBLAS runs this batched fp32 GEMM on FMA
+    units (143 us a Wan layer on the H100, bench/NOTES.md)."""
+    b, h, nq, d = qm.shape
+    h_kv, nkv = km.shape[1], km.shape[2]
+    qm, km = qm.contiguous(), km.contiguous()
+    out = torch.empty((b, h, nq, nkv), dtype=torch.float32, device=qm.device)
+    bm = bn = 64
+    _scores_kernel[(triton.cdiv(nq, bm), triton.cdiv(nkv, bn), b * h)](
+        qm, km, out, nq, nkv, h, h_kv, HEAD_DIM=d, BM=bm, BN=bn, PRECISION="tf32x3",
+        num_warps=4)
     return out
 
 

@@ -690,8 +690,11 @@ def _block_sparse_attention_8bit_thw(q: torch.Tensor, k: torch.Tensor, v: torch.
     g, c = tuple(grid), tuple(cube)
     op = _quant_op_for(q, quant)  # first: where no kernel loads, the call says so before any work
     vbs = layout.vbs_for_grid(g, c, device=q.device)
-    idx = sparsity.mean_pool_topk_thw(q, k, g, topk, c)
-    qi = op.quantize(q, k, v, vbs, sources=layout._sources_on(g, c, q.device))
+    sparsity._check_topk(topk, vbs.numel())
+    # the selection pools q and k from the pre-pass's read of them (`mean_pool_topk_thw`'s
+    # selection up to fp32 summation order), not from a read of its own
+    qi = op.quantize(q, k, v, vbs, sources=layout._sources_on(g, c, q.device), pool=True)
+    idx = sparsity.topk_of_means(qi.q_pool, qi.k_pool, topk)
     if getattr(op, "writes_token_order", False):  # the kernel stores o in THW order itself
         return op.from_quantized(qi, idx, vbs, sm_scale=sm_scale, return_lse=False,
                                  out_rows=layout._slot_tokens_on(g, c, q.device),

@@ -95,6 +95,10 @@ class QuantizedInputs:
     #: keys that share one K scale: the pre-pass's `K_SCALE_GROUP`; 1 (one a key) for inputs
     #: made another way, which the CUDA kernel refuses (it reads one scale a 32-key half)
     k_scale_group: int = 1
+    #: ``quantize(..., pool=True)``: (B, H, NC, D) fp32 cube means of q and of k over their real
+    #: tokens, from the same read (`sparsity.pool_cubes`' values up to fp32 summation order)
+    q_pool: torch.Tensor | None = None
+    k_pool: torch.Tensor | None = None
 
 
 #: keys a V^T tile holds (the kernels' half tile: 8-bit TMA boxes of V^T are 32 keys wide)
@@ -188,10 +192,11 @@ def _round_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def quantize_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
                    mode: str = "int8_fp8", block: int = 64, *, q_smooth: bool = False,
                    v_smooth: bool = True, vt_tiles: bool = False,
-                   sources: torch.Tensor | None = None) -> QuantizedInputs:
+                   sources: torch.Tensor | None = None, pool: bool = False) -> QuantizedInputs:
     """The pre-pass's arithmetic in PyTorch (fp32), for any device. ``q_smooth=True`` and
     ``v_smooth=False`` are the recipe's ablations (`bench/experiments/int8_recipe.py`); the
-    defaults are what the kernels read. ``sources``: inputs in token order (`quantize`)."""
+    defaults are what the kernels read. ``sources``: inputs in token order; ``pool``: the
+    cube means of q and k too (`quantize`)."""
     _check_mode(mode)
     if sources is not None:
         _check_sources(sources, q.shape[1], block, q.device)
@@ -235,11 +240,16 @@ def quantize_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch
         v8t = v8t.contiguous()
         if vt_tiles:
             v8t = vt_to_tiles(v8t)
+    pooled = {}
+    if pool:
+        from tilegen.sparsity import pool_cubes
+
+        pooled = dict(q_pool=pool_cubes(q, vbs, block), k_pool=pool_cubes(k, vbs, block))
     return QuantizedInputs(mode, q8, per_head(q_scale), k8, per_head(k_scale), k_mean, v8t,
                            v_scale, v_mean,
                            None if q_mean is None else q_mean.permute(0, 2, 1, 3).contiguous(),
                            vt_tiles=vt_tiles and v8t is not None,
-                           k_scale_group=K_SCALE_GROUP)
+                           k_scale_group=K_SCALE_GROUP, **pooled)
 
 
 # -- the pre-pass: Triton (GPU), the statistics, then one pass ------------------------------------
@@ -284,6 +294,26 @@ def _int8_per_group(x, TOKENS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.c
 
 
 @triton.jit
+def _column_sums(x, TOKENS: tl.constexpr, PARTS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A (TOKENS, HEAD_DIM) tile's column sums in PARTS pieces, (PARTS, HEAD_DIM): piece p sums
+    rows with (row // 4) % PARTS == p, the rows one warp of the tile's load layout holds (4
+    rows of 8 lanes x 16 channels, the warps stacked along the rows), so no sum crosses warps
+    (a whole-tile sum: 14 more barriers a program, session 22, bench/NOTES.md)"""
+    g = tl.reshape(x, (TOKENS // (4 * PARTS), PARTS, 4, HEAD_DIM))
+    return tl.sum(tl.sum(g, 2), 0)
+
+
+@triton.jit
+def _store_sums(SUMS, row, chunk, chunks, x, TOKENS: tl.constexpr, PARTS: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
+    """`_column_sums` of a chunk's tile at SUMS[row, chunk * PARTS:(chunk + 1) * PARTS]."""
+    part = tl.arange(0, PARTS)
+    d = tl.arange(0, HEAD_DIM)
+    off = ((row * chunks + chunk) * PARTS + part)[:, None] * HEAD_DIM + d[None, :]
+    tl.store(SUMS + off, _column_sums(x, TOKENS, PARTS, HEAD_DIM))
+
+
+@triton.jit
 def _stats_kernel(K, V, SRC, KMEAN, VSCALE, VMEAN, in_len, num_heads, n_cubes, n_sample,
                   GATHER: tl.constexpr, FP8_V: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK: tl.constexpr, SAMPLE: tl.constexpr, E4M3: tl.constexpr,
@@ -314,8 +344,8 @@ def _stats_kernel(K, V, SRC, KMEAN, VSCALE, VMEAN, in_len, num_heads, n_cubes, n
 
 @triton.jit
 def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, VMEAN, SRC,
-                     seq_len, in_len, num_heads, batch_heads, FIRST_PART,
-                     GATHER: tl.constexpr,
+                     POOL_SUMS, seq_len, in_len, num_heads, batch_heads, FIRST_PART,
+                     GATHER: tl.constexpr, POOL: tl.constexpr, POOL_PARTS: tl.constexpr,
                      FP8_V: tl.constexpr, VT_TILES: tl.constexpr, VT_SLOTS: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                      TOKENS: tl.constexpr, E4M3: tl.constexpr, K_GROUP: tl.constexpr):
@@ -323,7 +353,10 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
     # with a whole cube of all three, 255 registers and spills left one or two programs an SM.
     # Axis 0 is (chunk, batch x head), the heads fastest: programs in flight together read and
     # write each token's heads side by side (whole BSHD rows), not one head's 256 bytes every
-    # H x 256 (-3% on the H100, session 22, bench/NOTES.md)
+    # H x 256 (-3% on the H100, session 22, bench/NOTES.md). POOL: the Q and K programs also
+    # write their tokens' fp32 sums over the real rows, POOL_PARTS a program (POOL_SUMS
+    # (2, B*H, chunks * POOL_PARTS, D)), which `coarse_gpu.pool_from_sums` turns into the
+    # selection's cube means: the pooling's read of q and k, done by this one
     bh = tl.program_id(0).to(tl.int64) % batch_heads
     chunk = tl.program_id(0) // batch_heads
     part = tl.program_id(2) + FIRST_PART
@@ -343,14 +376,19 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
     in_off = ((b * in_len + src) * num_heads + h)[:, None] * HEAD_DIM + d[None, :]
     if part == 0:
         # Q: per-token int8 (no smoothing: the module docstring)
-        q8, q_scale = _int8_per_token(tl.where(valid[:, None], tl.load(Q + in_off).to(tl.float32),
-                                               0.0))
+        q = tl.where(valid[:, None], tl.load(Q + in_off).to(tl.float32), 0.0)
+        q8, q_scale = _int8_per_token(q)
+        if POOL:
+            _store_sums(POOL_SUMS, bh, chunk, seq_len // TOKENS, q, TOKENS, POOL_PARTS, HEAD_DIM)
         tl.store(Q8 + off, q8.to(tl.int8))
         tl.store(QSCALE + bh * seq_len + tok, q_scale)
     elif part == 1:
         # K: smoothed by the sampled mean `_stats_kernel` wrote, per-token int8
         k_mean = tl.load(KMEAN + bh * HEAD_DIM + d)
         k = tl.load(K + in_off).to(tl.float32)
+        if POOL:
+            _store_sums(POOL_SUMS, batch_heads + bh, chunk, seq_len // TOKENS,
+                        tl.where(valid[:, None], k, 0.0), TOKENS, POOL_PARTS, HEAD_DIM)
         k8, k_scale = _int8_per_group(tl.where(valid[:, None], k - k_mean[None, :], 0.0),
                                       TOKENS, K_GROUP, HEAD_DIM)
         tl.store(K8 + off, k8.to(tl.int8))
@@ -380,7 +418,7 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
              mode: str = "int8_fp8", block: int = 64, *, with_q: bool = True,
              vt_tiles: bool = False, vt_slots: bool = False,
-             sources: torch.Tensor | None = None) -> QuantizedInputs:
+             sources: torch.Tensor | None = None, pool: bool = False) -> QuantizedInputs:
     """The pre-pass: Q, K (and V for ``"int8_fp8"``) quantized by the recipe (module
     docstring). On a GPU two Triton launches, no host sync; on a CPU `quantize_torch`.
     ``with_q=False`` leaves Q out on the GPU (q8 and q_scale None: the op's kernel quantizes
@@ -388,7 +426,9 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tenso
     ``vt_slots``: V^T's keys in MMA slot order, in the same pass (module docstring).
     ``sources``: q, k, v come in token order and cube slot ``i`` of the output reads token
     ``sources[i]`` (`tilegen.layout.cube_sources`): the reorder to cubes done by the same pass,
-    the outputs cube-major as without it."""
+    the outputs cube-major as without it. ``pool``: also the cube means of q and k over their
+    real tokens (``q_pool``, ``k_pool``: what `sparsity.mean_pool_topk` scores), from the
+    pass's own read of q and k (a third launch turns its sums into means); needs ``with_q``."""
     import dataclasses
 
     _check_mode(mode)
@@ -396,29 +436,38 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tenso
         raise ValueError("vt_slots orders the e4m3 V^T of int8_fp8 in its natural layout: "
                          "not with vt_tiles, nor for mode 'int8'")
     if q.device.type == "cpu":
-        qi = quantize_torch(q, k, v, vbs, mode, block, vt_tiles=vt_tiles, sources=sources)
+        if pool and not with_q:
+            raise ValueError("pool=True pools q as the pass reads it: not with with_q=False")
+        qi = quantize_torch(q, k, v, vbs, mode, block, vt_tiles=vt_tiles, sources=sources,
+                            pool=pool)
         if vt_slots:
             qi = dataclasses.replace(qi, v8t=vt_to_slots(qi.v8t), vt_slots=True)
         return qi
     return quantize_triton(q, k, v, vbs, mode, block, with_q=with_q, vt_tiles=vt_tiles,
-                           vt_slots=vt_slots, sources=sources)
+                           vt_slots=vt_slots, sources=sources, pool=pool)
 
 
 def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
                     mode: str = "int8_fp8", block: int = 64, *,
                     num_warps: int = 2, tokens: int = 32, with_q: bool = True,
                     vt_tiles: bool = False, vt_slots: bool = False,
-                    sources: torch.Tensor | None = None) -> QuantizedInputs:
+                    sources: torch.Tensor | None = None, pool: bool = False) -> QuantizedInputs:
     """The Triton pre-pass (what `quantize` runs on a GPU; the tests run it under the
     interpreter on CPU tensors); ``tokens`` a program: a power of two from 32 (K's scale
     group) to ``block``.
     The defaults are the H200's fastest (bench/NOTES.md, session 15: K and V in 0.51 ms at the
     default workload against 0.59 for a whole cube on 4 warps). ``vt_slots``: V^T's keys
     written at their MMA slots (`vt_to_slots`), in the same pass. Two launches: the sampled
-    statistics (`_stats_kernel`, one program a head), then the pass."""
+    statistics (`_stats_kernel`, one program a head), then the pass; with ``pool`` a third,
+    `coarse_gpu.pool_from_sums` of the sums the pass's Q and K programs write."""
     _check_mode(mode)
     if vt_slots and vt_tiles:
         raise ValueError("vt_slots orders V^T's keys in its natural layout, not with vt_tiles")
+    if pool and not with_q:
+        raise ValueError("pool=True pools q as the pass reads it: not with with_q=False")
+    if pool and (num_warps & (num_warps - 1) or tokens % (4 * num_warps)):
+        raise ValueError(f"pool=True sums a program's tokens in one piece a warp: tokens={tokens} "
+                         f"must be a multiple of 4 x num_warps={num_warps} (a power of two)")
     if vt_tiles and tokens < VT_TILE:
         raise ValueError(f"vt_tiles: tokens={tokens} must cover a {VT_TILE}-key tile")
     if tokens & (tokens - 1) or block % tokens or tokens < K_SCALE_GROUP:
@@ -447,6 +496,9 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     parts = (3 if fp8 else 2) - (0 if with_q else 1)  # program axis 2: Q, K, V from FIRST_PART
     chunks = n * block // tokens
     src = vbs if sources is None else sources
+    # the Q and K programs' sums, one a warp: (2, B * H, chunks * warps, D); k_scale stands in
+    # without pool
+    pool_sums = torch.empty((2, B * H, chunks * num_warps, D), **f32) if pool else k_scale
     # without fp8 V its statistics are not written: k_mean stands in for the pointers
     _stats_kernel[(B * H,)](
         k, v, src, k_mean, v_scale if fp8 else k_mean, v_mean if fp8 else k_mean, S_in, H, n,
@@ -456,16 +508,24 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     _quantize_kernel[(chunks * B * H, 1, parts)](
         q, k, v, vbs, q8, q_scale, k8, k_scale, k_mean,
         v8t if fp8 else q8, v_scale if fp8 else q_scale, v_mean if fp8 else q_scale, src,
-        S, S_in, H, B * H, 0 if with_q else 1, GATHER=sources is not None,
+        pool_sums, S, S_in, H, B * H, 0 if with_q else 1, GATHER=sources is not None, POOL=pool,
+        POOL_PARTS=num_warps,
         FP8_V=fp8, VT_TILES=vt_tiles,
         VT_SLOTS=vt_slots, HEAD_DIM=D,
         BLOCK=block, TOKENS=tokens, E4M3=E4M3_MAX, K_GROUP=K_SCALE_GROUP, num_warps=num_warps)
     tiles, slots = vt_tiles and fp8, vt_slots and fp8
+    pooled = {}
+    if pool:
+        from tilegen.coarse_gpu import pool_from_sums
+
+        means = pool_from_sums(pool_sums.view(2 * B * H, chunks * num_warps, D), vbs, q.dtype,
+                               block)
+        pooled = dict(q_pool=means[:B * H].view(B, H, n, D), k_pool=means[B * H:].view(B, H, n, D))
     if not with_q:
         return QuantizedInputs(mode, None, None, k8, k_scale, k_mean, v8t, v_scale, v_mean,
                                vt_tiles=tiles, vt_slots=slots, k_scale_group=K_SCALE_GROUP)
     return QuantizedInputs(mode, q8, q_scale, k8, k_scale, k_mean, v8t, v_scale, v_mean,
-                           vt_tiles=tiles, vt_slots=slots, k_scale_group=K_SCALE_GROUP)
+                           vt_tiles=tiles, vt_slots=slots, k_scale_group=K_SCALE_GROUP, **pooled)
 
 
 # -- the emulation --------------------------------------------------------------------------------

@@ -17,6 +17,9 @@ Pooling (:func:`pool_cubes`) is one batched GEMM per tensor, ``(1, block) @ (blo
 cube with 0/1 weights that drop padding slots: it reads ``x`` once, accumulates in fp32 and
 rounds each cube's sum once to ``x``'s dtype (bf16 input: the sum rounded to bf16, as FastVideo's
 ``x.float().sum(...).to(x.dtype)`` rounds its pooled cubes), then divides by ``vbs`` in fp32.
+On the GPU the scores GEMM runs on the tensor cores with its fp32 operands split in three TF32
+products (`tilegen.coarse_gpu.scores_of_means`: products good to about 2^-21 where an fp32 FMA
+is good to 2^-24, so a row whose k-th and next scores lie that close may select the other).
 
 No host sync on the GPU: the selectors are plain torch ops with static shapes (no ``.item()``,
 ``.tolist()`` or data-dependent shapes). Value checks of ``vbs`` run only for CPU tensors (free
@@ -241,7 +244,8 @@ def _scores(q: torch.Tensor, k: torch.Tensor, vbs: torch.Tensor, q_vbs: torch.Te
             block: int, sources: torch.Tensor | None = None) -> torch.Tensor:
     """Unchecked coarse scores ``(B, H, NQ, NKV)`` fp32 for a selection (inputs validated by the
     caller; no gradient): on the GPU through one pooling launch per tensor
-    (`tilegen.coarse_gpu.pool_means`, the same means up to fp32 summation order). ``sources``:
+    (`tilegen.coarse_gpu.pool_means`, the same means up to fp32 summation order) and the
+    scores on the tensor cores (`_scores_of_means`). ``sources``:
     q and k in token order, gathered by the pooling (GPU and a power-of-two head dim only)."""
     d = q.shape[-1]
     if q.is_cuda and d & (d - 1) == 0:  # the kernel's lanes: a power-of-two head dim
@@ -254,7 +258,33 @@ def _scores(q: torch.Tensor, k: torch.Tensor, vbs: torch.Tensor, q_vbs: torch.Te
                          "head dim; reorder with layout.to_cubes elsewhere")
     else:
         qm, km = pool_cubes(q, q_vbs, block), pool_cubes(k, vbs, block)
-    return qm @ _per_query_head(km, q.shape[2]).transpose(-1, -2)
+    return _scores_of_means(qm, km)
+
+
+def _scores_of_means(qm: torch.Tensor, km: torch.Tensor) -> torch.Tensor:
+    """``(B, H, NQ, D)`` and ``(B, H_kv, NKV, D)`` cube means -> ``(B, H, NQ, NKV)`` scores: on a
+    GPU one launch on the tensor cores (`coarse_gpu.scores_of_means`, fp32-level products)."""
+    d = qm.shape[-1]
+    if qm.is_cuda and d & (d - 1) == 0 and 16 <= d <= 256:
+        from tilegen.coarse_gpu import scores_of_means
+
+        return scores_of_means(qm, km)
+    return qm @ _per_query_head(km, qm.shape[1]).transpose(-1, -2)
+
+
+def topk_of_means(qm: torch.Tensor, km: torch.Tensor, topk: int) -> torch.Tensor:
+    """`mean_pool_topk`'s selection from cube means pooled already: ``qm`` ``(B, H, NQ, D)`` and
+    ``km`` ``(B, H_kv, NKV, D)`` fp32 (`pool_cubes`, or the 8-bit pre-pass's
+    ``quantize(..., pool=True)``, which pools q and k from its own read of them). Returns
+    ``(B, H, NQ, topk)`` int32, ascending by cube id."""
+    if qm.dim() != 4 or km.dim() != 4 or qm.shape[0] != km.shape[0] \
+            or qm.shape[3] != km.shape[3] or km.shape[1] == 0 or qm.shape[1] % km.shape[1]:
+        raise ValueError(f"cube means must be (B, H, NQ, D) and (B, H_kv, NKV, D) with H_kv "
+                         f"dividing H; got {tuple(qm.shape)} and {tuple(km.shape)}")
+    topk = _check_topk(topk, km.shape[2])
+    from tilegen.coarse_gpu import row_topk_ids
+
+    return row_topk_ids(_scores_of_means(qm, km), topk)
 
 
 def _per_query_head(km: torch.Tensor, heads: int) -> torch.Tensor:
@@ -318,8 +348,8 @@ def mean_pool_topk_thw(
 ) -> torch.Tensor:
     """`mean_pool_topk` of THW-ordered tokens, without reordering them: ``q``, ``k`` are
     ``(B, T*H*W, H, D)`` (k's heads may divide q's) over ``grid``; the selection equals
-    ``mean_pool_topk(to_cubes(q), to_cubes(k), vbs, topk)`` (up to fp32 summation order on
-    the GPU, where the pooling reads each cube's tokens where they lie). Returns
+    ``mean_pool_topk(to_cubes(q), to_cubes(k), vbs, topk)`` (up to fp32 summation order in
+    the means on the GPU, where the pooling reads each cube's tokens where they lie). Returns
     ``(B, H, NQ, topk)`` int32, ascending by cube id."""
     g, c = layout._triple(grid, "grid"), layout._triple(cube, "cube")
     n_tok, block = g[0] * g[1] * g[2], math.prod(c)

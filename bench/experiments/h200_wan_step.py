@@ -282,16 +282,23 @@ def main() -> int:
             cube_major = layout.from_cubes(
                 block_sparse_attention_8bit(qc, kc, vc, idx, vbs, quant=quant), grid)
             idx_thw = sparsity.mean_pool_topk_thw(q, k, grid, kept)
+            # the THW op's own selection: from the cube means its pre-pass pools
+            op8 = _quant_op_for(q, quant)
+            src = layout.cube_sources(grid, device=dev)
+            pooled = op8.quantize(q, k, v, vbs, sources=src, pool=True)
+            idx_prepass = sparsity.topk_of_means(pooled.q_pool, pooled.k_pool, kept)
             o_bf16 = layout.from_cubes(block_sparse_attention(qc, kc, vc, idx, vbs), grid)
             result["thw_8bit_check"] = {
                 "selection_equal": bool(torch.equal(idx_thw, idx)),
+                "prepass_selection_equal": bool(torch.equal(idx_prepass, idx)),
+                "prepass_pool_max_abs_diff": max(
+                    (pooled.q_pool - sparsity.pool_cubes(qc, vbs)).abs().max().item(),
+                    (pooled.k_pool - sparsity.pool_cubes(kc, vbs)).abs().max().item()),
                 "o_equal_cube_major_path": bool(torch.equal(thw, cube_major)),
                 "rel_l1_vs_bf16_layer": rel(thw.float(), o_bf16.float()),
                 "finite": bool(torch.isfinite(thw).all())}
             say(f"thw_8bit_check: {result['thw_8bit_check']}")
-            del thw, cube_major, o_bf16
-            op8 = _quant_op_for(q, quant)
-            src = layout.cube_sources(grid, device=dev)
+            del thw, cube_major, o_bf16, pooled
             qi = op8.quantize(q, k, v, vbs, sources=src)
             rows[f"attn_tilegen_processor_{quant}"] = {"ms": _bench_ms(
                 lambda: sparse_attention(q, k, v, grid, (4, 4, 4), kept, quant))}
@@ -301,6 +308,12 @@ def main() -> int:
                 lambda: sparsity.mean_pool_topk_thw(q, k, grid, kept))}
             rows[f"attn_prepass_thw_{quant}"] = {"ms": _bench_ms(
                 lambda: op8.quantize(q, k, v, vbs, sources=src))}
+            rows[f"attn_prepass_thw_pool_{quant}"] = {"ms": _bench_ms(
+                lambda: op8.quantize(q, k, v, vbs, sources=src, pool=True))}
+            means = op8.quantize(q, k, v, vbs, sources=src, pool=True)
+            rows["attn_select_from_means"] = {"ms": _bench_ms(
+                lambda: sparsity.topk_of_means(means.q_pool, means.k_pool, kept))}
+            del means
             rows[f"attn_kernel_from_quantized_{quant}"] = {"ms": _bench_ms(
                 lambda: op8.from_quantized(qi, idx, vbs, return_lse=False))}
             rows["attn_from_cubes"] = {"ms": _bench_ms(
@@ -314,6 +327,7 @@ def main() -> int:
                 names_token = [f"attn_kernel_from_quantized_token_order_{quant}"]
             names += [f"attn_tilegen_processor_{quant}", f"attn_tilegen_kernel_op_{quant}",
                       "attn_select_thw", f"attn_prepass_thw_{quant}",
+                      f"attn_prepass_thw_pool_{quant}", "attn_select_from_means",
                       f"attn_kernel_from_quantized_{quant}", "attn_from_cubes", *names_token]
             del qi
     for name in names:

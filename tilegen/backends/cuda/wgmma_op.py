@@ -289,17 +289,19 @@ def _quant_op_class():
         def _quant_launch(self, cfg: KernelConfig):
             return WgmmaQuantLaunch(self.spec.kernel_spec, cfg, self.target)
 
-        def quantize(self, q, k, v, vbs, *, with_q: bool = True, sources=None):
+        def quantize(self, q, k, v, vbs, *, with_q: bool = True, sources=None,
+                     pool: bool = False):
             """The pre-pass in the layout this kernel reads (V^T keys in MMA slot order):
             what `from_quantized` takes. Q is always quantized (``with_q`` must be True).
-            ``sources``: token-order inputs reordered by the same pass (`quant.quantize`)."""
+            ``sources``: token-order inputs reordered by the same pass; ``pool``: the cube
+            means of q and k as well (`quant.quantize`)."""
             from tilegen import quant
 
             if not with_q:
                 raise ValueError("with_q=False: the CUDA 8-bit kernel reads Q quantized by the "
                                  "pre-pass")
             return quant.quantize(q, k, v, vbs, self.spec.quant, vt_slots=True,
-                                  sources=sources)
+                                  sources=sources, pool=pool)
 
         writes_token_order = True  # the epilogue stores o's rows at ``out_rows``
 

@@ -406,8 +406,9 @@ def _prepass_stores(vt_slots: bool) -> dict[str, int]:
     sig = dict(zip(names, types, strict=True))
     sig.update({n: "i32" for n in ("seq_len", "in_len", "num_heads", "batch_heads",
                                    "FIRST_PART")})
-    consts = dict(GATHER=False, POOL=False, FP8_V=True, VT_TILES=False, VT_SLOTS=vt_slots, HEAD_DIM=128,
-                  BLOCK=64, TOKENS=32, E4M3=448.0, K_GROUP=quant.K_SCALE_GROUP)
+    consts = dict(GATHER=False, POOL=False, POOL_PARTS=2, FP8_V=True, VT_TILES=False,
+                  VT_SLOTS=vt_slots, HEAD_DIM=128, BLOCK=64, TOKENS=32, E4M3=448.0,
+                  K_GROUP=quant.K_SCALE_GROUP)
     sig.update({c: "constexpr" for c in consts})
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
                if sig[n].startswith("*") or n == "seq_len"}

@@ -46,7 +46,7 @@ import torch
 from tilegen import layout
 
 __all__ = ["lut_to_mask", "mask_to_lut", "pool_cubes", "coarse_scores", "mean_pool_topk",
-           "mean_pool_topk_thw",
+           "mean_pool_topk_thw", "topk_of_means",
            "cdf_select", "cdf_mask", "adjacency_mask", "jenga_mask", "jenga_lut",
            "ADJACENCY", "ranked_topk", "adaptive_topk", "cut_lut",
            "ADAPTIVE_DEFAULTS"]

@@ -8,9 +8,11 @@ OUT=${OUT:-out/s24_run1}
 mkdir -p "$OUT"
 source bench/experiments/gpu_env.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit --format=csv,noheader
-timeout 150 python3 bench/experiments/gpu_s24_select.py --out "$OUT/select.json" \
-    > "$OUT/select.log" 2>&1
-echo "select rc $?"; grep -E "^check|^\| " "$OUT/select.log" | cut -c1-160
+if [[ "${SELECT:-1}" = 1 ]]; then  # SELECT=0: the step alone
+    timeout 150 python3 bench/experiments/gpu_s24_select.py --out "$OUT/select.json" \
+        > "$OUT/select.log" 2>&1
+    echo "select rc $?"; grep -E "^check|^\| " "$OUT/select.log" | cut -c1-160
+fi
 [[ "${STEP:-1}" = 1 ]] || exit 0
 source bench/experiments/gpu_wan_env.sh
 timeout ${WAN_TIMEOUT:-200} python3 bench/experiments/h200_wan_step.py --out "$OUT/wan_step.json" \

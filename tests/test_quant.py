@@ -324,31 +324,42 @@ def test_prepass_pools_q_and_k_from_its_own_read(interpreter):
     returns are the pooling kernel's (`coarse_gpu.pool_means` of the same token-order inputs,
     bit for bit under the interpreter), `sparsity.pool_cubes`' up to summation order; the
     quantized tensors are those of the pass without it, and the selection from the means is
-    `mean_pool_topk`'s. Partial cubes in every axis, three heads (not a power of two)."""
+    `mean_pool_topk`'s. Partial cubes in every axis, two batches of three heads (the K sums'
+    rows start after all B x H of Q's), head dims 64 and 128 (8 and 4 rows a warp), one to
+    four sums a program, inputs in token order and cube-major."""
     from tilegen import layout, sparsity
     from tilegen.coarse_gpu import pool_means
 
     grid, cube = (5, 6, 7), (4, 4, 4)
     g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 5 * 6 * 7, 3, 64, generator=g).to(torch.bfloat16)
-               for _ in range(3))
-    k[:, :, 1] += 4.0  # an offset head: the pooled k is k's, not the smoothed k8's
-    src = layout.cube_sources(grid, cube)
-    (qc, vbs), (kc, _) = (layout.to_cubes(t, grid, cube, zero_padding=False) for t in (q, k))
-    plain = quant.quantize_triton(q, k, v, vbs, "int8_fp8", sources=src)
-    assert plain.q_pool is None and plain.k_pool is None
-    for tokens in (32, 64):
-        got = quant.quantize_triton(q, k, v, vbs, "int8_fp8", sources=src, pool=True,
-                                    tokens=tokens)
-        for name in ("q8", "q_scale", "k8", "k_scale", "v8t"):
-            a, b = getattr(got, name), getattr(plain, name)
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
-        assert torch.equal(got.q_pool, pool_means(q, vbs, sources=src))
-        assert torch.equal(got.k_pool, pool_means(k, vbs, sources=src))
-        for mine, t in ((got.q_pool, qc), (got.k_pool, kc)):
-            want = sparsity.pool_cubes(t, vbs)
-            # one bf16 rounding step of the sum at most (the interpreter's cast truncates)
-            assert torch.allclose(mine, want, rtol=2 ** -7, atol=1e-6)
+    for dim, shapes in ((64, ((32, 2), (64, 4), (32, 1))), (128, ((32, 4),))):
+        q, k, v = (torch.randn(2, 5 * 6 * 7, 3, dim, generator=g).to(torch.bfloat16)
+                   for _ in range(3))
+        k[:, :, 1] += 4.0  # an offset head: the pooled k is k's, not the smoothed k8's
+        q[1] *= 3.0        # the batches apart
+        src = layout.cube_sources(grid, cube)
+        (qc, vbs), (kc, _) = (layout.to_cubes(t, grid, cube, zero_padding=False)
+                              for t in (q, k))
+        plain = quant.quantize_triton(q, k, v, vbs, "int8_fp8", sources=src)
+        assert plain.q_pool is None and plain.k_pool is None
+        for tokens, warps in shapes:
+            for sources, qin, kin, vin in ((src, q, k, v), (None, qc, kc, layout.to_cubes(
+                    v, grid, cube, zero_padding=False)[0])):
+                got = quant.quantize_triton(qin, kin, vin, vbs, "int8_fp8", sources=sources,
+                                            pool=True, tokens=tokens, num_warps=warps)
+                for name in ("q8", "q_scale", "k8", "k_scale", "v8t"):
+                    a, b = getattr(got, name), getattr(plain, name)
+                    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+                # equal here, not only close: the two kernels sum in other orders, but for these
+                # inputs the fp32 sums round to the same bf16 values (another seed might move
+                # one by its last bit)
+                assert torch.equal(got.q_pool, pool_means(q, vbs, sources=src))
+                assert torch.equal(got.k_pool, pool_means(k, vbs, sources=src))
+                for mine, t in ((got.q_pool, qc), (got.k_pool, kc)):
+                    want = sparsity.pool_cubes(t, vbs)
+                    # one bf16 rounding step of the sum at most (the interpreter's cast
+                    # truncates)
+                    assert torch.allclose(mine, want, rtol=2 ** -7, atol=1e-6)
     model = quant.quantize_torch(q, k, v, vbs, "int8_fp8", sources=src, pool=True)
     assert torch.equal(model.q_pool, sparsity.pool_cubes(qc, vbs))
     assert torch.equal(model.k_pool, sparsity.pool_cubes(kc, vbs))
@@ -379,10 +390,19 @@ def test_pool_from_sums_rounds_once_and_marks_bad_counts(interpreter):
     assert torch.isnan(got[:, ~ok]).all()
     # the interpreter's fp32 -> bf16 cast truncates: within one rounding step of torch's
     assert torch.allclose(got[:, ok], want[:, ok], rtol=2 ** -7, atol=0)
+    # a strided view reads as its values, not as the raw memory under it
+    wide = torch.randn(3, 18, 64, generator=g)
+    torch.testing.assert_close(pool_from_sums(wide[:, :, ::2], vbs, torch.bfloat16),
+                               pool_from_sums(wide[:, :, ::2].contiguous(), vbs, torch.bfloat16),
+                               rtol=0, atol=0, equal_nan=True)
     with pytest.raises(ValueError, match="fp32"):
         pool_from_sums(sums.half(), vbs, torch.bfloat16)
     with pytest.raises(ValueError, match="NC=9"):
         pool_from_sums(sums[:, :17], vbs, torch.bfloat16)
+    with pytest.raises(ValueError, match="NC=0"):
+        pool_from_sums(sums, vbs[:0], torch.bfloat16)
+    with pytest.raises(ValueError, match="R, NC"):
+        pool_from_sums(sums[0], vbs, torch.bfloat16)
 
 
 def _prepass_stores(vt_slots: bool) -> dict[str, int]:
@@ -391,6 +411,15 @@ def _prepass_stores(vt_slots: bool) -> dict[str, int]:
     interpreter: `pytorch_path_run`)."""
     import collections
     import re
+
+    sass = _prepass_sass(vt_slots=vt_slots)
+    return dict(collections.Counter(re.findall(r"\bSTG\.E[.\w]*", sass)))
+
+
+def _prepass_sass(*, vt_slots: bool = True, pool: bool = False, head_dim: int = 128,
+                  gather: bool = False) -> str:
+    """The Triton pre-pass (32 tokens, 2 warps, as `quantize_triton` launches it) cross-compiled
+    for sm_90a: its SASS text."""
     import subprocess
     import tempfile
     from pathlib import Path
@@ -406,9 +435,9 @@ def _prepass_stores(vt_slots: bool) -> dict[str, int]:
     sig = dict(zip(names, types, strict=True))
     sig.update({n: "i32" for n in ("seq_len", "in_len", "num_heads", "batch_heads",
                                    "FIRST_PART")})
-    consts = dict(GATHER=False, POOL=False, POOL_PARTS=2, FP8_V=True, VT_TILES=False,
-                  VT_SLOTS=vt_slots, HEAD_DIM=128, BLOCK=64, TOKENS=32, E4M3=448.0,
-                  K_GROUP=quant.K_SCALE_GROUP)
+    consts = dict(GATHER=gather, POOL=pool, POOL_PARTS=2, POOL_LANE_ROWS=512 // head_dim,
+                  FP8_V=True, VT_TILES=False, VT_SLOTS=vt_slots, HEAD_DIM=head_dim, BLOCK=64,
+                  TOKENS=32, E4M3=448.0, K_GROUP=quant.K_SCALE_GROUP)
     sig.update({c: "constexpr" for c in consts})
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
                if sig[n].startswith("*") or n == "seq_len"}
@@ -418,15 +447,33 @@ def _prepass_stores(vt_slots: bool) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as d:
         cubin = Path(d) / "prepass.cubin"
         cubin.write_bytes(k.asm["cubin"])
-        sass = subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True,
-                              check=True).stdout
-    return dict(collections.Counter(re.findall(r"\bSTG\.E[.\w]*", sass)))
+        return subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True,
+                              text=True, check=True).stdout
 
 
 def check_slot_order_stores() -> None:
     natural, slotted = _prepass_stores(False), _prepass_stores(True)
     assert slotted == natural and "STG.E.U8" not in slotted and natural.get("STG.E.128", 0) > 0, \
         (natural, slotted)
+
+
+def check_pooling_sums_stay_in_their_warps() -> None:
+    import re
+
+    for head_dim in (64, 128):
+        plain, pooled = (len(re.findall(r"\bBAR\.", _prepass_sass(pool=p, head_dim=head_dim,
+                                                                   gather=True)))
+                         for p in (False, True))
+        # a sum across the program's warps costs 14 barriers more (session 22); one a warp 2
+        assert pooled <= plain + 4, (head_dim, plain, pooled)
+
+
+def test_the_pooling_pass_sums_each_warps_rows_apart(pytorch_path_run):
+    """``quantize(..., pool=True)`` sums the rows each warp of the load layout holds, so its
+    column sums need no exchange across warps: at 64 and 128 channels (8 and 4 rows a warp)
+    the pass builds with at most 4 more barriers than without pooling (session 22's
+    whole-tile sums: 14 more, and the pass 0.2 ms slower on the H100)."""
+    pytorch_path_run("test_quant", "check_pooling_sums_stay_in_their_warps()")
 
 
 def test_the_mma_slot_order_keeps_the_prepass_stores_vectorized(pytorch_path_run):

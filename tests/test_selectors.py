@@ -217,14 +217,73 @@ def test_scores_kernel_is_the_per_head_product_of_the_means(interpreter):
     from tilegen.coarse_gpu import scores_of_means
 
     gen = torch.Generator().manual_seed(3)
-    qm = torch.randn(2, 4, 70, 64, generator=gen)
-    km = torch.randn(2, 2, 130, 64, generator=gen)
-    qm[1, 3, 5] = float("nan")
-    got = scores_of_means(qm, km)
-    want = (qm.double() @ km.double().repeat_interleave(2, dim=1).transpose(-1, -2)).float()
-    assert got.shape == (2, 4, 70, 130)
-    assert torch.isnan(got[1, 3, 5]).all() and torch.isnan(got).sum() == 130
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4, equal_nan=True)
+    for dim in (64, 256):  # 256: the channels in 64-wide steps
+        qm = torch.randn(2, 4, 70, dim, generator=gen)
+        km = torch.randn(2, 2, 130, dim, generator=gen)
+        qm[1, 3, 5] = float("nan")
+        got = scores_of_means(qm, km)
+        want = (qm.double() @ km.double().repeat_interleave(2, dim=1).transpose(-1, -2)).float()
+        assert got.shape == (2, 4, 70, 130)
+        assert torch.isnan(got[1, 3, 5]).all() and torch.isnan(got).sum() == 130
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-4, equal_nan=True)
+    with pytest.raises(ValueError, match="H_kv dividing H"):
+        scores_of_means(qm[:, :3], km)
+    with pytest.raises(ValueError, match="fp32"):
+        scores_of_means(qm.double(), km)
+    with pytest.raises(ValueError, match="fp32"):
+        scores_of_means(qm, km[..., :64])
+    with pytest.raises(ValueError, match="power of two from 16"):
+        scores_of_means(qm[..., :48], km[..., :48])
+
+
+def _scores_kernel_sass(head_dim: int) -> tuple[dict[str, int], str]:
+    """`coarse_gpu.scores_of_means`' kernel as launched for ``head_dim``, cross-compiled for
+    sm_90a: its wgmma instructions by shape, and its register/stack line (run without the
+    interpreter: `pytorch_path_run`)."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tilegen.coarse_gpu import _scores_kernel
+
+    sig = {"QM": "*fp32", "KM": "*fp32", "OUT": "*fp32", "nq": "i32", "nkv": "i32",
+           "heads": "i32", "kv_heads": "i32"}
+    consts = dict(HEAD_DIM=head_dim, BM=64, BN=64, BK=head_dim if head_dim <= 128 else 64,
+                  PRECISION="tf32x3")
+    sig.update({c: "constexpr" for c in consts})
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(3)}
+    k = triton.compile(ASTSource(_scores_kernel, sig, consts, attrs=aligned),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as d:
+        cubin = Path(d) / "scores.cubin"
+        cubin.write_bytes(k.asm["cubin"])
+        sass = subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+        usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True,
+                               text=True, check=True).stdout.splitlines()[-1]
+    return dict(collections.Counter(re.findall(r"\bHGMMA\.[\w.]+", sass))), usage
+
+
+def check_scores_kernel_is_tf32x3_without_spills() -> None:
+    for dim in (64, 128, 256):
+        mmas, usage = _scores_kernel_sass(dim)
+        # three TF32 products a k-step of 8 channels over the 64 x 64 tile: tf32x3, not tf32
+        assert mmas == {"HGMMA.64x64x8.F32.TF32": 3 * dim // 8}, (dim, mmas)
+        assert "STACK:0 " in usage and "LOCAL:0 " in usage, (dim, usage)
+
+
+def test_scores_kernel_builds_tf32x3_without_spills(pytorch_path_run):
+    """The scores kernel as `scores_of_means` launches it, cross-compiled for sm_90a: three
+    TF32 wgmma a k-step (the interpreter multiplies in fp32 and cannot tell tf32 from tf32x3)
+    and no spills at 64, 128 and 256 channels."""
+    pytorch_path_run("test_selectors", "check_scores_kernel_is_tf32x3_without_spills()")
 
 
 def test_pool_kernel_matches_pool_cubes(interpreter):

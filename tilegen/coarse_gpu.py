@@ -106,12 +106,16 @@ def pool_from_sums(sums: torch.Tensor, vbs: torch.Tensor, dtype: torch.dtype,
     tokens summed in ``chunks`` consecutive pieces (the 8-bit pre-pass's ``pool=True``), ->
     ``(R, NC, D)`` fp32: the sum rounded once to ``dtype``, divided by vbs, NaN for a vbs
     outside 1..block (`pool_means`' arithmetic, up to fp32 summation order). One launch."""
-    r, rows, d = sums.shape
     nc = vbs.numel()
-    if sums.dtype != torch.float32 or rows % nc or d & (d - 1) or dtype not in _TL_DTYPES:
-        raise ValueError(f"sums must be fp32 (R, NC * chunks, D) with NC={nc} and a power-of-two "
-                         f"D, dtype one of {list(_TL_DTYPES)}; got {sums.dtype} "
-                         f"{tuple(sums.shape)}, {dtype}")
+    if sums.dim() != 3 or sums.dtype != torch.float32 or nc == 0 or sums.shape[1] % nc \
+            or sums.shape[2] & (sums.shape[2] - 1) or dtype not in _TL_DTYPES \
+            or vbs.device != sums.device:
+        raise ValueError(f"sums must be fp32 (R, NC * chunks, D) with NC={nc} (vbs, on sums' "
+                         f"device) and a power-of-two D, dtype one of {list(_TL_DTYPES)}; got "
+                         f"{sums.dtype} {tuple(sums.shape)} on {sums.device}, vbs on "
+                         f"{vbs.device}, {dtype}")
+    r, rows, d = sums.shape
+    sums, vbs = sums.contiguous(), vbs.contiguous()
     out = torch.empty((r, nc, d), dtype=torch.float32, device=sums.device)
     cubes = 8
     _pool_from_sums_kernel[(triton.cdiv(nc, cubes), r)](
@@ -122,19 +126,23 @@ def pool_from_sums(sums: torch.Tensor, vbs: torch.Tensor, dtype: torch.dtype,
 
 @triton.jit
 def _scores_kernel(QM, KM, OUT, nq, nkv, heads, kv_heads, HEAD_DIM: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr):
-    """A (BM, BN) tile of one head's ``qm @ km^T``: fp32 operands on the tensor cores."""
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """A (BM, BN) tile of one head's ``qm @ km^T``: fp32 operands on the tensor cores, BK
+    channels a step (the whole head up to 128; 64 for 256, whose whole operands spill)."""
     bh = tl.program_id(2).to(tl.int64)
     b = bh // heads
     hk = (bh % heads) // (heads // kv_heads)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    d = tl.arange(0, HEAD_DIM)
-    a = tl.load(QM + (bh * nq + rows)[:, None] * HEAD_DIM + d[None, :],
-                mask=(rows < nq)[:, None], other=0.0)
-    kb = tl.load(KM + ((b * kv_heads + hk) * nkv + cols)[:, None] * HEAD_DIM + d[None, :],
-                 mask=(cols < nkv)[:, None], other=0.0)
-    s = tl.dot(a, tl.trans(kb), input_precision=PRECISION)
+    s = tl.zeros([BM, BN], tl.float32)
+    for d0 in tl.static_range(0, HEAD_DIM, BK):
+        d = d0 + tl.arange(0, BK)
+        a = tl.load(QM + (bh * nq + rows)[:, None] * HEAD_DIM + d[None, :],
+                    mask=(rows < nq)[:, None], other=0.0)
+        kb = tl.load(KM + ((b * kv_heads + hk) * nkv + cols)[:, None] * HEAD_DIM + d[None, :],
+                     mask=(cols < nkv)[:, None], other=0.0)
+        s = tl.dot(a, tl.trans(kb), s, input_precision=PRECISION)
     tl.store(OUT + (bh * nq + rows)[:, None] * nkv + cols[None, :], s,
              mask=(rows < nq)[:, None] & (cols < nkv)[None, :])
 
@@ -145,15 +153,26 @@ def scores_of_means(qm: torch.Tensor, km: torch.Tensor) -> torch.Tensor:
     NKV)`` fp32, in one launch on the tensor cores with fp32 operands split in three TF32
     products (``tf32x3``: each product good to about 2^-21, against 2^-24 for an fp32 FMA; the
     dropped term is the two low parts' product). cuBLAS runs this batched fp32 GEMM on FMA
-    units (143 us a Wan layer on the H100, bench/NOTES.md)."""
+    units (143 us a Wan layer on the H100, bench/NOTES.md). An infinite mean scores NaN here
+    (its low part is inf - inf), where an fp32 GEMM gives +-inf; finite means only overflow
+    if their products do. D a power of two from 16 to 256."""
+    if qm.dim() != 4 or km.dim() != 4 or qm.dtype != torch.float32 \
+            or km.dtype != torch.float32 or qm.device != km.device \
+            or qm.shape[0] != km.shape[0] or qm.shape[3] != km.shape[3] \
+            or km.shape[1] == 0 or qm.shape[1] % km.shape[1]:
+        raise ValueError(f"cube means must be fp32 (B, H, NQ, D) and (B, H_kv, NKV, D) on one "
+                         f"device with H_kv dividing H; got {qm.dtype} {tuple(qm.shape)} on "
+                         f"{qm.device} and {km.dtype} {tuple(km.shape)} on {km.device}")
     b, h, nq, d = qm.shape
+    if d & (d - 1) or not 16 <= d <= 256:
+        raise ValueError(f"head_dim {d}: the scores kernel takes a power of two from 16 to 256")
     h_kv, nkv = km.shape[1], km.shape[2]
     qm, km = qm.contiguous(), km.contiguous()
     out = torch.empty((b, h, nq, nkv), dtype=torch.float32, device=qm.device)
     bm = bn = 64
     _scores_kernel[(triton.cdiv(nq, bm), triton.cdiv(nkv, bn), b * h)](
-        qm, km, out, nq, nkv, h, h_kv, HEAD_DIM=d, BM=bm, BN=bn, PRECISION="tf32x3",
-        num_warps=4)
+        qm, km, out, nq, nkv, h, h_kv, HEAD_DIM=d, BM=bm, BN=bn, BK=d if d <= 128 else 64,
+        PRECISION="tf32x3", num_warps=4)
     return out
 
 

@@ -690,7 +690,7 @@ def _block_sparse_attention_8bit_thw(q: torch.Tensor, k: torch.Tensor, v: torch.
     g, c = tuple(grid), tuple(cube)
     op = _quant_op_for(q, quant)  # first: where no kernel loads, the call says so before any work
     vbs = layout.vbs_for_grid(g, c, device=q.device)
-    sparsity._check_topk(topk, vbs.numel())
+    sparsity._check_topk(topk, vbs.numel())  # a bad topk refused before the pre-pass runs
     # the selection pools q and k from the pre-pass's read of them (`mean_pool_topk_thw`'s
     # selection up to fp32 summation order), not from a read of its own
     qi = op.quantize(q, k, v, vbs, sources=layout._sources_on(g, c, q.device), pool=True)
@@ -722,12 +722,15 @@ def block_sparse_attention_8bit_thw(
     """Mean-pool block-sparse attention of THW-ordered tokens by an 8-bit recipe, for a model
     that keeps its tokens in THW order (a video DiT's attention processor): ``q``, ``k``, ``v``
     ``(B, T*H*W, H, D)`` bf16/fp16 over ``grid``; each query cube attends to the ``topk`` KV
-    cubes of `tilegen.sparsity.mean_pool_topk_thw`; o ``(B, T*H*W, H, D)`` in q's dtype.
+    cubes of `tilegen.sparsity.mean_pool_topk_thw`'s selection; o ``(B, T*H*W, H, D)`` in q's
+    dtype.
 
     The same numbers as ``to_cubes`` of q, k, v, `mean_pool_topk` and
-    `block_sparse_attention_8bit`, then ``from_cubes``, without the three reorders: the
-    pooling and the 8-bit pre-pass read each cube's tokens where they lie
-    (`tilegen.quant.quantize(..., sources=...)`). Forward only; a custom op
+    `block_sparse_attention_8bit`, then ``from_cubes``, without the three reorders: the 8-bit
+    pre-pass reads each cube's tokens where they lie (`tilegen.quant.quantize(...,
+    sources=..., pool=True)`) and pools q and k from that read, and `sparsity.topk_of_means`
+    selects from those means (the cube means up to fp32 summation order). Forward only; a
+    custom op
     (``torch.ops.tilegen.block_sparse_attention_8bit_thw``), traced by ``torch.compile``
     without a graph break."""
     from tilegen import layout

@@ -294,23 +294,27 @@ def _int8_per_group(x, TOKENS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.c
 
 
 @triton.jit
-def _column_sums(x, TOKENS: tl.constexpr, PARTS: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _column_sums(x, TOKENS: tl.constexpr, PARTS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 LANE_ROWS: tl.constexpr):
     """A (TOKENS, HEAD_DIM) tile's column sums in PARTS pieces, (PARTS, HEAD_DIM): piece p sums
-    rows with (row // 4) % PARTS == p, the rows one warp of the tile's load layout holds (4
-    rows of 8 lanes x 16 channels, the warps stacked along the rows), so no sum crosses warps
-    (a whole-tile sum: 14 more barriers a program, session 22, bench/NOTES.md)"""
-    g = tl.reshape(x, (TOKENS // (4 * PARTS), PARTS, 4, HEAD_DIM))
+    rows with (row // LANE_ROWS) % PARTS == p. With PARTS the program's warps these are the
+    rows one warp of the tile's load layout holds (LANE_ROWS rows of HEAD_DIM / 16 lanes x 16
+    channels, the warps stacked along the rows: what Triton 3.6 picks for these loads), so no
+    sum crosses warps (a whole-tile sum: 14 more barriers a program, session 22,
+    bench/NOTES.md). Any PARTS gives the same sums up to fp32 order; only the speed assumes
+    the layout."""
+    g = tl.reshape(x, (TOKENS // (LANE_ROWS * PARTS), PARTS, LANE_ROWS, HEAD_DIM))
     return tl.sum(tl.sum(g, 2), 0)
 
 
 @triton.jit
 def _store_sums(SUMS, row, chunk, chunks, x, TOKENS: tl.constexpr, PARTS: tl.constexpr,
-                HEAD_DIM: tl.constexpr):
+                HEAD_DIM: tl.constexpr, LANE_ROWS: tl.constexpr):
     """`_column_sums` of a chunk's tile at SUMS[row, chunk * PARTS:(chunk + 1) * PARTS]."""
     part = tl.arange(0, PARTS)
     d = tl.arange(0, HEAD_DIM)
     off = ((row * chunks + chunk) * PARTS + part)[:, None] * HEAD_DIM + d[None, :]
-    tl.store(SUMS + off, _column_sums(x, TOKENS, PARTS, HEAD_DIM))
+    tl.store(SUMS + off, _column_sums(x, TOKENS, PARTS, HEAD_DIM, LANE_ROWS))
 
 
 @triton.jit
@@ -346,6 +350,7 @@ def _stats_kernel(K, V, SRC, KMEAN, VSCALE, VMEAN, in_len, num_heads, n_cubes, n
 def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, VMEAN, SRC,
                      POOL_SUMS, seq_len, in_len, num_heads, batch_heads, FIRST_PART,
                      GATHER: tl.constexpr, POOL: tl.constexpr, POOL_PARTS: tl.constexpr,
+                     POOL_LANE_ROWS: tl.constexpr,
                      FP8_V: tl.constexpr, VT_TILES: tl.constexpr, VT_SLOTS: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                      TOKENS: tl.constexpr, E4M3: tl.constexpr, K_GROUP: tl.constexpr):
@@ -379,7 +384,8 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
         q = tl.where(valid[:, None], tl.load(Q + in_off).to(tl.float32), 0.0)
         q8, q_scale = _int8_per_token(q)
         if POOL:
-            _store_sums(POOL_SUMS, bh, chunk, seq_len // TOKENS, q, TOKENS, POOL_PARTS, HEAD_DIM)
+            _store_sums(POOL_SUMS, bh, chunk, seq_len // TOKENS, q, TOKENS, POOL_PARTS, HEAD_DIM,
+                        POOL_LANE_ROWS)
         tl.store(Q8 + off, q8.to(tl.int8))
         tl.store(QSCALE + bh * seq_len + tok, q_scale)
     elif part == 1:
@@ -388,7 +394,8 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
         k = tl.load(K + in_off).to(tl.float32)
         if POOL:
             _store_sums(POOL_SUMS, batch_heads + bh, chunk, seq_len // TOKENS,
-                        tl.where(valid[:, None], k, 0.0), TOKENS, POOL_PARTS, HEAD_DIM)
+                        tl.where(valid[:, None], k, 0.0), TOKENS, POOL_PARTS, HEAD_DIM,
+                        POOL_LANE_ROWS)
         k8, k_scale = _int8_per_group(tl.where(valid[:, None], k - k_mean[None, :], 0.0),
                                       TOKENS, K_GROUP, HEAD_DIM)
         tl.store(K8 + off, k8.to(tl.int8))
@@ -420,7 +427,8 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tenso
              vt_tiles: bool = False, vt_slots: bool = False,
              sources: torch.Tensor | None = None, pool: bool = False) -> QuantizedInputs:
     """The pre-pass: Q, K (and V for ``"int8_fp8"``) quantized by the recipe (module
-    docstring). On a GPU two Triton launches, no host sync; on a CPU `quantize_torch`.
+    docstring). On a GPU two Triton launches (three with ``pool``), no host sync; on a CPU
+    `quantize_torch`.
     ``with_q=False`` leaves Q out on the GPU (q8 and q_scale None: the op's kernel quantizes
     each query cube itself). ``vt_tiles``: V^T as 32-key tiles in shared-memory order;
     ``vt_slots``: V^T's keys in MMA slot order, in the same pass (module docstring).
@@ -465,9 +473,6 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
         raise ValueError("vt_slots orders V^T's keys in its natural layout, not with vt_tiles")
     if pool and not with_q:
         raise ValueError("pool=True pools q as the pass reads it: not with with_q=False")
-    if pool and (num_warps & (num_warps - 1) or tokens % (4 * num_warps)):
-        raise ValueError(f"pool=True sums a program's tokens in one piece a warp: tokens={tokens} "
-                         f"must be a multiple of 4 x num_warps={num_warps} (a power of two)")
     if vt_tiles and tokens < VT_TILE:
         raise ValueError(f"vt_tiles: tokens={tokens} must cover a {VT_TILE}-key tile")
     if tokens & (tokens - 1) or block % tokens or tokens < K_SCALE_GROUP:
@@ -496,9 +501,13 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     parts = (3 if fp8 else 2) - (0 if with_q else 1)  # program axis 2: Q, K, V from FIRST_PART
     chunks = n * block // tokens
     src = vbs if sources is None else sources
-    # the Q and K programs' sums, one a warp: (2, B * H, chunks * warps, D); k_scale stands in
-    # without pool
-    pool_sums = torch.empty((2, B * H, chunks * num_warps, D), **f32) if pool else k_scale
+    # the Q and K programs' sums, one a warp where the tile's rows allow (`_column_sums`):
+    # (2, B * H, chunks * parts, D); k_scale stands in without pool
+    lane_rows = max(1, 512 // D)  # a warp's rows of the load layout: 16 channels a lane
+    pool_parts = num_warps
+    while pool_parts > 1 and tokens % (lane_rows * pool_parts):
+        pool_parts //= 2
+    pool_sums = torch.empty((2, B * H, chunks * pool_parts, D), **f32) if pool else k_scale
     # without fp8 V its statistics are not written: k_mean stands in for the pointers
     _stats_kernel[(B * H,)](
         k, v, src, k_mean, v_scale if fp8 else k_mean, v_mean if fp8 else k_mean, S_in, H, n,
@@ -509,7 +518,7 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
         q, k, v, vbs, q8, q_scale, k8, k_scale, k_mean,
         v8t if fp8 else q8, v_scale if fp8 else q_scale, v_mean if fp8 else q_scale, src,
         pool_sums, S, S_in, H, B * H, 0 if with_q else 1, GATHER=sources is not None, POOL=pool,
-        POOL_PARTS=num_warps,
+        POOL_PARTS=pool_parts, POOL_LANE_ROWS=min(lane_rows, tokens),
         FP8_V=fp8, VT_TILES=vt_tiles,
         VT_SLOTS=vt_slots, HEAD_DIM=D,
         BLOCK=block, TOKENS=tokens, E4M3=E4M3_MAX, K_GROUP=K_SCALE_GROUP, num_warps=num_warps)
@@ -518,7 +527,7 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     if pool:
         from tilegen.coarse_gpu import pool_from_sums
 
-        means = pool_from_sums(pool_sums.view(2 * B * H, chunks * num_warps, D), vbs, q.dtype,
+        means = pool_from_sums(pool_sums.view(2 * B * H, chunks * pool_parts, D), vbs, q.dtype,
                                block)
         pooled = dict(q_pool=means[:B * H].view(B, H, n, D), k_pool=means[B * H:].view(B, H, n, D))
     if not with_q:

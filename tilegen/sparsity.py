@@ -17,9 +17,13 @@ Pooling (:func:`pool_cubes`) is one batched GEMM per tensor, ``(1, block) @ (blo
 cube with 0/1 weights that drop padding slots: it reads ``x`` once, accumulates in fp32 and
 rounds each cube's sum once to ``x``'s dtype (bf16 input: the sum rounded to bf16, as FastVideo's
 ``x.float().sum(...).to(x.dtype)`` rounds its pooled cubes), then divides by ``vbs`` in fp32.
-On the GPU the scores GEMM runs on the tensor cores with its fp32 operands split in three TF32
-products (`tilegen.coarse_gpu.scores_of_means`: products good to about 2^-21 where an fp32 FMA
-is good to 2^-24, so a row whose k-th and next scores lie that close may select the other).
+On the GPU the selections that need no gradient (:func:`mean_pool_topk`,
+:func:`mean_pool_topk_thw`, :func:`topk_of_means`, :func:`jenga_mask` / :func:`jenga_lut`) score
+on the tensor cores with the fp32 operands split in three TF32 products
+(`tilegen.coarse_gpu.scores_of_means`: products good to about 2^-21 where an fp32 FMA is good to
+2^-24, so a row whose k-th and next scores lie that close may select the other);
+:func:`coarse_scores` (differentiable) and the selectors built on it (:func:`cdf_mask`,
+:func:`cdf_select`, :func:`ranked_topk`) keep the fp32 matmul.
 
 No host sync on the GPU: the selectors are plain torch ops with static shapes (no ``.item()``,
 ``.tolist()`` or data-dependent shapes). Value checks of ``vbs`` run only for CPU tensors (free
@@ -263,7 +267,8 @@ def _scores(q: torch.Tensor, k: torch.Tensor, vbs: torch.Tensor, q_vbs: torch.Te
 
 def _scores_of_means(qm: torch.Tensor, km: torch.Tensor) -> torch.Tensor:
     """``(B, H, NQ, D)`` and ``(B, H_kv, NKV, D)`` cube means -> ``(B, H, NQ, NKV)`` scores: on a
-    GPU one launch on the tensor cores (`coarse_gpu.scores_of_means`, fp32-level products)."""
+    GPU with a power-of-two D from 16 to 256 one launch on the tensor cores
+    (`coarse_gpu.scores_of_means`, fp32-level products, no gradient), else a torch matmul."""
     d = qm.shape[-1]
     if qm.is_cuda and d & (d - 1) == 0 and 16 <= d <= 256:
         from tilegen.coarse_gpu import scores_of_means
@@ -278,9 +283,11 @@ def topk_of_means(qm: torch.Tensor, km: torch.Tensor, topk: int) -> torch.Tensor
     ``quantize(..., pool=True)``, which pools q and k from its own read of them). Returns
     ``(B, H, NQ, topk)`` int32, ascending by cube id."""
     if qm.dim() != 4 or km.dim() != 4 or qm.shape[0] != km.shape[0] \
-            or qm.shape[3] != km.shape[3] or km.shape[1] == 0 or qm.shape[1] % km.shape[1]:
-        raise ValueError(f"cube means must be (B, H, NQ, D) and (B, H_kv, NKV, D) with H_kv "
-                         f"dividing H; got {tuple(qm.shape)} and {tuple(km.shape)}")
+            or qm.shape[3] != km.shape[3] or km.shape[1] == 0 or qm.shape[1] % km.shape[1] \
+            or qm.dtype != torch.float32 or km.dtype != torch.float32 or qm.device != km.device:
+        raise ValueError(f"cube means must be fp32 (B, H, NQ, D) and (B, H_kv, NKV, D) on one "
+                         f"device with H_kv dividing H; got {qm.dtype} {tuple(qm.shape)} on "
+                         f"{qm.device} and {km.dtype} {tuple(km.shape)} on {km.device}")
     topk = _check_topk(topk, km.shape[2])
     from tilegen.coarse_gpu import row_topk_ids
 
@@ -544,7 +551,8 @@ def jenga_mask(
     Args:
         q, k: ``(B, S, H, D)`` cube-major padded (``layout.to_cubes`` of THW tokens on ``grid``).
         topk: importance cubes per query cube, ``0..NKV``: the top-k of the mean-pooled coarse
-            scores (the ones :func:`coarse_scores` and :func:`mean_pool_topk` use), per head.
+            scores (:func:`mean_pool_topk`'s: on the GPU on the tensor cores, the module
+            docstring), per head.
         grid: latent token grid ``(T, H, W)``; with ``cube`` it fixes the cube grid, ``vbs``
             and the adjacency.
         adjacency: the neighbourhood forced for every query cube (:data:`ADJACENCY`: "self",

@@ -11,8 +11,10 @@ heads, D)`` tokens row-major over (t, h, w) (the model's order), in five stages:
    ``P = softmax(q̄ k̄ᵀ · sm_scale)`` over all ``NC`` KV cubes (fp32), and the **coarse output**
    of query cube ``i`` is ``(P v̄)[i]``, the same vector for every token of the cube. The
    **selection** is the top-``topk`` KV cubes of row ``i`` of ``q̄ k̄ᵀ`` (the rule of
-   ``sparsity.mean_pool_topk``, whose GPU pooling sums in another order: a near-tie can fall
-   the other way), ids ascending.
+   ``sparsity.mean_pool_topk``, whose GPU pooling sums in another order and whose GPU scores
+   run on the tensor cores as tf32x3 products: a near-tie can fall the other way), ids
+   ascending; the scores here are one fp32 matmul, since the coarse output needs their
+   gradient.
 3. **fine**: block-sparse attention of every token over the real tokens of its query cube's
    selected KV cubes: the tuned kernel ``tilegen.load(spec)`` for the workload's spec
    (`fine_spec`: grid, heads, topk; the nearest tuned workload's winner otherwise), output in
@@ -123,7 +125,8 @@ def coarse_pooled(qm: torch.Tensor, km: torch.Tensor, vm: torch.Tensor, topk: in
     sequences at once and attends per sequence on slices of the small pooled tensors)."""
     raw = qm @ km.transpose(-1, -2)
     # the top-k of the unscaled scores: sparsity.mean_pool_topk's rule (on the GPU its pooling
-    # kernel sums in another order, so a near-tie can fall the other way)
+    # kernel sums in another order and its scores are tf32x3, so a near-tie can fall the other
+    # way)
     idx = row_topk_ids(raw.detach(), topk)
     out = torch.softmax(raw * sm_scale, dim=-1) @ vm
     return out, idx

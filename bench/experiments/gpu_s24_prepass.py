@@ -50,9 +50,9 @@ def split_pass(q, k, v, vbs, src, tokens: int, warps: int):
         k, v, src, k_mean, v_scale, v_mean, S_in, H, n, len(quant.sample_cubes(n)), GATHER=True,
         FP8_V=True, HEAD_DIM=D, BLOCK=64, SAMPLE=triton.next_power_of_2(quant.SAMPLE_CUBES),
         E4M3=quant.E4M3_MAX, HEADROOM=quant.V_HEADROOM, num_warps=warps)
-    common = dict(GATHER=True, POOL_PARTS=warps, VT_TILES=False, VT_SLOTS=True, HEAD_DIM=D,
-                  BLOCK=64, TOKENS=tokens, E4M3=quant.E4M3_MAX, K_GROUP=quant.K_SCALE_GROUP,
-                  num_warps=warps)
+    common = dict(GATHER=True, POOL_PARTS=warps, POOL_LANE_ROWS=512 // D, VT_TILES=False,
+                  VT_SLOTS=True, HEAD_DIM=D, BLOCK=64, TOKENS=tokens, E4M3=quant.E4M3_MAX,
+                  K_GROUP=quant.K_SCALE_GROUP, num_warps=warps)
     args = (q, k, v, vbs, q8, q_scale, k8, k_scale, k_mean, v8t, v_scale, v_mean, src, sums,
             S, S_in, H, B * H)
     quant._quantize_kernel[(chunks * B * H, 1, 2)](*args, 0, POOL=True, FP8_V=False, **common)
@@ -116,7 +116,7 @@ def main() -> int:
             coarse_gpu._scores_kernel[(triton.cdiv(qm.shape[2], bm),
                                        triton.cdiv(km.shape[2], bn), HEADS)](
                 qm, km, out, qm.shape[2], km.shape[2], HEADS, HEADS, HEAD_DIM=DIM, BM=bm,
-                BN=bn, PRECISION="tf32x3", num_warps=warps)
+                BN=bn, BK=DIM, PRECISION="tf32x3", num_warps=warps)
         launch()
         res["equal"][f"scores_{bm}x{bn}_w{warps}"] = bool(torch.equal(out, ref))
         say(f"scores_{bm}x{bn}_w{warps}", _ms(launch))

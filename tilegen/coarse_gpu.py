@@ -25,6 +25,15 @@ import triton.language as tl
 
 
 @triton.jit
+def _cube_mean(total, n, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    """Cube sums (fp32) -> means: each rounded once to DTYPE, divided by its vbs ``n`` in fp32,
+    NaN for an ``n`` outside 1..BLOCK (`sparsity.pool_cubes`' arithmetic)."""
+    ok = (n >= 1) & (n <= BLOCK)
+    mean = total.to(DTYPE).to(tl.float32) / tl.where(ok, n, 1).to(tl.float32)
+    return tl.where(ok, mean, float("nan"))
+
+
+@triton.jit
 def _pool_kernel(X, VBS, SRC, OUT, seq_len, num_heads, nc, HEAD_DIM: tl.constexpr,
                  HEADS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
                  GATHER: tl.constexpr):
@@ -37,7 +46,6 @@ def _pool_kernel(X, VBS, SRC, OUT, seq_len, num_heads, nc, HEAD_DIM: tl.constexp
     h0 = (g % groups) * HEADS
     cols = tl.arange(0, HEADS * HEAD_DIM)
     n = tl.load(VBS + cube)
-    ok = (n >= 1) & (n <= BLOCK)
     acc = tl.zeros([HEADS * HEAD_DIM], tl.float32)
     for r0 in range(0, BLOCK, ROWS):
         rows = r0 + tl.arange(0, ROWS)
@@ -46,9 +54,7 @@ def _pool_kernel(X, VBS, SRC, OUT, seq_len, num_heads, nc, HEAD_DIM: tl.constexp
             tok = tl.load(SRC + tok, mask=rows < n, other=0)
         ptr = X + ((b * seq_len + tok) * num_heads + h0)[:, None] * HEAD_DIM + cols[None, :]
         acc += tl.sum(tl.load(ptr, mask=(rows < n)[:, None], other=0.0).to(tl.float32), 0)
-    total = acc.to(X.dtype.element_ty).to(tl.float32)
-    mean = total / tl.where(ok, n, 1).to(tl.float32)
-    mean = tl.where(ok, mean, float("nan"))
+    mean = _cube_mean(acc, n, X.dtype.element_ty, BLOCK)
     h = h0 + cols // HEAD_DIM
     d = cols % HEAD_DIM
     tl.store(OUT + ((b * num_heads + h) * nc + cube) * HEAD_DIM + d, mean)
@@ -91,9 +97,7 @@ def _pool_from_sums_kernel(SUMS, VBS, OUT, nc, DTYPE: tl.constexpr, HEAD_DIM: tl
         ptr = SUMS + ((row * nc + cubes) * CHUNKS + c)[:, None] * HEAD_DIM + d[None, :]
         acc += tl.load(ptr, mask=live[:, None], other=0.0)
     n = tl.load(VBS + cubes, mask=live, other=1)
-    ok = (n >= 1) & (n <= BLOCK)
-    mean = acc.to(DTYPE).to(tl.float32) / tl.where(ok, n, 1).to(tl.float32)[:, None]
-    mean = tl.where(ok[:, None], mean, float("nan"))
+    mean = _cube_mean(acc, n[:, None], DTYPE, BLOCK)
     tl.store(OUT + (row * nc + cubes)[:, None] * HEAD_DIM + d[None, :], mean, mask=live[:, None])
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -87,17 +87,25 @@ def vbs_for_grid(
     return _vbs_on(g, c, torch.device(device)).clone()
 
 
-def _vbs_on(grid: Triple, cube: Triple, device: torch.device) -> torch.Tensor:
+def _index_on(build: Callable[..., torch.Tensor], grid: Triple, cube: Triple,
+              device: torch.device) -> torch.Tensor:
+    """``build(grid, cube, device)``, an index tensor of the grid, on ``device``: built once per
+    (grid, cube, device) and cached; traced by torch.compile, built on the device inside the
+    graph instead (a cached tensor would be a host copy per call, and CUDA graphs cannot
+    capture that). Callers that hand it out clone it."""
     if torch.compiler.is_compiling():
-        # traced: built on the device inside the graph (a cached tensor would be a host copy
-        # per call, and CUDA graphs cannot capture that)
-        return _build_vbs(grid, cube, device)
-    return _vbs_cached(grid, cube, device)
+        return build(grid, cube, device)
+    return _index_cached(build, grid, cube, device)
 
 
-@functools.lru_cache(maxsize=32)
-def _vbs_cached(grid: Triple, cube: Triple, device: torch.device) -> torch.Tensor:
-    return _vbs_cpu(grid, cube).to(device)
+@functools.lru_cache(maxsize=128)
+def _index_cached(build: Callable[..., torch.Tensor], grid: Triple, cube: Triple,
+                  device: torch.device) -> torch.Tensor:
+    return build(grid, cube).to(device)
+
+
+def _vbs_on(grid: Triple, cube: Triple, device: torch.device) -> torch.Tensor:
+    return _index_on(_build_vbs, grid, cube, device)
 
 
 def cube_coords(
@@ -138,20 +146,8 @@ def _build_slots(grid: Triple, cube: Triple, device: torch.device | None = None)
     return slots.reshape(-1).contiguous()
 
 
-@functools.lru_cache(maxsize=32)
-def _slots_cpu(grid: Triple, cube: Triple) -> torch.Tensor:
-    return _build_slots(grid, cube)
-
-
 def _slots_on(grid: Triple, cube: Triple, device: torch.device) -> torch.Tensor:
-    if torch.compiler.is_compiling():  # as _vbs_on
-        return _build_slots(grid, cube, device)
-    return _slots_cached(grid, cube, device)
-
-
-@functools.lru_cache(maxsize=32)
-def _slots_cached(grid: Triple, cube: Triple, device: torch.device) -> torch.Tensor:
-    return _slots_cpu(grid, cube).to(device)
+    return _index_on(_build_slots, grid, cube, device)
 
 
 def token_slots(
@@ -186,15 +182,8 @@ def _slot_token_map(grid: Triple, cube: Triple, device: torch.device | None
     return src, real
 
 
-@functools.lru_cache(maxsize=32)
-def _sources_cached(grid: Triple, cube: Triple, device: torch.device) -> torch.Tensor:
-    return _build_sources(grid, cube).to(device)
-
-
 def _sources_on(grid: Triple, cube: Triple, device: torch.device) -> torch.Tensor:
-    if torch.compiler.is_compiling():  # as _vbs_on
-        return _build_sources(grid, cube, device)
-    return _sources_cached(grid, cube, device)
+    return _index_on(_build_sources, grid, cube, device)
 
 
 def _build_slot_tokens(grid: Triple, cube: Triple, device: torch.device | None = None
@@ -203,15 +192,8 @@ def _build_slot_tokens(grid: Triple, cube: Triple, device: torch.device | None =
     return torch.where(real, src, -1).to(torch.int32)
 
 
-@functools.lru_cache(maxsize=32)
-def _slot_tokens_cached(grid: Triple, cube: Triple, device: torch.device) -> torch.Tensor:
-    return _build_slot_tokens(grid, cube).to(device)
-
-
 def _slot_tokens_on(grid: Triple, cube: Triple, device: torch.device) -> torch.Tensor:
-    if torch.compiler.is_compiling():  # as _vbs_on
-        return _build_slot_tokens(grid, cube, device)
-    return _slot_tokens_cached(grid, cube, device)
+    return _index_on(_build_slot_tokens, grid, cube, device)
 
 
 def slot_tokens(

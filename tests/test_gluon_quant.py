@@ -6,6 +6,7 @@ op refuses what it cannot compute before anything runs. Its values are checked o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -278,8 +279,20 @@ def test_the_thw_8bit_entry_refuses_what_it_cannot_run_and_traces_without_a_brea
     with torch.no_grad(), pytest.raises(ValueError, match="needs a target with Hopper's wgmma"):
         block_sparse_attention_8bit_thw(qb, qb, qb, grid, 1)
 
-    def layer(x):
-        return block_sparse_attention_8bit_thw(x * 2, x, x, grid, 1).float().sum()
+    from tilegen import prologue
+
+    angles = torch.rand(1, 128, 1, 64, dtype=torch.float64)
+    nr = prologue.NormRope(torch.ones(128, dtype=torch.bfloat16),
+                           torch.ones(128, dtype=torch.bfloat16), 1e-6, 1e-6,
+                           *prologue.rope_tables(angles.cos(), angles.sin()))
+    with pytest.raises(ValueError, match="rotary tables"):
+        block_sparse_attention_8bit_thw(qb, qb, qb, grid, 1, norm_rope=dataclasses.replace(
+            nr, cos=nr.cos[:7], sin=nr.sin[:7]))
+
+    def layer(x, w, c, sn):  # the projections, the prologue applied by the op (norm_rope)
+        y = block_sparse_attention_8bit_thw(x * 2, x, x, grid, 1, norm_rope=prologue.NormRope(
+            w, w, 1e-6, 1e-6, c, sn))
+        return (y + block_sparse_attention_8bit_thw(x * 2, x, x, grid, 1)).float().sum()
 
     counter = CompileCounter()
     torch._dynamo.reset()
@@ -287,6 +300,7 @@ def test_the_thw_8bit_entry_refuses_what_it_cannot_run_and_traces_without_a_brea
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         with FakeTensorMode() as mode:
-            out = torch.compile(layer, backend=counter, fullgraph=True)(mode.from_tensor(qb))
+            out = torch.compile(layer, backend=counter, fullgraph=True)(
+                *(mode.from_tensor(t) for t in (qb, nr.q_weight, nr.cos, nr.sin)))
     assert out.shape == () and counter.frame_count == 1
     torch._dynamo.reset()

@@ -309,9 +309,17 @@ def test_the_fused_prologue_is_diffusers_norm_and_rotation(dtype, monkeypatch):
     rotary = model.rope(kwargs["hidden_states"][:, :, :1, :16, :16])
     with torch.no_grad():
         assert tgd._fused_prologue_applies(attn, attn.to_q(hidden), rotary)
-        q, k, v = tgd._project(attn, hidden, rotary)
+        q, k, v, none = tgd._project(attn, hidden, rotary)
+        # deferred (the 8-bit layers): the projections and the prologue as data, which gives
+        # the same q and k
+        qr, kr, vr, norm_rope = tgd._project(attn, hidden, rotary, defer_prologue=True)
+        assert none is None and torch.equal(vr, v)
+        assert torch.equal(qr, attn.to_q(hidden).unflatten(2, (attn.heads, -1)))
+        for a, b in zip(norm_rope.apply_torch(qr, kr), (q, k), strict=True):
+            assert torch.equal(a, b)
         monkeypatch.setattr(tgd, "_fused_prologue_applies", lambda *a: False)
-        q0, k0, v0 = tgd._project(attn, hidden, rotary)
+        q0, k0, v0, none = tgd._project(attn, hidden, rotary, defer_prologue=True)
+        assert none is None
     assert torch.equal(v, v0)
     for a, b in ((q, q0), (k, k0)):
         diff = (a.float() - b.float()).abs()

@@ -117,3 +117,43 @@ def test_op_checks_and_fake():
     compiled = torch.compile(prologue.rms_norm_rope, fullgraph=True, backend="eager")
     qc, kc = compiled(q, k, w, w, 1e-6, 1e-6, cos, sin, heads)
     assert torch.equal(qc, qo) and torch.equal(kc, ko)
+
+
+def test_tables_hold_each_channels_entries():
+    """`rope_tables`: one fp32 entry a channel, the pair's cos at both channels and its sin
+    negated at the even one (what diffusers' formula reads: cos at 2j, sin at 2j + 1)."""
+    cos, sin = _tables(5, 8, 1)
+    c, s = prologue.rope_tables(cos, sin)
+    assert c.shape == s.shape == (5, 8) and c.dtype == s.dtype == torch.float32
+    assert torch.equal(c[:, 0::2], cos[0, :, 0, 0::2].float())
+    assert torch.equal(c[:, 1::2], cos[0, :, 0, 0::2].float())
+    assert torch.equal(s[:, 0::2], -sin[0, :, 0, 1::2].float())
+    assert torch.equal(s[:, 1::2], sin[0, :, 0, 1::2].float())
+
+
+def test_norm_scales_and_the_deferred_prologue():
+    """`rms_rsqrt` (the Triton launch under the interpreter, and PyTorch) is the norm's scale of
+    every token of q and k; `NormRope` applies the model's prologue and refuses projections it
+    cannot take."""
+    import os
+
+    heads, head_dim = 3, 16
+    q, k, w = _inputs(4, seq=10, heads=heads, head_dim=head_dim)
+    q4, k4 = q.unflatten(2, (heads, -1)), k.unflatten(2, (heads, -1))
+    want = torch.stack([torch.rsqrt(x.float().pow(2).mean(-1) + eps)
+                        for x, eps in ((q, 1e-6), (k, 1e-5))])
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    torch.testing.assert_close(prologue.rms_rsqrt_triton(q4, k4, 1e-6, 1e-5), want,
+                               rtol=2e-6, atol=0)
+    assert torch.equal(prologue.rms_rsqrt(q4, k4, 1e-6, 1e-5), want)
+    cos, sin = prologue.rope_tables(*_tables(10, head_dim, 4))
+    nr = prologue.NormRope(w, w, 1e-6, 1e-5, cos, sin)
+    qn, kn = nr.apply_torch(q4, k4)
+    assert torch.equal(qn, prologue.rms_norm_rope_torch(q, w, 1e-6, cos, sin, heads))
+    assert torch.equal(kn, prologue.rms_norm_rope_torch(k, w, 1e-5, cos, sin, heads))
+    with pytest.raises(ValueError, match="one shape"):
+        nr.check(q4, k4[:, :5])
+    with pytest.raises(ValueError, match="rotary tables"):
+        prologue.NormRope(w, w, 1e-6, 1e-5, cos[:5], sin[:5]).check(q4, k4)
+    with pytest.raises(TypeError, match="bf16 or fp16"):
+        nr.check(q4.float(), k4.float())

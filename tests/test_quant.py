@@ -373,6 +373,68 @@ def test_prepass_pools_q_and_k_from_its_own_read(interpreter):
         sparsity.topk_of_means(model.q_pool, model.k_pool[:, :2], 5)
 
 
+def _projections(seed: int, batch: int, tokens: int, heads: int, dim: int, dtype=torch.bfloat16):
+    """Projections (B, S, H, D) with an offset head of k and a token of q 300x the others, norm
+    weights, Wan-like fp32 tables over the tokens (`prologue.rope_tables`)."""
+    from tilegen import prologue
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, tokens, heads, dim, generator=g) for _ in range(3))
+    k[:, :, 1] += 3.0
+    q[0, 5] *= 300.0
+    qw, kw = (torch.rand(heads * dim, generator=g) + 0.5 for _ in range(2))
+    angles = (torch.rand(tokens, dim // 2, generator=g, dtype=torch.float64) * 40.0)
+    angles = angles.repeat_interleave(2, dim=-1)[None, :, None, :]
+    cos, sin = prologue.rope_tables(angles.cos(), angles.sin())
+    return ((q.to(dtype), k.to(dtype), v.to(dtype)),
+            prologue.NormRope(qw.to(dtype), kw.to(dtype), 1e-6, 1e-5, cos, sin))
+
+
+def test_prepass_applies_the_prologue_as_it_reads_the_projections(interpreter):
+    """``quantize(..., norm_rope=...)``: q and k are the projections and the pass applies Wan's
+    norm and rotation as it reads them: every output (the quantized tensors, scales, means and
+    the pooled means) equals, bit for bit, the pass's on `rms_norm_rope`'s q and k, for the
+    Triton pass (under the interpreter, against the prologue kernel) and the PyTorch model
+    (against its own model), with THW-ordered inputs of a grid with partial cubes in every
+    axis and cube-major ones, two batches, 64 and 128 channels, bf16 and fp16."""
+    from tilegen import layout, prologue
+
+    grid, cube = (5, 6, 7), (4, 4, 4)
+    src = layout.cube_sources(grid, cube)
+    n_tok = 5 * 6 * 7
+    names = ("q8", "q_scale", "k8", "k_scale", "k_mean", "v8t", "v_scale", "v_mean", "q_pool",
+             "k_pool")
+    for dim, dtype, sources, batch, heads in ((64, torch.bfloat16, src, 2, 3),
+                                              (128, torch.bfloat16, None, 1, 2),
+                                              (64, torch.float16, None, 1, 2)):
+        (q, k, v), nr = _projections(dim, batch, n_tok, heads, dim, dtype)
+        _, vbs = layout.to_cubes(v, grid, cube, zero_padding=False)
+        if sources is None:  # cube-major projections: the tables follow the tokens as given
+            q, k, v = (layout.to_cubes(t, grid, cube, zero_padding=False)[0] for t in (q, k, v))
+            n = q.shape[1]
+            g = torch.Generator().manual_seed(dim)
+            angles = (torch.rand(n, dim // 2, generator=g, dtype=torch.float64) * 40.0)
+            angles = angles.repeat_interleave(2, dim=-1)[None, :, None, :]
+            nr = dataclasses.replace(nr, **dict(zip(("cos", "sin"), prologue.rope_tables(
+                angles.cos(), angles.sin()), strict=True)))
+        qn, kn = (prologue._launch(x.flatten(2), w, eps, nr.cos, nr.sin, heads)
+                  for x, w, eps in ((q, nr.q_weight, nr.q_eps), (k, nr.k_weight, nr.k_eps)))
+        for fn, (qa, ka) in ((quant.quantize_triton, (qn, kn)),
+                             (quant.quantize_torch, nr.apply_torch(q, k))):
+            want = fn(qa, ka, v, vbs, "int8_fp8", sources=sources, pool=True)
+            got = fn(q, k, v, vbs, "int8_fp8", sources=sources, pool=True, norm_rope=nr)
+            for name in names:
+                a, b = getattr(got, name), getattr(want, name)
+                assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                   b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn
+                                   else b), (fn.__name__, dim, dtype, name)
+    with pytest.raises(ValueError, match=r"\(S, D\)"):
+        quant.quantize_torch(q, k, v, vbs, "int8_fp8", norm_rope=dataclasses.replace(
+            nr, cos=nr.cos[:-1]))
+    with pytest.raises(ValueError, match="one shape"):
+        quant.quantize_triton(q, k[:, :64], v, vbs, "int8_fp8", norm_rope=nr)
+
+
 def test_pool_from_sums_rounds_once_and_marks_bad_counts(interpreter):
     """`coarse_gpu.pool_from_sums`: the chunk sums added in order, rounded once to the dtype,
     divided by vbs; NaN for a vbs outside 1..block; its input checks."""
@@ -417,7 +479,7 @@ def _prepass_stores(vt_slots: bool) -> dict[str, int]:
 
 
 def _prepass_sass(*, vt_slots: bool = True, pool: bool = False, head_dim: int = 128,
-                  gather: bool = False) -> str:
+                  gather: bool = False, norm_rope: bool = False) -> str:
     """The Triton pre-pass (32 tokens, 2 warps, as `quantize_triton` launches it) cross-compiled
     for sm_90a: its SASS text."""
     import subprocess
@@ -429,13 +491,15 @@ def _prepass_sass(*, vt_slots: bool = True, pool: bool = False, head_dim: int = 
     from triton.compiler import ASTSource
 
     names = ["Q", "K", "V", "VBS", "Q8", "QSCALE", "K8", "KSCALE", "KMEAN", "V8T", "VSCALE",
-             "VMEAN", "SRC", "POOL_SUMS"]
+             "VMEAN", "SRC", "POOL_SUMS", "RSQRT", "QW", "KW", "COS", "SIN"]
     types = ["*bf16"] * 3 + ["*i32", "*i8", "*fp32", "*i8", "*fp32", "*fp32", "*fp8e4nv",
-                             "*fp32", "*fp32", "*i64", "*fp32"]
+                             "*fp32", "*fp32", "*i64", "*fp32", "*fp32", "*bf16", "*bf16",
+                             "*fp32", "*fp32"]
     sig = dict(zip(names, types, strict=True))
     sig.update({n: "i32" for n in ("seq_len", "in_len", "num_heads", "batch_heads",
                                    "FIRST_PART")})
-    consts = dict(GATHER=gather, POOL=pool, POOL_PARTS=2, POOL_LANE_ROWS=512 // head_dim,
+    consts = dict(GATHER=gather, NORM_ROPE=norm_rope, POOL=pool, POOL_PARTS=2,
+                  POOL_LANE_ROWS=512 // head_dim,
                   FP8_V=True, VT_TILES=False, VT_SLOTS=vt_slots, HEAD_DIM=head_dim, BLOCK=64,
                   TOKENS=32, E4M3=448.0, K_GROUP=quant.K_SCALE_GROUP)
     sig.update({c: "constexpr" for c in consts})
@@ -466,6 +530,26 @@ def check_pooling_sums_stay_in_their_warps() -> None:
                          for p in (False, True))
         # a sum across the program's warps costs 14 barriers more (session 22); one a warp 2
         assert pooled <= plain + 4, (head_dim, plain, pooled)
+
+
+def check_the_prologue_keeps_the_pass_layout() -> None:
+    import re
+
+    for head_dim in (64, 128):
+        sass = {n: _prepass_sass(pool=True, gather=True, head_dim=head_dim, norm_rope=n)
+                for n in (False, True)}
+        plain, fused = (len(re.findall(r"\bBAR\.", sass[n])) for n in (False, True))
+        # its rows, tables and weights all in the load layout: no exchange through shared
+        # memory (a split of each row into two half-width tensors: 96 barriers at 128)
+        assert fused <= plain, (head_dim, plain, fused)
+        assert "STL" not in sass[True] and "LDL" not in sass[True], head_dim  # no spills
+
+
+def test_the_pre_pass_applies_the_prologue_in_its_load_layout(pytorch_path_run):
+    """``quantize(..., norm_rope=...)``: the Q and K programs normalize and rotate their rows
+    where they loaded them, so the fused pass builds (sm_90a) with no more barriers than the
+    plain one and no spills, at 64 and 128 channels."""
+    pytorch_path_run("test_quant", "check_the_prologue_keeps_the_pass_layout()")
 
 
 def test_the_pooling_pass_sums_each_warps_rows_apart(pytorch_path_run):

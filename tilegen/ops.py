@@ -21,6 +21,7 @@ from tilegen.backends.triton.op import BlockSparseAttention
 from tilegen.config import KernelConfig
 from tilegen.inputs import SPEC_DTYPES, _tensor
 from tilegen.maxprob import AttentionOutput
+from tilegen.prologue import NormRope
 from tilegen.spec import Spec
 from tilegen.targets import TARGET_NAMES, Target, detect_target, get_target
 
@@ -684,16 +685,24 @@ def block_sparse_attention_8bit(
 @torch.library.custom_op("tilegen::block_sparse_attention_8bit_thw", mutates_args=())
 def _block_sparse_attention_8bit_thw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                      grid: list[int], cube: list[int], topk: int, quant: str,
-                                     sm_scale: float | None) -> torch.Tensor:
-    from tilegen import layout, sparsity
+                                     sm_scale: float | None,
+                                     q_weight: torch.Tensor | None = None,
+                                     k_weight: torch.Tensor | None = None,
+                                     cos: torch.Tensor | None = None,
+                                     sin: torch.Tensor | None = None,
+                                     q_eps: float = 0.0, k_eps: float = 0.0) -> torch.Tensor:
+    from tilegen import layout, prologue, sparsity
 
     g, c = tuple(grid), tuple(cube)
+    norm_rope = None if q_weight is None else prologue.NormRope(q_weight, k_weight, q_eps,
+                                                                k_eps, cos, sin)
     op = _quant_op_for(q, quant)  # first: where no kernel loads, the call says so before any work
     vbs = layout.vbs_for_grid(g, c, device=q.device)
     sparsity._check_topk(topk, vbs.numel())  # a bad topk refused before the pre-pass runs
     # the selection pools q and k from the pre-pass's read of them (`mean_pool_topk_thw`'s
     # selection up to fp32 summation order), not from a read of its own
-    qi = op.quantize(q, k, v, vbs, sources=layout._sources_on(g, c, q.device), pool=True)
+    qi = op.quantize(q, k, v, vbs, sources=layout._sources_on(g, c, q.device), pool=True,
+                     norm_rope=norm_rope)
     idx = sparsity.topk_of_means(qi.q_pool, qi.k_pool, topk)
     if getattr(op, "writes_token_order", False):  # the kernel stores o in THW order itself
         return op.from_quantized(qi, idx, vbs, sm_scale=sm_scale, return_lse=False,
@@ -704,7 +713,9 @@ def _block_sparse_attention_8bit_thw(q: torch.Tensor, k: torch.Tensor, v: torch.
 
 
 @_block_sparse_attention_8bit_thw.register_fake
-def _block_sparse_attention_8bit_thw_fake(q, k, v, grid, cube, topk, quant, sm_scale):
+def _block_sparse_attention_8bit_thw_fake(q, k, v, grid, cube, topk, quant, sm_scale,
+                                          q_weight=None, k_weight=None, cos=None, sin=None,
+                                          q_eps=0.0, k_eps=0.0):
     return torch.empty_like(q)
 
 
@@ -718,6 +729,7 @@ def block_sparse_attention_8bit_thw(
     cube: tuple[int, int, int] = (4, 4, 4),
     quant: str = "int8_fp8",
     sm_scale: float | None = None,
+    norm_rope: NormRope | None = None,
 ) -> torch.Tensor:
     """Mean-pool block-sparse attention of THW-ordered tokens by an 8-bit recipe, for a model
     that keeps its tokens in THW order (a video DiT's attention processor): ``q``, ``k``, ``v``
@@ -729,10 +741,16 @@ def block_sparse_attention_8bit_thw(
     `block_sparse_attention_8bit`, then ``from_cubes``, without the three reorders: the 8-bit
     pre-pass reads each cube's tokens where they lie (`tilegen.quant.quantize(...,
     sources=..., pool=True)`) and pools q and k from that read, and `sparsity.topk_of_means`
-    selects from those means (the cube means up to fp32 summation order). Forward only; a
-    custom op
-    (``torch.ops.tilegen.block_sparse_attention_8bit_thw``), traced by ``torch.compile``
-    without a graph break."""
+    selects from those means (the cube means up to fp32 summation order).
+
+    ``norm_rope`` (`tilegen.prologue.NormRope`): ``q`` and ``k`` are the projections before
+    Wan's RMSNorm across heads and rotary embedding (``(B, T*H*W, H, D)`` views of them), and
+    the pre-pass applies both as it reads them, with `tilegen.prologue.rms_norm_rope`'s
+    arithmetic bit for bit: the result is this op's on ``rms_norm_rope(q, k, ...)``, without
+    the normalized q and k ever written (a pass over them less).
+
+    Forward only; a custom op (``torch.ops.tilegen.block_sparse_attention_8bit_thw``), traced
+    by ``torch.compile`` without a graph break."""
     from tilegen import layout
 
     _check_8bit_call("block_sparse_attention_8bit_thw", q, k, v)
@@ -745,8 +763,14 @@ def block_sparse_attention_8bit_thw(
         raise ValueError(f"q, k, v must be one shape (B, T*H*W, H, D) with T*H*W="
                          f"{g[0] * g[1] * g[2]} for grid={g}; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    return torch.ops.tilegen.block_sparse_attention_8bit_thw(q, k, v, list(g), list(c),
-                                                            int(topk), quant, sm_scale)
+    if norm_rope is None:
+        return torch.ops.tilegen.block_sparse_attention_8bit_thw(q, k, v, list(g), list(c),
+                                                                int(topk), quant, sm_scale)
+    norm_rope.check(q, k)
+    return torch.ops.tilegen.block_sparse_attention_8bit_thw(
+        q, k, v, list(g), list(c), int(topk), quant, sm_scale, norm_rope.q_weight,
+        norm_rope.k_weight, norm_rope.cos, norm_rope.sin, float(norm_rope.q_eps),
+        float(norm_rope.k_eps))
 
 
 # -- the full VSA forward (tilegen.vsa) ---------------------------------------------------------

@@ -39,9 +39,11 @@ kernels are held to (contract.md, the quantized rule's check 4).
 * ``"int8"`` keeps V in bf16 and rounds P to bf16, as the bf16 kernels do.
 
 `quantize` runs the pre-pass (two Triton launches on a GPU, no host sync; the same arithmetic in
-PyTorch on a CPU, since Triton 3.6's interpreter rounds fp8 casts wrongly), `emulate` computes
-block-sparse attention with exactly this arithmetic in fp32, tile by tile in LUT order with the
-online softmax the kernels use. The rule itself is `tilegen.captures.quant_score`.
+PyTorch on a CPU, since Triton 3.6's interpreter rounds fp8 casts wrongly; with ``norm_rope`` it
+takes Wan's q and k projections and applies their norm and rotation as it reads them),
+`emulate` computes block-sparse attention with exactly this arithmetic in fp32, tile by tile in
+LUT order with the online softmax the kernels use. The rule itself is
+`tilegen.captures.quant_score`.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tilegen.prologue import NormRope, norm_rope, rms_rsqrt_triton
 from tilegen.spec import QUANT_MODES  # "none", "int8" (INT8 Q·K, bf16 P·V), "int8_fp8"
 
 __all__ = ["QUANT_MODES", "QuantizedInputs", "quantize", "quantize_torch", "quantize_triton",
@@ -192,12 +195,17 @@ def _round_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def quantize_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
                    mode: str = "int8_fp8", block: int = 64, *, q_smooth: bool = False,
                    v_smooth: bool = True, vt_tiles: bool = False,
-                   sources: torch.Tensor | None = None, pool: bool = False) -> QuantizedInputs:
+                   sources: torch.Tensor | None = None, pool: bool = False,
+                   norm_rope: NormRope | None = None) -> QuantizedInputs:
     """The pre-pass's arithmetic in PyTorch (fp32), for any device. ``q_smooth=True`` and
     ``v_smooth=False`` are the recipe's ablations (`bench/experiments/int8_recipe.py`); the
     defaults are what the kernels read. ``sources``: inputs in token order; ``pool``: the
-    cube means of q and k too (`quantize`)."""
+    cube means of q and k too; ``norm_rope``: q and k are projections, put through the
+    prologue first (`quantize`)."""
     _check_mode(mode)
+    if norm_rope is not None:
+        norm_rope.check(q, k)
+        q, k = norm_rope.apply_torch(q, k)
     if sources is not None:
         _check_sources(sources, q.shape[1], block, q.device)
         q, k, v = (t.index_select(1, sources.to(t.device).long()) for t in (q, k, v))
@@ -318,8 +326,26 @@ def _store_sums(SUMS, row, chunk, chunks, x, TOKENS: tl.constexpr, PARTS: tl.con
 
 
 @triton.jit
-def _stats_kernel(K, V, SRC, KMEAN, VSCALE, VMEAN, in_len, num_heads, n_cubes, n_sample,
-                  GATHER: tl.constexpr, FP8_V: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _normed_rows(x, RSQRT, W, COS, SIN, norm_row, tok, h, HEAD_DIM: tl.constexpr):
+    """Rows ``x`` of a projection (token ``tok`` of each, its norm scale at RSQRT[norm_row]) put
+    through Wan's prologue (`prologue.norm_rope`): what `rms_norm_rope` would have written, as
+    fp32."""
+    d = tl.arange(0, HEAD_DIM)
+    r = tl.load(RSQRT + norm_row)[:, None]
+    col = tok[:, None] * HEAD_DIM + d[None, :]
+    # w as whole rows too (a row's copy a token, from L1): a (D,) load broadcast converted
+    # layouts through shared memory, 2 barriers a program (sm_90a)
+    w = tl.load(W + h * HEAD_DIM + col % HEAD_DIM).to(tl.float32)
+    c = tl.load(COS + col)
+    sn = tl.load(SIN + col)
+    return norm_rope(x.to(tl.float32), r, w, c, sn, x.shape[0], HEAD_DIM,
+                     x.dtype).to(tl.float32)
+
+
+@triton.jit
+def _stats_kernel(K, V, SRC, KMEAN, VSCALE, VMEAN, RSQRT, KW, COS, SIN, batch, in_len,
+                  num_heads, n_cubes, n_sample, GATHER: tl.constexpr, NORM_ROPE: tl.constexpr,
+                  FP8_V: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK: tl.constexpr, SAMPLE: tl.constexpr, E4M3: tl.constexpr,
                   HEADROOM: tl.constexpr):
     """One program a (batch, head): k̄, and with FP8_V v̄ and V's channel scales, from the first
@@ -332,11 +358,15 @@ def _stats_kernel(K, V, SRC, KMEAN, VSCALE, VMEAN, in_len, num_heads, n_cubes, n
     d = tl.arange(0, HEAD_DIM)
     s = tl.arange(0, SAMPLE)
     s_ok = s < n_sample
-    s_tok = ((s * n_cubes) // n_sample) * BLOCK
+    s_tok = tl.where(s_ok, ((s * n_cubes) // n_sample) * BLOCK, 0)
     if GATHER:  # inputs in token order: each cube slot reads its source token (to_cubes' order)
         s_tok = tl.load(SRC + s_tok, mask=s_ok, other=0)
     s_off = ((b * in_len + s_tok) * num_heads + h)[:, None] * HEAD_DIM + d[None, :]
-    k_smp = tl.load(K + s_off, mask=s_ok[:, None], other=0.0).to(tl.float32)
+    k_smp = tl.load(K + s_off, mask=s_ok[:, None], other=0.0)
+    if NORM_ROPE:  # K's projection: the sample through the prologue first
+        k_smp = _normed_rows(k_smp, RSQRT, KW, COS, SIN, (batch + b) * in_len + s_tok, s_tok, h,
+                             HEAD_DIM)
+    k_smp = tl.where(s_ok[:, None], k_smp.to(tl.float32), 0.0)
     tl.store(KMEAN + bh * HEAD_DIM + d, tl.sum(k_smp, 0) / n_sample)
     if FP8_V:
         v_smp = tl.load(V + s_off, mask=s_ok[:, None], other=0.0).to(tl.float32)
@@ -348,8 +378,9 @@ def _stats_kernel(K, V, SRC, KMEAN, VSCALE, VMEAN, in_len, num_heads, n_cubes, n
 
 @triton.jit
 def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, VMEAN, SRC,
-                     POOL_SUMS, seq_len, in_len, num_heads, batch_heads, FIRST_PART,
-                     GATHER: tl.constexpr, POOL: tl.constexpr, POOL_PARTS: tl.constexpr,
+                     POOL_SUMS, RSQRT, QW, KW, COS, SIN, seq_len, in_len, num_heads,
+                     batch_heads, FIRST_PART, GATHER: tl.constexpr, NORM_ROPE: tl.constexpr,
+                     POOL: tl.constexpr, POOL_PARTS: tl.constexpr,
                      POOL_LANE_ROWS: tl.constexpr,
                      FP8_V: tl.constexpr, VT_TILES: tl.constexpr, VT_SLOTS: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
@@ -361,7 +392,9 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
     # H x 256 (-3% on the H100, session 22, bench/NOTES.md). POOL: the Q and K programs also
     # write their tokens' fp32 sums over the real rows, POOL_PARTS a program (POOL_SUMS
     # (2, B*H, chunks * POOL_PARTS, D)), which `coarse_gpu.pool_from_sums` turns into the
-    # selection's cube means: the pooling's read of q and k, done by this one
+    # selection's cube means: the pooling's read of q and k, done by this one. NORM_ROPE: q
+    # and k are the projections, put through Wan's prologue here (`_normed_rows`), so the
+    # normalized q and k are never written (RSQRT (2, B, in_len) the norm's scales)
     bh = tl.program_id(0).to(tl.int64) % batch_heads
     chunk = tl.program_id(0) // batch_heads
     part = tl.program_id(2) + FIRST_PART
@@ -381,7 +414,10 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
     in_off = ((b * in_len + src) * num_heads + h)[:, None] * HEAD_DIM + d[None, :]
     if part == 0:
         # Q: per-token int8 (no smoothing: the module docstring)
-        q = tl.where(valid[:, None], tl.load(Q + in_off).to(tl.float32), 0.0)
+        q = tl.load(Q + in_off)
+        if NORM_ROPE:
+            q = _normed_rows(q, RSQRT, QW, COS, SIN, b * in_len + src, src, h, HEAD_DIM)
+        q = tl.where(valid[:, None], q.to(tl.float32), 0.0)
         q8, q_scale = _int8_per_token(q)
         if POOL:
             _store_sums(POOL_SUMS, bh, chunk, seq_len // TOKENS, q, TOKENS, POOL_PARTS, HEAD_DIM,
@@ -391,7 +427,11 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
     elif part == 1:
         # K: smoothed by the sampled mean `_stats_kernel` wrote, per-token int8
         k_mean = tl.load(KMEAN + bh * HEAD_DIM + d)
-        k = tl.load(K + in_off).to(tl.float32)
+        k = tl.load(K + in_off)
+        if NORM_ROPE:
+            k = _normed_rows(k, RSQRT, KW, COS, SIN, (batch_heads // num_heads + b) * in_len
+                             + src, src, h, HEAD_DIM)
+        k = k.to(tl.float32)
         if POOL:
             _store_sums(POOL_SUMS, batch_heads + bh, chunk, seq_len // TOKENS,
                         tl.where(valid[:, None], k, 0.0), TOKENS, POOL_PARTS, HEAD_DIM,
@@ -425,10 +465,11 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
              mode: str = "int8_fp8", block: int = 64, *, with_q: bool = True,
              vt_tiles: bool = False, vt_slots: bool = False,
-             sources: torch.Tensor | None = None, pool: bool = False) -> QuantizedInputs:
+             sources: torch.Tensor | None = None, pool: bool = False,
+             norm_rope: NormRope | None = None) -> QuantizedInputs:
     """The pre-pass: Q, K (and V for ``"int8_fp8"``) quantized by the recipe (module
-    docstring). On a GPU two Triton launches (three with ``pool``), no host sync; on a CPU
-    `quantize_torch`.
+    docstring). On a GPU two Triton launches (one more with ``pool``, one with
+    ``norm_rope``), no host sync; on a CPU `quantize_torch`.
     ``with_q=False`` leaves Q out on the GPU (q8 and q_scale None: the op's kernel quantizes
     each query cube itself). ``vt_tiles``: V^T as 32-key tiles in shared-memory order;
     ``vt_slots``: V^T's keys in MMA slot order, in the same pass (module docstring).
@@ -436,7 +477,12 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tenso
     ``sources[i]`` (`tilegen.layout.cube_sources`): the reorder to cubes done by the same pass,
     the outputs cube-major as without it. ``pool``: also the cube means of q and k over their
     real tokens (``q_pool``, ``k_pool``: what `sparsity.mean_pool_topk` scores), from the
-    pass's own read of q and k (a third launch turns its sums into means); needs ``with_q``."""
+    pass's own read of q and k (a third launch turns its sums into means); needs ``with_q``.
+    ``norm_rope`` (`tilegen.prologue.NormRope`): q and k ``(B, S, H, D)`` are the projections
+    before Wan's RMSNorm across heads and rotary embedding, which the pass applies as it reads
+    them, with `rms_norm_rope`'s arithmetic bit for bit (a launch first computes the norm's
+    scales, `prologue.rms_rsqrt`): the outputs are those of ``quantize(*rms_norm_rope(q, k,
+    ...), v, ...)`` without the normalized q and k ever written."""
     import dataclasses
 
     _check_mode(mode)
@@ -447,19 +493,20 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tenso
         if pool and not with_q:
             raise ValueError("pool=True pools q as the pass reads it: not with with_q=False")
         qi = quantize_torch(q, k, v, vbs, mode, block, vt_tiles=vt_tiles, sources=sources,
-                            pool=pool)
+                            pool=pool, norm_rope=norm_rope)
         if vt_slots:
             qi = dataclasses.replace(qi, v8t=vt_to_slots(qi.v8t), vt_slots=True)
         return qi
     return quantize_triton(q, k, v, vbs, mode, block, with_q=with_q, vt_tiles=vt_tiles,
-                           vt_slots=vt_slots, sources=sources, pool=pool)
+                           vt_slots=vt_slots, sources=sources, pool=pool, norm_rope=norm_rope)
 
 
 def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
                     mode: str = "int8_fp8", block: int = 64, *,
                     num_warps: int = 2, tokens: int = 32, with_q: bool = True,
                     vt_tiles: bool = False, vt_slots: bool = False,
-                    sources: torch.Tensor | None = None, pool: bool = False) -> QuantizedInputs:
+                    sources: torch.Tensor | None = None, pool: bool = False,
+                    norm_rope: NormRope | None = None) -> QuantizedInputs:
     """The Triton pre-pass (what `quantize` runs on a GPU; the tests run it under the
     interpreter on CPU tensors); ``tokens`` a program: a power of two from 32 (K's scale
     group) to ``block``.
@@ -467,7 +514,8 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     default workload against 0.59 for a whole cube on 4 warps). ``vt_slots``: V^T's keys
     written at their MMA slots (`vt_to_slots`), in the same pass. Two launches: the sampled
     statistics (`_stats_kernel`, one program a head), then the pass; with ``pool`` a third,
-    `coarse_gpu.pool_from_sums` of the sums the pass's Q and K programs write."""
+    `coarse_gpu.pool_from_sums` of the sums the pass's Q and K programs write; with
+    ``norm_rope`` one before them, `prologue.rms_rsqrt`."""
     _check_mode(mode)
     if vt_slots and vt_tiles:
         raise ValueError("vt_slots orders V^T's keys in its natural layout, not with vt_tiles")
@@ -485,6 +533,13 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     n = S // block
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     dev = q.device
+    if norm_rope is not None:
+        norm_rope.check(q, k)
+        rsqrt = rms_rsqrt_triton(q, k, float(norm_rope.q_eps), float(norm_rope.k_eps))
+        prologue_args = (rsqrt, norm_rope.q_weight, norm_rope.k_weight, norm_rope.cos,
+                         norm_rope.sin)
+    else:  # never read: q stands in for the pointers
+        prologue_args = (q,) * 5
     f32 = dict(dtype=torch.float32, device=dev)
     k8 = torch.empty((B, S, H, D), dtype=torch.int8, device=dev)
     k_scale = torch.empty((B, H, S), **f32)
@@ -510,14 +565,17 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     pool_sums = torch.empty((2, B * H, chunks * pool_parts, D), **f32) if pool else k_scale
     # without fp8 V its statistics are not written: k_mean stands in for the pointers
     _stats_kernel[(B * H,)](
-        k, v, src, k_mean, v_scale if fp8 else k_mean, v_mean if fp8 else k_mean, S_in, H, n,
-        n_sample, GATHER=sources is not None, FP8_V=fp8, HEAD_DIM=D, BLOCK=block,
+        k, v, src, k_mean, v_scale if fp8 else k_mean, v_mean if fp8 else k_mean,
+        *prologue_args[:1], *prologue_args[2:], B, S_in, H, n, n_sample,
+        GATHER=sources is not None, NORM_ROPE=norm_rope is not None, FP8_V=fp8, HEAD_DIM=D,
+        BLOCK=block,
         SAMPLE=triton.next_power_of_2(SAMPLE_CUBES), E4M3=E4M3_MAX, HEADROOM=V_HEADROOM,
         num_warps=num_warps)
     _quantize_kernel[(chunks * B * H, 1, parts)](
         q, k, v, vbs, q8, q_scale, k8, k_scale, k_mean,
         v8t if fp8 else q8, v_scale if fp8 else q_scale, v_mean if fp8 else q_scale, src,
-        pool_sums, S, S_in, H, B * H, 0 if with_q else 1, GATHER=sources is not None, POOL=pool,
+        pool_sums, *prologue_args, S, S_in, H, B * H, 0 if with_q else 1,
+        GATHER=sources is not None, NORM_ROPE=norm_rope is not None, POOL=pool,
         POOL_PARTS=pool_parts, POOL_LANE_ROWS=min(lane_rows, tokens),
         FP8_V=fp8, VT_TILES=vt_tiles,
         VT_SLOTS=vt_slots, HEAD_DIM=D,

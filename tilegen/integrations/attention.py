@@ -17,6 +17,7 @@ import torch
 
 from tilegen import layout
 from tilegen import sparsity as selectors
+from tilegen.prologue import NormRope, rms_norm_rope
 
 __all__ = ["DEFAULT_SPARSITY", "KERNEL_DTYPES", "check_cube", "check_sparsity",
            "sparse_attention", "topk_for"]
@@ -52,7 +53,7 @@ def check_sparsity(value: object, name: str = "sparsity") -> float:
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Triple,
                      cube: Triple, cubes_kept: Callable[[int], int] | int,
-                     quant: str = "none") -> torch.Tensor:
+                     quant: str = "none", norm_rope: NormRope | None = None) -> torch.Tensor:
     """Block-sparse attention of THW-ordered ``(B, S, H, D)`` tokens, ``S = T*H*W`` of
     ``grid``: cubes, the mean-pool selection of ``cubes_kept`` KV cubes per query cube (an int,
     or a function of the cube count), tilegen's op, tokens back; ``(B, S, H, D)`` in q's dtype.
@@ -62,7 +63,10 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Tr
     Differentiable in q, k and v (the selection gets no gradient). With ``quant="int8_fp8"``
     the layer is `tilegen.ops.block_sparse_attention_8bit_thw` instead (the same selection;
     the pooling and the 8-bit pre-pass read the tokens in THW order, so q, k and v are never
-    reordered): forward only, on Hopper.
+    reordered): forward only, on Hopper. ``norm_rope`` (`tilegen.prologue.NormRope`): q and k
+    are the projections before Wan's norm and rotation, which the 8-bit pre-pass applies as it
+    reads them (`block_sparse_attention_8bit_thw`); bf16/fp16 layers apply them first
+    (`tilegen.prologue.rms_norm_rope`).
     """
     from tilegen.ops import block_sparse_attention, block_sparse_attention_8bit_thw
 
@@ -75,8 +79,12 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Tr
         n_cubes = math.prod(layout.cube_grid(grid, cube))
         topk = cubes_kept if isinstance(cubes_kept, int) else cubes_kept(n_cubes)
         o = block_sparse_attention_8bit_thw(q.to(work), k.to(work), v.to(work), grid, topk,
-                                            cube=cube, quant=quant)
+                                            cube=cube, quant=quant, norm_rope=norm_rope)
         return o.to(q.dtype)
+    if norm_rope is not None:
+        q, k = rms_norm_rope(q.flatten(2), k.flatten(2), norm_rope.q_weight, norm_rope.k_weight,
+                             norm_rope.q_eps, norm_rope.k_eps, norm_rope.cos, norm_rope.sin,
+                             q.shape[2])
     # padded slots hold a copy of their cube's first token (one gather, no zero fill): the
     # kernel masks padded keys, the selector pools real tokens only, padded rows are dropped
     qc, vbs = layout.to_cubes(q.to(work), grid, cube, zero_padding=False)

@@ -16,7 +16,9 @@ with the I2V image branch, keeps diffusers' processor):
    fp16 projections run fused (`tilegen.prologue.rms_norm_rope`: one Triton launch a tensor on a
    GPU, where ``torch.compile`` makes one slower reduction kernel of them; the same values as
    diffusers' eager modules but where the fp32 rotation rounds to the other neighbouring bf16
-   value);
+   value); in an 8-bit layer the 8-bit pre-pass applies them itself as it reads the projections
+   (`tilegen.prologue.NormRope`, `tilegen.ops.block_sparse_attention_8bit_thw`), with the same
+   values;
 2. q, k, v reordered from the model's token order (T*H*W after patchify) into cubes
    (`tilegen.layout.to_cubes`; a grid that is not whole cubes pads its edge cubes, their real
    tokens in ``vbs``);
@@ -333,7 +335,9 @@ class BlockSparseWanAttnProcessor:
         if state.grid is None:
             raise RuntimeError("tilegen: the latent grid is unknown: call the transformer "
                                "itself (its pre-hook reads the grid), not a block alone")
-        q, k, v = _project(attn, hidden_states, rotary_emb)
+        # the 8-bit pre-pass applies the prologue as it reads the projections (one pass less)
+        defer = state.quant != "none" and state.calibration is None and group is None
+        q, k, v, norm_rope = _project(attn, hidden_states, rotary_emb, defer_prologue=defer)
         if state.calibration is not None:
             if group is not None:
                 raise ValueError(_CALIBRATE_CP)
@@ -345,7 +349,7 @@ class BlockSparseWanAttnProcessor:
                                     quant=state.quant)
         else:
             out = sparse_attention(q, k, v, state.grid, state.cube, self.cubes_kept,
-                                   state.quant)
+                                   state.quant, norm_rope=norm_rope)
         out = out.flatten(2, 3).type_as(q)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
@@ -392,24 +396,33 @@ def _share_parallel_config(proc: Any, original: Any) -> None:
 
 
 def _project(attn: torch.nn.Module, hidden: torch.Tensor,
-             rotary_emb: tuple[torch.Tensor, torch.Tensor] | None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v (B, S, heads, D) as diffusers' WanAttnProcessor makes them for self-attention."""
+             rotary_emb: tuple[torch.Tensor, torch.Tensor] | None, *,
+             defer_prologue: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, prologue.NormRope | None]:
+    """q, k, v (B, S, heads, D) as diffusers' WanAttnProcessor makes them for self-attention,
+    and None. With ``defer_prologue``, where the fused prologue applies, q and k are the
+    projections before it and the prologue comes back as data (`prologue.NormRope`) for a
+    pass that applies it as it reads them."""
     if getattr(attn, "fused_projections", False):
         q, k, v = attn.to_qkv(hidden).chunk(3, dim=-1)
     else:
         q, k, v = attn.to_q(hidden), attn.to_k(hidden), attn.to_v(hidden)
     if _fused_prologue_applies(attn, q, rotary_emb):
         cos, sin = prologue.rope_tables(*rotary_emb)
-        q, k = prologue.rms_norm_rope(q, k, attn.norm_q.weight, attn.norm_k.weight,
-                                      _eps(attn.norm_q, q), _eps(attn.norm_k, k), cos, sin,
-                                      attn.heads)
-        return q, k, v.unflatten(2, (attn.heads, -1))
+        q_eps, k_eps = _eps(attn.norm_q, q), _eps(attn.norm_k, k)
+        v = v.unflatten(2, (attn.heads, -1))
+        if defer_prologue:
+            return (q.unflatten(2, (attn.heads, -1)), k.unflatten(2, (attn.heads, -1)), v,
+                    prologue.NormRope(attn.norm_q.weight, attn.norm_k.weight, q_eps, k_eps,
+                                      cos, sin))
+        q, k = prologue.rms_norm_rope(q, k, attn.norm_q.weight, attn.norm_k.weight, q_eps, k_eps,
+                                      cos, sin, attn.heads)
+        return q, k, v, None
     q, k = attn.norm_q(q), attn.norm_k(k)
     q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
     if rotary_emb is not None:
         q, k = _apply_rotary(q, *rotary_emb), _apply_rotary(k, *rotary_emb)
-    return q, k, v
+    return q, k, v, None
 
 
 def _fused_prologue_applies(attn: torch.nn.Module, q: torch.Tensor,

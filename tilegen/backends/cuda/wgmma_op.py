@@ -290,18 +290,19 @@ def _quant_op_class():
             return WgmmaQuantLaunch(self.spec.kernel_spec, cfg, self.target)
 
         def quantize(self, q, k, v, vbs, *, with_q: bool = True, sources=None,
-                     pool: bool = False):
+                     pool: bool = False, norm_rope=None):
             """The pre-pass in the layout this kernel reads (V^T keys in MMA slot order):
             what `from_quantized` takes. Q is always quantized (``with_q`` must be True).
             ``sources``: token-order inputs reordered by the same pass; ``pool``: the cube
-            means of q and k as well (`quant.quantize`)."""
+            means of q and k as well; ``norm_rope``: q and k are projections the pass puts
+            through Wan's prologue (`quant.quantize`)."""
             from tilegen import quant
 
             if not with_q:
                 raise ValueError("with_q=False: the CUDA 8-bit kernel reads Q quantized by the "
                                  "pre-pass")
             return quant.quantize(q, k, v, vbs, self.spec.quant, vt_slots=True,
-                                  sources=sources, pool=pool)
+                                  sources=sources, pool=pool, norm_rope=norm_rope)
 
         writes_token_order = True  # the epilogue stores o's rows at ``out_rows``
 

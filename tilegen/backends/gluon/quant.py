@@ -435,16 +435,19 @@ class _QuantOp:
     def forward_for_grad(self, *args, **kwargs):
         raise _no_grad_error()
 
-    def quantize(self, q, k, v, vbs, *, with_q: bool = True, sources=None, pool: bool = False):
+    def quantize(self, q, k, v, vbs, *, with_q: bool = True, sources=None, pool: bool = False,
+                 norm_rope=None):
         """The pre-pass (`tilegen.quant.quantize`) in the layout this op's kernel reads (V^T
         tiled or not, the config's ``vt_tiled``): what `from_quantized` takes. ``sources``
         (`tilegen.layout.cube_sources`): q, k, v in token order, reordered to cubes by the
-        same pass; ``pool``: the cube means of q and k as well, for the selection."""
+        same pass; ``pool``: the cube means of q and k as well, for the selection;
+        ``norm_rope`` (`tilegen.prologue.NormRope`): q and k are projections the pass puts
+        through Wan's prologue."""
         from tilegen import quant
 
         return quant.quantize(q, k, v, vbs, self.spec.quant, with_q=with_q,
                               vt_tiles=bool(options_of(self.config)["vt_tiled"]),
-                              sources=sources, pool=pool)
+                              sources=sources, pool=pool, norm_rope=norm_rope)
 
 
 def _check_quantized(spec: Spec, qi, vbs) -> None:

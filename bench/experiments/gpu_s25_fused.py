@@ -39,7 +39,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    from tilegen import layout, prologue
+    from tilegen import layout, prologue, quant
     from tilegen.ops import _quant_op_for, block_sparse_attention_8bit_thw
 
     dev = torch.device("cuda")
@@ -117,12 +117,25 @@ def main() -> int:
         _ms(lambda: op.quantize(q, k, v, vbs, sources=src, pool=True, norm_rope=nr)))
     say("prologue + pre-pass", _ms(lambda: op.quantize(*unfused(q, k, nr), v, vbs, sources=src,
                                                         pool=True)))
+    for heads in (1, 2, 4, 8):  # heads a program takes in turn (the tables from L1 after one)
+        say(f"pre-pass, pool, norm_rope, {heads} heads a program (scales included)",
+            _ms(lambda h=heads: quant.quantize_triton(q, k, v, vbs, "int8_fp8", vt_slots=True,
+                                                      sources=src, pool=True, norm_rope=nr,
+                                                      heads_per_program=h)))
+    for heads in (2, 8):
+        say(f"pre-pass, pool, {heads} heads a program",
+            _ms(lambda h=heads: quant.quantize_triton(qn, kn, v, vbs, "int8_fp8", vt_slots=True,
+                                                      sources=src, pool=True,
+                                                      heads_per_program=h)))
     say("layer: prologue, then the THW op",
         _ms(lambda: block_sparse_attention_8bit_thw(*unfused(q, k, nr), v, WAN_GRID, topk)))
     say("layer: the THW op with norm_rope",
         _ms(lambda: block_sparse_attention_8bit_thw(q, k, v, WAN_GRID, topk, norm_rope=nr)))
     say("layer: prologue, then the THW op (again)",
         _ms(lambda: block_sparse_attention_8bit_thw(*unfused(q, k, nr), v, WAN_GRID, topk)))
+    fused = rows["pre-pass, pool, norm_rope (scales included)"]
+    res["fused_faster"] = fused < rows["prologue + pre-pass"]
+    save()
     print("\n| piece | ms |\n|---|---|")
     for name, ms in rows.items():
         print(f"| {name} | {ms:.3f} |")

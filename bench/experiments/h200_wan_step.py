@@ -126,6 +126,9 @@ def main() -> int:
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--no-eager", action="store_true",
                     help="skip the eager step rows (the compiled ones are the comparison)")
+    ap.add_argument("--prepass-prologue", action="store_true",
+                    help="also time the compiled 8-bit step with the q/k prologue applied by "
+                         "the pre-pass (tilegen.integrations.diffusers._PROLOGUE_IN_PREPASS)")
     ap.add_argument("--quant", default="int8_fp8",
                     help="the 8-bit recipe timed beside bf16 ('none': bf16 rows only)")
     ap.add_argument("--profile", action="store_true",
@@ -392,6 +395,11 @@ def main() -> int:
                 result[f"compile_tilegen_{quant}_s"] = time.perf_counter() - t0
                 timed(f"tilegen_{quant}_compiled")
                 result["graph_breaks_8bit"] = dict(counters["graph_break"])
+                if args.prepass_prologue:  # the q/k prologue applied by the 8-bit pre-pass
+                    tgd._PROLOGUE_IN_PREPASS = True
+                    step()
+                    timed(f"tilegen_{quant}_prepass_prologue_compiled")
+                    tgd._PROLOGUE_IN_PREPASS = False
                 if args.profile:
                     result["profile_8bit"] = _profile_step(step, say, f"compiled {quant}")
                 tgd.disable_block_sparse(model)
@@ -412,6 +420,9 @@ def main() -> int:
         result["speedup_compiled"] = dc / rows["tilegen_compiled"]["ms"]
         if quant and f"tilegen_{quant}_compiled" in rows:
             result[f"speedup_compiled_{quant}"] = dc / rows[f"tilegen_{quant}_compiled"]["ms"]
+            fused = rows.get(f"tilegen_{quant}_prepass_prologue_compiled")
+            if fused:
+                result[f"speedup_compiled_{quant}_prepass_prologue"] = dc / fused["ms"]
     if quant and eager:
         result[f"speedup_eager_{quant}"] = dense / rows[f"tilegen_{quant}_eager"]["ms"]
     if "tilegen_cuda_graph" in rows and eager:

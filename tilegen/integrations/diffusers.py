@@ -16,9 +16,7 @@ with the I2V image branch, keeps diffusers' processor):
    fp16 projections run fused (`tilegen.prologue.rms_norm_rope`: one Triton launch a tensor on a
    GPU, where ``torch.compile`` makes one slower reduction kernel of them; the same values as
    diffusers' eager modules but where the fp32 rotation rounds to the other neighbouring bf16
-   value); in an 8-bit layer the 8-bit pre-pass applies them itself as it reads the projections
-   (`tilegen.prologue.NormRope`, `tilegen.ops.block_sparse_attention_8bit_thw`), with the same
-   values;
+   value);
 2. q, k, v reordered from the model's token order (T*H*W after patchify) into cubes
    (`tilegen.layout.to_cubes`; a grid that is not whole cubes pads its edge cubes, their real
    tokens in ``vbs``);
@@ -335,8 +333,8 @@ class BlockSparseWanAttnProcessor:
         if state.grid is None:
             raise RuntimeError("tilegen: the latent grid is unknown: call the transformer "
                                "itself (its pre-hook reads the grid), not a block alone")
-        # the 8-bit pre-pass applies the prologue as it reads the projections (one pass less)
-        defer = state.quant != "none" and state.calibration is None and group is None
+        defer = (_PROLOGUE_IN_PREPASS and state.quant != "none" and state.calibration is None
+                 and group is None)
         q, k, v, norm_rope = _project(attn, hidden_states, rotary_emb, defer_prologue=defer)
         if state.calibration is not None:
             if group is not None:
@@ -393,6 +391,15 @@ def _share_parallel_config(proc: Any, original: Any) -> None:
     config = getattr(proc, "_parallel_config", None)
     if config is not None and getattr(original, "_parallel_config", False) is None:
         original._parallel_config = config
+
+
+#: Whether the 8-bit layers hand the q/k prologue to the 8-bit pre-pass (`prologue.NormRope`:
+#: the normalized q and k never written) instead of running `prologue.rms_norm_rope` first. Off
+#: until it measures faster: with one head a program the fused pass was 0.24 ms slower than the
+#: prologue and the plain pass together (its rotary tables read from L2 by every head's program,
+#: session 25, bench/NOTES.md); eight heads a program is not yet timed
+#: (`bench/experiments/h200_wan_step.py --prepass-prologue` times the step both ways).
+_PROLOGUE_IN_PREPASS = False
 
 
 def _project(attn: torch.nn.Module, hidden: torch.Tensor,

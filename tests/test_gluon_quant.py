@@ -289,6 +289,11 @@ def test_the_thw_8bit_entry_refuses_what_it_cannot_run_and_traces_without_a_brea
         block_sparse_attention_8bit_thw(qb, qb, qb, grid, 1, norm_rope=dataclasses.replace(
             nr, cos=nr.cos[:7], sin=nr.sin[:7]))
 
+    from tilegen.integrations.attention import sparse_attention
+
+    with pytest.raises(ValueError, match="applied by the 8-bit pre-pass"):  # bf16 layers: no
+        sparse_attention(qb, qb, qb, grid, (4, 4, 4), 1, norm_rope=nr)
+
     def layer(x, w, c, sn):  # the projections, the prologue applied by the op (norm_rope)
         y = block_sparse_attention_8bit_thw(x * 2, x, x, grid, 1, norm_rope=prologue.NormRope(
             w, w, 1e-6, 1e-6, c, sn))

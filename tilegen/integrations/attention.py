@@ -17,7 +17,7 @@ import torch
 
 from tilegen import layout
 from tilegen import sparsity as selectors
-from tilegen.prologue import NormRope, rms_norm_rope
+from tilegen.prologue import NormRope
 
 __all__ = ["DEFAULT_SPARSITY", "KERNEL_DTYPES", "check_cube", "check_sparsity",
            "sparse_attention", "topk_for"]
@@ -63,10 +63,9 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Tr
     Differentiable in q, k and v (the selection gets no gradient). With ``quant="int8_fp8"``
     the layer is `tilegen.ops.block_sparse_attention_8bit_thw` instead (the same selection;
     the pooling and the 8-bit pre-pass read the tokens in THW order, so q, k and v are never
-    reordered): forward only, on Hopper. ``norm_rope`` (`tilegen.prologue.NormRope`): q and k
-    are the projections before Wan's norm and rotation, which the 8-bit pre-pass applies as it
-    reads them (`block_sparse_attention_8bit_thw`); bf16/fp16 layers apply them first
-    (`tilegen.prologue.rms_norm_rope`).
+    reordered): forward only, on Hopper. ``norm_rope`` (`tilegen.prologue.NormRope`, 8-bit
+    only): q and k are the projections before Wan's norm and rotation, which the 8-bit pre-pass
+    applies as it reads them (`block_sparse_attention_8bit_thw`).
     """
     from tilegen.ops import block_sparse_attention, block_sparse_attention_8bit_thw
 
@@ -82,9 +81,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Tr
                                             cube=cube, quant=quant, norm_rope=norm_rope)
         return o.to(q.dtype)
     if norm_rope is not None:
-        q, k = rms_norm_rope(q.flatten(2), k.flatten(2), norm_rope.q_weight, norm_rope.k_weight,
-                             norm_rope.q_eps, norm_rope.k_eps, norm_rope.cos, norm_rope.sin,
-                             q.shape[2])
+        raise ValueError("norm_rope is applied by the 8-bit pre-pass: pass quant='int8_fp8', or "
+                         "q and k after the prologue (tilegen.prologue.rms_norm_rope)")
     # padded slots hold a copy of their cube's first token (one gather, no zero fill): the
     # kernel masks padded keys, the selector pools real tokens only, padded rows are dropped
     qc, vbs = layout.to_cubes(q.to(work), grid, cube, zero_padding=False)

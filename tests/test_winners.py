@@ -327,9 +327,10 @@ def test_shipped_winners_were_timed_on_a_real_device() -> None:
 
 def test_shipped_wan22_winner_is_used_on_an_h200(where: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The winners measured on the H200 on 2026-12-01 (bench/RESULTS.md): the Triton family's
-    bm64_bn64_w4_s5 (9.74 ms) and the Gluon family's (7.67 ms); `tilegen.load(Spec())` there
-    takes the faster family, and the 720p / 12-head workload of the same kernel borrows it."""
+    """The winners measured on the H200 (bench/RESULTS.md): on 2026-12-01 the Triton family's
+    bm64_bn64_w4_s5 (9.74 ms) and the Gluon family's (7.67 ms), on 2026-12-06 (session 26) the
+    CUDA family's three-consumer point (6.68 ms); `tilegen.load(Spec())` there takes the fastest
+    family, and the 720p / 12-head workload of the same kernel borrows the Triton one."""
     from tilegen.paths import ROOT as root
 
     monkeypatch.setattr(winners, "SHIPPED_DIR", root / "tuning_db")
@@ -342,5 +343,7 @@ def test_shipped_wan22_winner_is_used_on_an_h200(where: Path,
                               device_name="NVIDIA H200")
     assert res.hit and res.nearest and res.config.name == "bm64_bn64_w4_s5_lse"
     monkeypatch.setattr(winners, "current_device_name", lambda: "NVIDIA H200")
+    cu = winners.find_winner(Spec(), TARGET, backend="cuda", device_name="NVIDIA H200")
+    assert cu.hit and cu.config.option("consumers") == 3 and abs(cu.median_ms - 6.676) < 0.01
     backend, cfg, source = ops.resolve_config(Spec(), TARGET)
-    assert (backend, source) == ("gluon", "winner") and cfg == glu.config
+    assert (backend, source) == ("cuda", "winner") and cfg == cu.config

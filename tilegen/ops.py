@@ -747,9 +747,9 @@ def block_sparse_attention_8bit_thw(
     Wan's RMSNorm across heads and rotary embedding (``(B, T*H*W, H, D)`` views of them), and
     the pre-pass applies both as it reads them, with `tilegen.prologue.rms_norm_rope`'s
     arithmetic bit for bit: the result is this op's on ``rms_norm_rope(q, k, ...)``, without
-    the normalized q and k ever written (a pass over them less; measured on the H100 with one
-    head a program, the pass's table reads made it 0.24 ms slower than the prologue and the
-    plain pass, bench/NOTES.md session 25).
+    the normalized q and k ever written (a pass over them less; measured, it is slower than
+    the prologue and the plain pass: 1.50-1.53 ms against 1.29 alone on the H100, +7.6 ms in the
+    compiled Wan step on the H200, bench/NOTES.md session 26).
 
     Forward only; a custom op (``torch.ops.tilegen.block_sparse_attention_8bit_thw``), traced
     by ``torch.compile`` without a graph break."""

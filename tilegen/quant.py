@@ -397,8 +397,8 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
     # and k are the projections, put through Wan's prologue here (`_normed_rows`), so the
     # normalized q and k are never written (RSQRT (2, B, in_len) the norm's scales). A program
     # takes HEADS neighbouring heads of its tokens in turn, so that what all heads read alike
-    # (the rotary tables) can come from L1 after the first (from L2 for every head's program
-    # at one head: the fused pass 0.24 ms slower, session 25, bench/NOTES.md)
+    # (the rotary tables) can come from L1 after the first; measured, it changes nothing (the
+    # fused pass 1.50-1.53 ms at 1-8 heads, H100, session 26, bench/NOTES.md)
     groups = batch_heads // HEADS
     chunk = tl.program_id(0) // groups
     part = tl.program_id(2) + FIRST_PART
@@ -541,9 +541,10 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     ``norm_rope`` one before them, `prologue.rms_rsqrt`. ``heads_per_program``: neighbouring
     heads a program takes in turn (a divisor of H); by default 1, and with ``norm_rope``
     the largest of 8, 4, 2 that divides H, so that the rotary tables (the same rows for every
-    head) can come from L1 after a program's first head: with one head a program every head's
-    program reads them from L2, and the fused pass measured 0.24 ms slower than the prologue
-    and the plain pass together (H100, session 25); eight heads a program is not yet timed."""
+    head) can come from L1 after a program's first head. Measured on an H100 (session 26,
+    bench/NOTES.md), the fused pass with its scales takes 1.50-1.53 ms at 1-8 heads a program
+    against 1.29 for `prologue.rms_norm_rope` and the plain pass: the prologue's arithmetic in
+    this latency-bound pass costs more than the 670 MB of writes it saves."""
     _check_mode(mode)
     if vt_slots and vt_tiles:
         raise ValueError("vt_slots orders V^T's keys in its natural layout, not with vt_tiles")

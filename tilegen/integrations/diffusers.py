@@ -394,11 +394,10 @@ def _share_parallel_config(proc: Any, original: Any) -> None:
 
 
 #: Whether the 8-bit layers hand the q/k prologue to the 8-bit pre-pass (`prologue.NormRope`:
-#: the normalized q and k never written) instead of running `prologue.rms_norm_rope` first. Off
-#: until it measures faster: with one head a program the fused pass was 0.24 ms slower than the
-#: prologue and the plain pass together (its rotary tables read from L2 by every head's program,
-#: session 25, bench/NOTES.md); eight heads a program is not yet timed
-#: (`bench/experiments/h200_wan_step.py --prepass-prologue` times the step both ways).
+#: the normalized q and k never written) instead of running `prologue.rms_norm_rope` first. Off:
+#: measured slower, alone (1.50-1.53 ms at 1-8 heads a program against 1.29 for the prologue and
+#: the plain pass, H100) and in the compiled Wan step (+7.6 ms, H200), session 26,
+#: bench/NOTES.md (`bench/experiments/h200_wan_step.py --prepass-prologue` times both).
 _PROLOGUE_IN_PREPASS = False
 
 

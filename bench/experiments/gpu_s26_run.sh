@@ -25,7 +25,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit --format=csv,noh
     echo "wan rc $? at ${SECONDS} s"
 )
 grep -E "^\| |^speedup|^check|^thw|compile failed|_compiled|Error" "$OUT/wan_step.log" | cut -c1-200 | head -30
-export TILEGEN_DB=$OUT/tuning.sqlite
+mkdir -p /tmp/s26db  # the DBs outside $OUT: the device tool returns at most 8 files of it
+export TILEGEN_DB=/tmp/s26db/tuning.sqlite
 start=$SECONDS
 timeout ${TUNE_LIMIT:-150} python3 -m tilegen.cli tune --backend cuda --sampler grid \
     --trials 144 --seeds 2 --export tuning_db/winners.json \

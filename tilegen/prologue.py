@@ -44,7 +44,7 @@ def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, tor
     channel: pair ``j`` of every head turns by ``cos[..., 2j]`` and ``sin[..., 2j + 1]`` (the
     entries its formula reads), so channel ``2j`` becomes ``x_2j c - x_2j+1 s`` and ``2j + 1``
     becomes ``x_2j+1 c + x_2j s``: the tables hold ``c`` at both and ``-s`` / ``+s``. A kernel
-    then rotates a row in its load layout (`rotate_pairs`)."""
+    then rotates a row in its load layout (`norm_rope`)."""
     if cos.dim() != 4 or cos.shape[0] != 1 or cos.shape[2] != 1 or cos.shape != sin.shape:
         raise ValueError(f"the rotary tables must be (1, S, 1, D), one shape; got "
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")

@@ -1,24 +1,31 @@
-"""Issue #19, session 27: what each part of the 8-bit kernel's softmax costs, by removing it.
+"""Issue #19, session 27: what each part of the 8-bit kernel costs, by removing it.
 
 Sessions 16-22 cut instructions from the CUDA 8-bit kernel's consumer loop (3-10% of them at a
 time) and each moved the one-consumer kernel by 2% or less; session 26 left it at ~5.2 ms on
-the H200, where issue #19's 1.5x needs ~3.9. These probes take whole parts out of the loop
-(`QuantSoftmax` in templates/cuda/include/tilegen/cuda/sm90/softmax_8bit.cuh), so their numbers
-are wrong by design and no check is run on them: what is measured is how much time is left
-without the part, which bounds what any rewrite of that part can buy.
+the H200, where issue #19's 1.5x needs ~3.9. These probes take whole parts out of the kernel
+(`QuantSoftmax` in templates/cuda/include/tilegen/cuda/sm90/softmax_8bit.cuh, the consumer and
+producer in lut_attention_8bit.cuh), so their numbers are wrong by design and no check is run
+on them: what is measured is how much time is left without the part, which bounds what any
+rewrite of that part can buy.
 
-    no_exp   the 64 exponentials a tile (MUFU.EX2) gone: p is the exponent's argument
-    no_max   the row max gone (its FMNMX tree and quad shuffles): m stays 0 after the first tile
-    no_sum   the row sums gone (64 FADD a tile)
-    bare     all three: what is left is S, its conversion, one FFMA a score, the pack, P V and
-             O's update, the ring and the loads
+    no_exp    the 64 exponentials a tile (MUFU.EX2) gone: p is the exponent's argument
+    no_max    the row max gone (its FMNMX tree and quad shuffles): m stays 0 after the first tile
+    no_sum    the row sums gone (64 FADD a tile)
+    bare      all three: what is left is S, its conversion, one FFMA a score, the pack, P V and
+              O's update, the ring and the loads
+    no_pv     the P V MMAs gone (the accumulator keeps a stand-in dependence on P)
+    no_mma    both MMAs gone (S a cheap stand-in from the stage index): the softmax on junk
+    no_loads  the producer copies no K or V tile (only the key scales; the MMAs read stale
+              shared memory): the L2 -> SM traffic gone
+    and their combinations (bare_no_mma, bare_no_loads, bare_no_mma_no_loads, ...)
 
-Each probe is a text edit of the header inside the variant's own source snapshot
-(`CxxSource.headers`), so the shipped headers and their cache keys stay as they are. The probes
-run at the 8-bit defaults (one consumer, 128-key tiles) and at two consumers a CTA.
+Each probe is a text edit of the headers inside the variant's own source snapshot
+(`CxxSource.headers`), so the shipped headers and their cache keys stay as they are.
+Run 1 (`--set softmax`): the softmax probes at one and two consumers a CTA; run 2
+(`--set parts`): the MMAs and the loads at one consumer.
 
     PYTHONPATH=$PWD TILEGEN_CACHE_DIR=$PWD/.kcache python3 bench/experiments/gpu_s27_probe.py \
-        --out $OUT/probe.json            (on the GPU; --prebuild: compile here, no GPU)
+        --set parts --out $OUT/probe.json            (on the GPU; --prebuild: compile here)
 
 The table is printed last; the rows are also in the JSON.
 """
@@ -39,70 +46,96 @@ from tilegen import captures
 from tilegen.backends.cuda import wgmma
 from tilegen.spec import Spec
 
-HEADER = "tilegen/cuda/sm90/softmax_8bit.cuh"
-#: probe -> (old text, new text) edits of HEADER; every old text must be found exactly once
-EDITS: dict[str, tuple[str, str]] = {
-    "no_exp": ("f[i] = fast_exp2(fmaf(f[i], coef[h][key_half(i)], -shift[h]));",
-               "f[i] = fmaf(f[i], coef[h][key_half(i)], -shift[h]);"),
-    "no_max": ("const float m_new = fmaxf(m[h], Fragment::quad_max(mx));",
-               "const float m_new = kFirst ? 0.f : m[h];"),
-    "no_sum": ("sum[h] += f[i];", ""),
+SOFTMAX = "tilegen/cuda/sm90/softmax_8bit.cuh"
+KERNEL = "tilegen/cuda/sm90/lut_attention_8bit.cuh"
+#: edit -> [(header, old text, new text)]; every old text must be in its header at least once
+#: (every occurrence is replaced)
+EDITS: dict[str, list[tuple[str, str, str]]] = {
+    "no_exp": [(SOFTMAX, "f[i] = fast_exp2(fmaf(f[i], coef[h][key_half(i)], -shift[h]));",
+                "f[i] = fmaf(f[i], coef[h][key_half(i)], -shift[h]);")],
+    "no_max": [(SOFTMAX, "const float m_new = fmaxf(m[h], Fragment::quad_max(mx));",
+                "const float m_new = kFirst ? 0.f : m[h];")],
+    "no_sum": [(SOFTMAX, "sum[h] += f[i];", "")],
+    "no_s": [(KERNEL, "Mma::qk(s, q_tile, ring.k_tile(kst));",
+              "for (int i_ = 0; i_ < Mma::kSRegs; ++i_) "
+              "asm volatile(\"mov.b32 %0, %1;\" : \"=r\"(s[i_]) : \"r\"(kst + i_));")],
+    "no_pv": [(KERNEL, "Mma::template pv_part<kParts, decltype(part)::value>(acc, p_in, v_tile);",
+               "acc[0] = __int_as_float(p_in[0] ^ v_tile);")],
+    "no_loads": [
+        (KERNEL, "barrier_expect_bytes(ring.k_full(s), T::kTileBytes + T::kScaleBytes);",
+         "barrier_expect_bytes(ring.k_full(s), T::kScaleBytes);"),
+        (KERNEL, "tma_load(ring.k_tile(s) + u * T::kHalfBytes, maps.k8, ring.k_full(s), rows.col,\n"
+                 "                     rows.row0 + key);", ";"),
+        (KERNEL, "barrier_expect_bytes(ring.v_full(s), T::kTileBytes);",
+         "barrier_expect_bytes(ring.v_full(s), 0);"),
+        (KERNEL, "tma_load(ring.v_tile(s) + u * T::kHalfBytes, maps.vt, ring.v_full(s), "
+                 "key_prev[u],\n                     vt_row);", ";"),
+    ],
 }
-PROBES: dict[str, tuple[str, ...]] = {
-    "no_exp": ("no_exp",), "no_max": ("no_max",), "no_sum": ("no_sum",),
-    "bare": ("no_exp", "no_max", "no_sum"),
+SOFTMAX_PARTS = ("no_exp", "no_max", "no_sum")
+#: probe -> edits, by probe set
+SETS: dict[str, dict[str, tuple[str, ...]]] = {
+    "softmax": {"no_exp": ("no_exp",), "no_max": ("no_max",), "no_sum": ("no_sum",),
+                "bare": SOFTMAX_PARTS},
+    "parts": {"bare": SOFTMAX_PARTS, "no_pv": ("no_pv",), "no_mma": ("no_s", "no_pv"),
+              "no_loads": ("no_loads",), "bare_no_pv": (*SOFTMAX_PARTS, "no_pv"),
+              "bare_no_mma": (*SOFTMAX_PARTS, "no_s", "no_pv"),
+              "bare_no_loads": (*SOFTMAX_PARTS, "no_loads"),
+              "no_mma_no_loads": ("no_s", "no_pv", "no_loads"),
+              "bare_no_mma_no_loads": (*SOFTMAX_PARTS, "no_s", "no_pv", "no_loads")},
 }
 CONFIGS: dict[str, dict] = {
     "1c": dict(wgmma.QUANT_DEFAULTS),
     "2c": {**wgmma.QUANT_DEFAULTS, "consumers": 2, "k_stages": 2, "v_stages": 1},
 }
+SET_CONFIGS = {"softmax": ("1c", "2c"), "parts": ("1c",)}
 
 
 def probe_source(source, edits: tuple[str, ...]):
-    """`source` as a CxxSource whose snapshot of HEADER has `edits` applied."""
+    """`source` as a CxxSource whose header snapshot has `edits` applied."""
     from tilegen.backends.cuda.nvcc import include_dir
     from tilegen.identity import CxxSource
 
     if not isinstance(source, CxxSource):
         source = CxxSource.including(source, include_dir())
     headers = dict(source.headers)
-    text = headers[HEADER].decode()
     for name in edits:
-        old, new = EDITS[name]
-        if text.count(old) != 1:
-            raise RuntimeError(f"probe {name}: {old!r} is not in {HEADER} exactly once")
-        text = text.replace(old, new)
-    headers[HEADER] = text.encode()
+        for header, old, new in EDITS[name]:
+            text = headers[header].decode()
+            if old not in text:
+                raise RuntimeError(f"probe {name}: {old!r} is not in {header}")
+            headers[header] = text.replace(old, new).encode()
     return dataclasses.replace(source, headers=tuple(sorted(headers.items())))
 
 
-def load(spec: Spec, config: str, probe: str | None):
+def load(spec: Spec, config: str, probe: str | None, probes: dict):
     op = tilegen.load(spec, wgmma.config(**CONFIGS[config]), backend="cuda")
     if probe:
         for lse in (True, False):
             run = op._launch_for(lse)
-            run.source = probe_source(run.source, PROBES[probe])
+            run.source = probe_source(run.source, probes[probe])
             run.digest = hashlib.sha256(f"{run.digest}|probe:{probe}".encode()).hexdigest()
     return op
 
 
-def labels() -> list[tuple[str, str | None]]:
-    return [(c, p) for c in CONFIGS for p in (None, *PROBES)]
+def labels(probe_set: str) -> list[tuple[str, str | None]]:
+    return [(c, p) for c in SET_CONFIGS[probe_set] for p in (None, *SETS[probe_set])]
 
 
-def prebuild() -> None:
+def prebuild(probe_set: str) -> None:
     from tilegen.backends.cuda.nvcc import compile_cuda
     from tilegen.targets import get_target
 
     target = get_target("sm_90")
     spec = Spec(quant="int8_fp8")
-    for config, probe in labels():
+    probes = SETS[probe_set]
+    for config, probe in labels(probe_set):
         op = tilegen.load(spec, wgmma.config(**CONFIGS[config]), backend="cuda", target="sm_90")
         for lse in (True, False):
             run = op._launch_for(lse)
             source, digest = run.source, run.digest
             if probe:
-                source = probe_source(source, PROBES[probe])
+                source = probe_source(source, probes[probe])
                 digest = hashlib.sha256(f"{digest}|probe:{probe}".encode()).hexdigest()
             art = compile_cuda(source, target, None, digest)
             if not lse:
@@ -114,10 +147,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="probe.json")
     ap.add_argument("--prebuild", action="store_true")
+    ap.add_argument("--set", default="softmax", choices=sorted(SETS))
     ap.add_argument("--reps", type=int, default=2, help="rounds over all variants")
     args = ap.parse_args()
     if args.prebuild:
-        prebuild()
+        prebuild(args.set)
         return 0
     from triton.testing import do_bench
 
@@ -125,8 +159,8 @@ def main() -> int:
     cap = captures.synthesize_for(spec.replace(quant="none"), seed=0, device="cuda")
     q, k, v, idx, vbs = (cap[n] for n in ("q", "k", "v", "topk_idx", "vbs"))
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "tilegen": tilegen.__version__, "rows": []}
-    ops = {(c, p): load(spec, c, p) for c, p in labels()}
+           "tilegen": tilegen.__version__, "set": args.set, "rows": []}
+    ops = {(c, p): load(spec, c, p, SETS[args.set]) for c, p in labels(args.set)}
     qi = ops[("1c", None)].quantize(q, k, v, vbs)
     times: dict[tuple[str, str | None], list[float]] = {key: [] for key in ops}
     t0 = time.perf_counter()

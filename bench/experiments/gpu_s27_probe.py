@@ -16,7 +16,7 @@ rewrite of that part can buy.
     no_pv     the P V MMAs gone (the accumulator keeps a stand-in dependence on P)
     no_mma    both MMAs gone (S a cheap stand-in from the stage index): the softmax on junk
     no_loads  the producer copies no K or V tile (only the key scales; the MMAs read stale
-              shared memory): the L2 -> SM traffic gone
+              shared memory): the L2 -> SM traffic gone; no_k_loads, no_v_loads: one of them
     and their combinations (bare_no_mma, bare_no_loads, bare_no_mma_no_loads, ...)
 
 Each probe is a text edit of the headers inside the variant's own source snapshot
@@ -61,24 +61,28 @@ EDITS: dict[str, list[tuple[str, str, str]]] = {
               "asm volatile(\"mov.b32 %0, %1;\" : \"=r\"(s[i_]) : \"r\"(kst + i_));")],
     "no_pv": [(KERNEL, "Mma::template pv_part<kParts, decltype(part)::value>(acc, p_in, v_tile);",
                "acc[0] = __int_as_float(p_in[0] ^ v_tile);")],
-    "no_loads": [
+    "no_k_loads": [
         (KERNEL, "barrier_expect_bytes(ring.k_full(s), T::kTileBytes + T::kScaleBytes);",
          "barrier_expect_bytes(ring.k_full(s), T::kScaleBytes);"),
         (KERNEL, "tma_load(ring.k_tile(s) + u * T::kHalfBytes, maps.k8, ring.k_full(s), rows.col,\n"
                  "                     rows.row0 + key);", ";"),
+    ],
+    "no_v_loads": [
         (KERNEL, "barrier_expect_bytes(ring.v_full(s), T::kTileBytes);",
          "barrier_expect_bytes(ring.v_full(s), 0);"),
         (KERNEL, "tma_load(ring.v_tile(s) + u * T::kHalfBytes, maps.vt, ring.v_full(s), "
                  "key_prev[u],\n                     vt_row);", ";"),
     ],
 }
+EDITS["no_loads"] = EDITS["no_k_loads"] + EDITS["no_v_loads"]
 SOFTMAX_PARTS = ("no_exp", "no_max", "no_sum")
 #: probe -> edits, by probe set
 SETS: dict[str, dict[str, tuple[str, ...]]] = {
     "softmax": {"no_exp": ("no_exp",), "no_max": ("no_max",), "no_sum": ("no_sum",),
                 "bare": SOFTMAX_PARTS},
     "parts": {"bare": SOFTMAX_PARTS, "no_pv": ("no_pv",), "no_mma": ("no_s", "no_pv"),
-              "no_loads": ("no_loads",), "bare_no_pv": (*SOFTMAX_PARTS, "no_pv"),
+              "no_loads": ("no_loads",), "no_k_loads": ("no_k_loads",),
+              "no_v_loads": ("no_v_loads",), "bare_no_pv": (*SOFTMAX_PARTS, "no_pv"),
               "bare_no_mma": (*SOFTMAX_PARTS, "no_s", "no_pv"),
               "bare_no_loads": (*SOFTMAX_PARTS, "no_loads"),
               "no_mma_no_loads": ("no_s", "no_pv", "no_loads"),

@@ -17,12 +17,15 @@ rewrite of that part can buy.
     no_mma    both MMAs gone (S a cheap stand-in from the stage index): the softmax on junk
     no_loads  the producer copies no K or V tile (only the key scales; the MMAs read stale
               shared memory): the L2 -> SM traffic gone; no_k_loads, no_v_loads: one of them
-    and their combinations (bare_no_mma, bare_no_loads, bare_no_mma_no_loads, ...)
+    v_bulk    each V^T half as one 4 KB bulk copy (cp.async.bulk) instead of a TMA box of 128
+              rows of 32 bytes; k_bulk: K8's halves likewise (boxes of 32 rows of 128 bytes)
+    and their combinations (bare_no_mma, bare_no_loads, bare_kv_bulk, ...)
 
 Each probe is a text edit of the headers inside the variant's own source snapshot
 (`CxxSource.headers`), so the shipped headers and their cache keys stay as they are.
-Run 1 (`--set softmax`): the softmax probes at one and two consumers a CTA; run 2
-(`--set parts`): the MMAs and the loads at one consumer.
+Run 1 (`--set softmax`): the softmax probes at one and two consumers a CTA; runs 2-3
+(`--set parts`): the MMAs and the loads at one consumer; `--set bulk`: the same bytes in fewer,
+larger copies.
 
     PYTHONPATH=$PWD TILEGEN_CACHE_DIR=$PWD/.kcache python3 bench/experiments/gpu_s27_probe.py \
         --set parts --out $OUT/probe.json            (on the GPU; --prebuild: compile here)
@@ -75,6 +78,25 @@ EDITS: dict[str, list[tuple[str, str, str]]] = {
     ],
 }
 EDITS["no_loads"] = EDITS["no_k_loads"] + EDITS["no_v_loads"]
+# the same bytes as one 4 KB bulk copy a half instead of a TMA box: V^T's box is 128 rows of 32
+# bytes, K8's 32 rows of 128. The copies read a 4 KB block of the same tensor at the offset a
+# half-tiled layout would give it (bh * S / 32 + key / 32), so the footprint in L2 and HBM is
+# the tensor's; the bytes land in the wrong order (numbers wrong by design). The pointers come
+# through arguments this launch leaves unused: lse (a call without lse) carries K8's,
+# o_tokens (out_rows is null) V^T's (`load` sets them).
+EDITS["v_bulk"] = [
+    (KERNEL, "tma_load(ring.v_tile(s) + u * T::kHalfBytes, maps.vt, ring.v_full(s), "
+             "key_prev[u],\n                     vt_row);",
+     "bulk_load(ring.v_tile(s) + u * T::kHalfBytes, static_cast<const char*>(a.o_tokens) + "
+     "(item.bh * (a.seq_len / 32) + key_prev[u] / 32) * T::kHalfBytes, T::kHalfBytes, "
+     "ring.v_full(s));")]
+EDITS["k_bulk"] = [
+    (KERNEL, "tma_load(ring.k_tile(s) + u * T::kHalfBytes, maps.k8, ring.k_full(s), rows.col,\n"
+             "                     rows.row0 + key);",
+     "bulk_load(ring.k_tile(s) + u * T::kHalfBytes, reinterpret_cast<const char*>(a.lse) + "
+     "(item.bh * (a.seq_len / 32) + key / 32) * T::kHalfBytes, T::kHalfBytes, "
+     "ring.k_full(s));")]
+BULK = ("v_bulk", "k_bulk")
 SOFTMAX_PARTS = ("no_exp", "no_max", "no_sum")
 #: probe -> edits, by probe set
 SETS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -87,12 +109,15 @@ SETS: dict[str, dict[str, tuple[str, ...]]] = {
               "bare_no_loads": (*SOFTMAX_PARTS, "no_loads"),
               "no_mma_no_loads": ("no_s", "no_pv", "no_loads"),
               "bare_no_mma_no_loads": (*SOFTMAX_PARTS, "no_s", "no_pv", "no_loads")},
+    "bulk": {"bare": SOFTMAX_PARTS, "v_bulk": ("v_bulk",), "kv_bulk": BULK,
+             "bare_v_bulk": (*SOFTMAX_PARTS, "v_bulk"), "bare_kv_bulk": (*SOFTMAX_PARTS, *BULK),
+             "no_loads": ("no_loads",)},
 }
 CONFIGS: dict[str, dict] = {
     "1c": dict(wgmma.QUANT_DEFAULTS),
     "2c": {**wgmma.QUANT_DEFAULTS, "consumers": 2, "k_stages": 2, "v_stages": 1},
 }
-SET_CONFIGS = {"softmax": ("1c", "2c"), "parts": ("1c",)}
+SET_CONFIGS = {"softmax": ("1c", "2c"), "parts": ("1c",), "bulk": ("1c",)}
 
 
 def probe_source(source, edits: tuple[str, ...]):
@@ -112,13 +137,20 @@ def probe_source(source, edits: tuple[str, ...]):
     return dataclasses.replace(source, headers=tuple(sorted(headers.items())))
 
 
-def load(spec: Spec, config: str, probe: str | None, probes: dict):
+def load(spec: Spec, config: str, probe: str | None, probes: dict, qi=None):
+    """The op of `config` with `probe`'s edits; a bulk-copy probe's launch without lse gets
+    K8's and V^T's addresses of `qi` (the pre-pass output it is timed on) in lse and o_tokens."""
     op = tilegen.load(spec, wgmma.config(**CONFIGS[config]), backend="cuda")
     if probe:
         for lse in (True, False):
             run = op._launch_for(lse)
             run.source = probe_source(run.source, probes[probe])
             run.digest = hashlib.sha256(f"{run.digest}|probe:{probe}".encode()).hexdigest()
+            if not lse and set(probes[probe]) & set(BULK):
+                def launch(device, values, *rest, _orig=run._launch):
+                    _orig(device, {**values, "lse": qi.k8.data_ptr(),
+                                   "o_tokens": qi.v8t.data_ptr()}, *rest)
+                run._launch = launch
     return op
 
 
@@ -164,8 +196,8 @@ def main() -> int:
     q, k, v, idx, vbs = (cap[n] for n in ("q", "k", "v", "topk_idx", "vbs"))
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "tilegen": tilegen.__version__, "set": args.set, "rows": []}
-    ops = {(c, p): load(spec, c, p, SETS[args.set]) for c, p in labels(args.set)}
-    qi = ops[("1c", None)].quantize(q, k, v, vbs)
+    qi = tilegen.load(spec, wgmma.config(**CONFIGS["1c"]), backend="cuda").quantize(q, k, v, vbs)
+    ops = {(c, p): load(spec, c, p, SETS[args.set], qi) for c, p in labels(args.set)}
     times: dict[tuple[str, str | None], list[float]] = {key: [] for key in ops}
     t0 = time.perf_counter()
     for rnd in range(args.reps):  # rounds, so that a drift of the clocks shows as spread

@@ -159,6 +159,12 @@ def tiled_vt(v8t: torch.Tensor) -> torch.Tensor:
     return x[:, :, :, r, src, :].contiguous()
 
 
+def probed(run, probe: str, edits: tuple[str, ...]):
+    """`run`'s source with `edits` and its digest with the probe's name (its own cache key)."""
+    source = probe_source(run.source, edits)
+    return source, hashlib.sha256(f"{run.digest}|probe:{probe}".encode()).hexdigest()
+
+
 def load(spec: Spec, config: str, probe: str | None, probes: dict, qi=None):
     """The op of `config` with `probe`'s edits; a bulk-copy probe's launch without lse gets
     the addresses of `qi`'s K8 and V^T, tiled, in lse and o_tokens."""
@@ -166,8 +172,7 @@ def load(spec: Spec, config: str, probe: str | None, probes: dict, qi=None):
     if probe:
         for lse in (True, False):
             run = op._launch_for(lse)
-            run.source = probe_source(run.source, probes[probe])
-            run.digest = hashlib.sha256(f"{run.digest}|probe:{probe}".encode()).hexdigest()
+            run.source, run.digest = probed(run, probe, probes[probe])
             if not lse and set(probes[probe]) & set(BULK):
                 tiles = (tiled_k8(qi.k8), tiled_vt(qi.v8t))
 
@@ -195,8 +200,7 @@ def prebuild(probe_set: str) -> None:
             run = op._launch_for(lse)
             source, digest = run.source, run.digest
             if probe:
-                source = probe_source(source, probes[probe])
-                digest = hashlib.sha256(f"{digest}|probe:{probe}".encode()).hexdigest()
+                source, digest = probed(run, probe, probes[probe])
             art = compile_cuda(source, target, None, digest)
             if not lse:
                 print(f"prebuilt {config} {probe or 'shipped'}: {art.registers} registers, "

@@ -158,6 +158,7 @@ struct Wide {  // 128-key tiles
   static constexpr int kHeadDim = 128, kBlock = 64, kConsumers = 1, kKStages = 2, kVStages = 2;
   static constexpr int kQBuffers = 1, kConsumerRegs = 232, kProducerRegs = 24, kPvParts = 2;
   static constexpr int kKvTile = 128;
+  static constexpr bool kBulkKv = false;
 };
 int main() {
   using W = tilegen::sm90::QuantTraits<Wide>;
@@ -274,8 +275,11 @@ def test_vt_slots_round_trip_and_rules():
     keys = torch.tensor(quant.vt_slot_keys())
     assert torch.equal(slotted.v8t.view(torch.uint8)[..., 32 + 5],
                        plain.v8t.view(torch.uint8)[..., 32 + int(keys[5])])
+    both = quant.quantize(q, q, q, vbs, "int8_fp8", vt_tiles=True, vt_slots=True)
+    assert torch.equal(both.v8t.view(torch.uint8), quant.vt_to_tiles(slotted.v8t).view(torch.uint8))
+    assert torch.equal(quant.vt_natural(both).view(torch.uint8), plain.v8t.view(torch.uint8))
     with pytest.raises(ValueError, match="vt_slots"):
-        quant.quantize(q, q, q, vbs, "int8_fp8", vt_tiles=True, vt_slots=True)
+        quant.quantize(q, q, q, vbs, "int8", vt_slots=True)
 
 
 RING_LAYOUT = r"""
@@ -298,6 +302,7 @@ struct Cfg {
   static constexpr int kProducerRegs = 24;
   static constexpr int kPvParts = kKv == 128 || kC == 3 ? 2 : 1;  // (ping-pong: whole)
   static constexpr int kKvTile = kKv;
+  static constexpr bool kBulkKv = false;
 };
 // every tile of every consumer, from a 1024-aligned base: kind, address, the dynamic bytes, the
 // tile's bytes
@@ -369,3 +374,65 @@ def test_pre_quantized_inputs_with_per_key_scales_are_refused():
     idx = torch.zeros(1, 1, 2, 1, dtype=torch.int32)
     with pytest.raises(ValueError, match="one K scale a 32-key half"):
         op.from_quantized(dataclasses.replace(qi, k_scale_group=1), idx, vbs)
+
+
+def test_kv_copies_is_named_only_when_bulk():
+    """``kv_copies`` (session 28): "tma" (the boxes) is the default and leaves every config's
+    name as it was, so shipped winners keep their keys; "bulk" is named, builds the bulk copies
+    (traits), and is refused for the 16-bit kernel and for an unknown value, with the reason."""
+    plain = wgmma.config(**wgmma.QUANT_DEFAULTS)
+    assert "kv_copies" not in plain.name
+    assert wgmma.config(**wgmma.QUANT_DEFAULTS, kv_copies="tma") == plain
+    bulk = wgmma.config(**wgmma.QUANT_DEFAULTS, kv_copies="bulk")
+    assert "kv_copiesbulk" in bulk.name
+    assert nv.cuda_traits(Q8, bulk, SM90)["bulk_kv"] and \
+        not nv.cuda_traits(Q8, plain, SM90)["bulk_kv"]
+    assert "16-bit kernel" in " ".join(wgmma.violations(Spec(), wgmma.config(kv_copies="bulk"),
+                                                        SM90))
+    assert "kv_copies='dma'" in " ".join(
+        wgmma.violations(Q8.kernel_spec, wgmma.config(kv_copies="dma"), SM90))
+    # the search space may search it; its points name it only where it is not "tma"
+    from tilegen.tune.space import SearchSpace
+
+    space = SearchSpace.from_target(Q8, SM90, {"kv_copies": ("tma", "bulk")}, backend="cuda")
+    names = [c.name for c in space.feasible()]
+    assert len(names) == 2 * sum("kv_copies" not in n for n in names) > 0
+    assert all(space.contains(c) for c in space.feasible())
+
+
+def test_bulk_copies_read_tiles_and_refuse_other_layouts():
+    """With ``kv_copies="bulk"`` the op's pre-pass writes K8 and V^T as tiles (`quant.k_to_tiles`,
+    tiles of the slotted V^T); inputs quantized for the boxes are refused by name before any
+    launch, and the boxes' config refuses the tiles."""
+    ops = {c: tilegen.load(Q8, wgmma.config(**wgmma.QUANT_DEFAULTS, kv_copies=c),
+                           backend="cuda", target="sm_90") for c in ("tma", "bulk")}
+    q = torch.randn(1, 128, 1, 128).to(torch.bfloat16)
+    vbs = torch.full((2,), 64, dtype=torch.int32)
+    idx = torch.zeros(1, 1, 2, 1, dtype=torch.int32)
+    tiles = ops["bulk"].quantize(q, q, q, vbs)
+    boxes = ops["tma"].quantize(q, q, q, vbs)
+    assert tiles.k_tiles and tiles.vt_tiles and tiles.vt_slots
+    assert not boxes.k_tiles and not boxes.vt_tiles and boxes.vt_slots
+    assert tiles.k8.shape == (1, 1, 4, 32, 128) and tiles.v8t.shape == (1, 1, 4, 128, 32)
+    with pytest.raises(ValueError, match="k_tiles=True"):
+        ops["bulk"].from_quantized(boxes, idx, vbs)
+    with pytest.raises(ValueError, match="k_tiles=False"):
+        ops["tma"].from_quantized(tiles, idx, vbs)
+
+
+@needs_nvcc
+def test_bulk_copies_compile_without_k_and_v_tensor_loads():
+    """The bulk copies' build: the same MMAs as the boxes', K8 and V^T by UBLKCP (no tensor
+    load but Q's), no spill."""
+    counts = {}
+    for copies in ("tma", "bulk"):
+        cfg = wgmma.config(**wgmma.QUANT_DEFAULTS, kv_copies=copies)
+        art = nv.compile_cuda(nv.render_cuda(Q8, cfg, SM90), SM90)
+        assert art.spill_bytes == 0
+        sass = subprocess.run([str(CUOBJDUMP), "-sass", str(art.path)], capture_output=True,
+                              text=True, check=True).stdout
+        counts[copies] = (art.matrix_ops, len(re.findall(r"\bUTMALDG\b", sass)),
+                          len(re.findall(r"\bUBLKCP\b", sass)))
+    (mma_t, tensor_t, bulk_t), (mma_b, tensor_b, bulk_b) = counts["tma"], counts["bulk"]
+    assert mma_t == mma_b
+    assert tensor_b < tensor_t and bulk_b > bulk_t

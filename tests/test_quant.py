@@ -285,7 +285,42 @@ def test_vt_slots_are_written_by_the_prepass_itself(interpreter, tokens):
     assert torch.equal(quant.emulate(q, k, v, idx, vbs, quantized=slotted),
                        quant.emulate(q, k, v, idx, vbs, quantized=natural))
     with pytest.raises(ValueError, match="vt_slots"):
-        quant.quantize_triton(q, k, v, vbs, "int8_fp8", vt_tiles=True, vt_slots=True)
+        quant.quantize_triton(q, k, v, vbs, "int8", vt_slots=True)
+
+
+@pytest.mark.parametrize("tokens", [32, 64])
+def test_bulk_tiles_are_the_kernel_layouts_reordered(interpreter, tokens):
+    """``k_tiles=True`` with ``vt_tiles=True, vt_slots=True`` (the CUDA kernel's bulk copies):
+    the Triton pre-pass and the PyTorch path write K8 as 32-key tiles under the 128-byte
+    swizzle and V^T as tiles of its slotted layout, the same bytes as the natural layouts
+    moved; `k_natural` and `vt_natural` undo it, and the emulation takes either."""
+    q, k, v, vbs, _ = _qkv(5, S=3 * 64, D=128)
+    idx = torch.tensor([2, 0, 1], dtype=torch.int32).expand(1, 2, 3, 3).contiguous()
+    natural = quant.quantize_triton(q, k, v, vbs, "int8_fp8", tokens=tokens)
+    tiled = quant.quantize_triton(q, k, v, vbs, "int8_fp8", tokens=tokens, k_tiles=True,
+                                  vt_tiles=True, vt_slots=True)
+    model = quant.quantize(q, k, v, vbs, "int8_fp8", k_tiles=True, vt_tiles=True,
+                           vt_slots=True)
+    # (the interpreter's fp8 casts round unlike PyTorch's: each path against its own layout)
+    model_natural = quant.quantize(q, k, v, vbs, "int8_fp8")
+    B, S, H, D = natural.k8.shape
+    for qi, nat in ((tiled, natural), (model, model_natural)):
+        assert qi.k_tiles and qi.vt_tiles and qi.vt_slots
+        assert qi.k8.shape == (B, H, S // 32, 32, D) and qi.v8t.shape == (B, H, S // 32, D, 32)
+        assert torch.equal(quant.k_natural(qi), nat.k8)
+        assert torch.equal(quant.vt_natural(qi).view(torch.uint8), nat.v8t.view(torch.uint8))
+    assert torch.equal(tiled.k8, model.k8)
+    # bytes by hand: key 32 + 9 of head 1, channels 16 a chunk: chunk 3 lies at 3 ^ (9 % 8) = 2
+    assert torch.equal(tiled.k8[0, 1, 1, 9, 32:48], natural.k8[0, 41, 1, 48:64])
+    # V^T: the key at slot 5 of tile 1, channel 6 (6 // 4 odd: 16-byte halves swapped)
+    key = quant.vt_slot_keys()[5]
+    assert tiled.v8t.view(torch.uint8)[0, 1, 1, 6, 16 + 5] == \
+        natural.v8t.view(torch.uint8)[0, 1, 6, 32 + key]
+    assert torch.equal(quant.emulate(q, k, v, idx, vbs, quantized=tiled),
+                       quant.emulate(q, k, v, idx, vbs, quantized=natural))
+    with pytest.raises(ValueError, match="head_dim 128"):
+        quant.quantize_triton(q[..., :64], k[..., :64], v[..., :64], vbs, "int8_fp8",
+                              k_tiles=True)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int8_fp8"])

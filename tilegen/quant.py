@@ -31,7 +31,12 @@ kernels are held to (contract.md, the quantized rule's check 4).
   ``d // 4`` odd swapped), so that one tile is ``D / 4`` rows of 128 bytes to copy
   (`vt_to_tiles`, `vt_natural`); or, with ``vt_slots=True``, natural but with the keys of each
   32-key half in the CUDA wgmma kernel's MMA slot order (`vt_to_slots`), so that its e4m3 P
-  fragment is S's accumulator fragment with no data moved.
+  fragment is S's accumulator fragment with no data moved; or with both, tiles of the slotted
+  V^T (what the CUDA kernel's ``kv_copies="bulk"`` copies, a tile a 4 KB bulk copy).
+* **K tiles** (``k_tiles=True``, for the CUDA kernel's bulk copies): K8 as 32-key tiles ``(B,
+  H, S / 32, 32, D)`` whose bytes lie in the order of the kernel's shared-memory tile (128-byte
+  swizzle: the 16-byte chunk ``c`` of key ``r`` at ``c ^ (r % 8)``), a tile one 4 KB copy
+  (`k_to_tiles`, `k_natural`).
 * **P** (``"int8_fp8"``): ``p = exp2(s - m)`` of the online softmax is in ``[0, 1]``; P·V takes
   ``e4m3(p * P_SCALE)`` and divides by ``P_SCALE`` afterwards; the row sum ``l`` is of the fp32
   ``p``. Each tile's P·V goes into an fp32 accumulator (Hopper's 8-bit MMA accumulates at
@@ -60,6 +65,7 @@ from tilegen.spec import QUANT_MODES  # "none", "int8" (INT8 Q·K, bf16 P·V), "
 
 __all__ = ["QUANT_MODES", "QuantizedInputs", "quantize", "quantize_torch", "quantize_triton",
            "emulate", "QuantReference", "quant_reference", "vt_to_tiles", "vt_natural",
+           "k_to_tiles", "k_natural", "k8_shape",
            "vt_slot_keys", "vt_to_slots", "E4M3_MAX", "INT8_MAX", "P_SCALE", "V_HEADROOM",
            "SAMPLE_CUBES", "K_SCALE_GROUP"]
 
@@ -84,7 +90,7 @@ class QuantizedInputs:
     mode: str
     q8: torch.Tensor | None       # (B, S, H, D) int8: q / q_scale (q - q̄_c with q_smooth)
     q_scale: torch.Tensor | None  # (B, H, S) fp32
-    k8: torch.Tensor        # (B, S, H, D) int8: (k - k̄) / k_scale
+    k8: torch.Tensor        # (B, S, H, D) int8: (k - k̄) / k_scale; tiled with k_tiles
     k_scale: torch.Tensor   # (B, H, S) fp32, equal within each group of k_scale_group keys
     k_mean: torch.Tensor    # (B, H, D) fp32: k̄ (a sampled mean)
     v8t: torch.Tensor | None    # int8_fp8: (B, H, D, S) e4m3, (v - v̄) / v_scale, transposed
@@ -93,7 +99,8 @@ class QuantizedInputs:
     q_mean: torch.Tensor | None = None  # q_smooth only: (B, H, NQ, D) fp32, q̄_c of real rows
     #: v8t as 32-key tiles (B, H, S / 32, D, 32) in shared-memory order (`vt_to_tiles`)
     vt_tiles: bool = False
-    #: v8t (B, H, D, S) with each 32-key half's keys in MMA slot order (`vt_to_slots`)
+    #: v8t (B, H, D, S) with each 32-key half's keys in MMA slot order (`vt_to_slots`); with
+    #: vt_tiles too, the tiles of that V^T
     vt_slots: bool = False
     #: keys that share one K scale: the pre-pass's `K_SCALE_GROUP`; 1 (one a key) for inputs
     #: made another way, which the CUDA kernel refuses (it reads one scale a 32-key half)
@@ -102,6 +109,8 @@ class QuantizedInputs:
     #: tokens, from the same read (`sparsity.pool_cubes`' values up to fp32 summation order)
     q_pool: torch.Tensor | None = None
     k_pool: torch.Tensor | None = None
+    #: k8 as 32-key tiles (B, H, S / 32, 32, D) in shared-memory order (`k_to_tiles`)
+    k_tiles: bool = False
 
 
 #: keys a V^T tile holds (the kernels' half tile: 8-bit TMA boxes of V^T are 32 keys wide)
@@ -115,6 +124,43 @@ def _swizzle32(x: torch.Tensor) -> torch.Tensor:
     odd = ((torch.arange(D, device=x.device) // 4) % 2).bool()
     halves = x.unflatten(-1, (2, 16))
     return torch.where(odd[:, None, None], halves.flip(-2), halves).flatten(-2)
+
+
+def _swizzle128(x: torch.Tensor) -> torch.Tensor:
+    """The 128-byte swizzle over the last two dims (32 rows, 128 bytes): the 16-byte chunk c of
+    row r goes to chunk c ^ (r % 8). Its own inverse."""
+    rows, width = x.shape[-2:]
+    r = torch.arange(rows, device=x.device).view(rows, 1)
+    chunk = torch.arange(width // 16, device=x.device).view(1, -1) ^ (r % 8)
+    chunks = x.unflatten(-1, (width // 16, 16))
+    index = chunk.view(rows, -1, 1).expand(rows, -1, 16).expand(chunks.shape)
+    return chunks.gather(-2, index).flatten(-2)
+
+
+def k_to_tiles(k8: torch.Tensor) -> torch.Tensor:
+    """(B, S, H, 128) K8 as (B, H, S / 32, 32, 128) tiles in shared-memory byte order."""
+    B, S, H, D = k8.shape
+    if D != 128:
+        raise ValueError(f"K tiles are 128-byte swizzled rows: head_dim 128, not {D}")
+    tiles = k8.view(B, S // VT_TILE, VT_TILE, H, D).permute(0, 3, 1, 2, 4)
+    return _swizzle128(tiles.view(torch.uint8)).contiguous().view(k8.dtype)
+
+
+def k8_shape(qi: QuantizedInputs) -> tuple[int, ...]:
+    """qi's K8 shape as (B, S, H, D), whichever layout the pre-pass wrote."""
+    if not qi.k_tiles:
+        return tuple(qi.k8.shape)
+    B, H, n, w, D = qi.k8.shape
+    return (B, n * w, H, D)
+
+
+def k_natural(qi: QuantizedInputs) -> torch.Tensor:
+    """qi's K8 as (B, S, H, D), whichever layout the pre-pass wrote."""
+    if not qi.k_tiles:
+        return qi.k8
+    B, H, n, w, D = qi.k8.shape
+    tiles = _swizzle128(qi.k8.view(torch.uint8)).view(qi.k8.dtype)
+    return tiles.permute(0, 2, 3, 1, 4).reshape(B, n * w, H, D)
 
 
 def vt_to_tiles(v8t: torch.Tensor) -> torch.Tensor:
@@ -143,16 +189,19 @@ def vt_to_slots(v8t: torch.Tensor) -> torch.Tensor:
 
 def vt_natural(qi: QuantizedInputs) -> torch.Tensor | None:
     """qi's V^T as (B, H, D, S), whichever layout the pre-pass wrote."""
-    if qi.v8t is not None and qi.vt_slots:
-        B, H, D, S = qi.v8t.shape
-        slots = torch.argsort(torch.tensor(vt_slot_keys(), device=qi.v8t.device))
-        halves = qi.v8t.view(torch.uint8).view(B, H, D, S // VT_TILE, VT_TILE)
-        return halves.index_select(-1, slots).view(B, H, D, S).view(qi.v8t.dtype)
-    if qi.v8t is None or not qi.vt_tiles:
-        return qi.v8t
-    B, H, n, D, w = qi.v8t.shape
-    tiles = _swizzle32(qi.v8t.view(torch.uint8))
-    return tiles.permute(0, 1, 3, 2, 4).reshape(B, H, D, n * w).view(qi.v8t.dtype)
+    v8t = qi.v8t
+    if v8t is None:
+        return None
+    if qi.vt_tiles:
+        B, H, n, D, w = v8t.shape
+        tiles = _swizzle32(v8t.view(torch.uint8))
+        v8t = tiles.permute(0, 1, 3, 2, 4).reshape(B, H, D, n * w).view(v8t.dtype)
+    if qi.vt_slots:
+        B, H, D, S = v8t.shape
+        slots = torch.argsort(torch.tensor(vt_slot_keys(), device=v8t.device))
+        halves = v8t.view(torch.uint8).view(B, H, D, S // VT_TILE, VT_TILE)
+        v8t = halves.index_select(-1, slots).view(B, H, D, S).view(v8t.dtype)
+    return v8t
 
 
 def _check_mode(mode: str) -> str:
@@ -384,7 +433,7 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
                      POOL: tl.constexpr, POOL_PARTS: tl.constexpr,
                      POOL_LANE_ROWS: tl.constexpr,
                      FP8_V: tl.constexpr, VT_TILES: tl.constexpr, VT_SLOTS: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                     K_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                      TOKENS: tl.constexpr, E4M3: tl.constexpr, K_GROUP: tl.constexpr):
     # a program quantizes TOKENS tokens of one cube and one tensor (axis 2: 0 Q, 1 K, 2 V):
     # with a whole cube of all three, 255 registers and spills left one or two programs an SM.
@@ -409,8 +458,8 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
         _quantize_head(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, VMEAN, SRC,
                        POOL_SUMS, RSQRT, QW, KW, COS, SIN, seq_len, in_len, num_heads,
                        batch_heads, bh, chunk, part, cube, rows, GATHER, NORM_ROPE, POOL,
-                       POOL_PARTS, POOL_LANE_ROWS, FP8_V, VT_TILES, VT_SLOTS, HEAD_DIM, BLOCK,
-                       TOKENS, E4M3, K_GROUP)
+                       POOL_PARTS, POOL_LANE_ROWS, FP8_V, VT_TILES, VT_SLOTS, K_TILES, HEAD_DIM,
+                       BLOCK, TOKENS, E4M3, K_GROUP)
 
 
 @triton.jit
@@ -419,8 +468,8 @@ def _quantize_head(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, VME
                    bh, chunk, part, cube, rows, GATHER: tl.constexpr, NORM_ROPE: tl.constexpr,
                    POOL: tl.constexpr, POOL_PARTS: tl.constexpr, POOL_LANE_ROWS: tl.constexpr,
                    FP8_V: tl.constexpr, VT_TILES: tl.constexpr, VT_SLOTS: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr,
-                   E4M3: tl.constexpr, K_GROUP: tl.constexpr):
+                   K_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                   TOKENS: tl.constexpr, E4M3: tl.constexpr, K_GROUP: tl.constexpr):
     # `_quantize_kernel`'s work for one (batch, head) of its tokens
     b = bh // num_heads
     h = bh % num_heads
@@ -460,13 +509,25 @@ def _quantize_head(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, VME
                         POOL_LANE_ROWS)
         k8, k_scale = _int8_per_group(tl.where(valid[:, None], k - k_mean[None, :], 0.0),
                                       TOKENS, K_GROUP, HEAD_DIM)
-        tl.store(K8 + off, k8.to(tl.int8))
+        if K_TILES:  # (B, H, S / 32, 32, D), 16-byte chunks swizzled (k_to_tiles)
+            chunk = (d // 16)[None, :] ^ (tok % 8)[:, None]
+            k_off = (bh * seq_len + tok)[:, None] * HEAD_DIM + chunk * 16 + (d % 16)[None, :]
+        else:
+            k_off = off
+        tl.store(K8 + k_off, k8.to(tl.int8))
         tl.store(KSCALE + bh * seq_len + tok, tl.where(valid, k_scale, 0.0))
     elif FP8_V:
         v_mean = tl.load(VMEAN + bh * HEAD_DIM + d)
         v_inv = tl.div_rn(1.0, tl.load(VSCALE + bh * HEAD_DIM + d))
         v = (tl.load(V + in_off).to(tl.float32) - v_mean[None, :]) * v_inv[None, :]
         v = tl.minimum(tl.maximum(tl.where(valid[:, None], v, 0.0), -E4M3), E4M3)
+        if VT_SLOTS:
+            # each key at its MMA slot (vt_slot_keys): key bits (k3 k2 k1 k0) of each 16 go to
+            # slot bits (k2 k1 k3 k0). Permuted in registers so that the store stays runs of
+            # contiguous keys (a computed column made it byte stores: 4.06 ms against 0.80,
+            # session 19); row i of v is then slot tok[i]'s key
+            v = tl.reshape(v, (TOKENS // 16, 2, 2, 2, 2, HEAD_DIM))
+            v = tl.reshape(tl.permute(v, (0, 2, 3, 1, 4, 5)), (TOKENS, HEAD_DIM))
         if VT_TILES:  # (B, H, S / 32, D, 32), 16-byte halves swizzled (vt_to_tiles)
             key = tok % 32
             half = (key // 16) ^ ((d // 4) % 2)[:, None]
@@ -474,19 +535,12 @@ def _quantize_head(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, VME
                 + half * 16 + (key % 16)[None, :]
         else:  # (B, H, D, S): the transposed tile, so that a warp writes runs of keys
             vt_off = (bh * HEAD_DIM + d)[:, None] * seq_len + tok[None, :]
-            if VT_SLOTS:
-                # each key at its MMA slot (vt_slot_keys): key bits (k3 k2 k1 k0) of each 16 go
-                # to slot bits (k2 k1 k3 k0). Permuted in registers so that the store stays
-                # runs of contiguous keys (a computed column made it byte stores: 4.06 ms
-                # against 0.80, session 19)
-                v = tl.reshape(v, (TOKENS // 16, 2, 2, 2, 2, HEAD_DIM))
-                v = tl.reshape(tl.permute(v, (0, 2, 3, 1, 4, 5)), (TOKENS, HEAD_DIM))
         tl.store(V8T + vt_off, tl.trans(v).to(tl.float8e4nv))
 
 
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
              mode: str = "int8_fp8", block: int = 64, *, with_q: bool = True,
-             vt_tiles: bool = False, vt_slots: bool = False,
+             vt_tiles: bool = False, vt_slots: bool = False, k_tiles: bool = False,
              sources: torch.Tensor | None = None, pool: bool = False,
              norm_rope: NormRope | None = None) -> QuantizedInputs:
     """The pre-pass: Q, K (and V for ``"int8_fp8"``) quantized by the recipe (module
@@ -494,7 +548,8 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tenso
     ``norm_rope``), no host sync; on a CPU `quantize_torch`.
     ``with_q=False`` leaves Q out on the GPU (q8 and q_scale None: the op's kernel quantizes
     each query cube itself). ``vt_tiles``: V^T as 32-key tiles in shared-memory order;
-    ``vt_slots``: V^T's keys in MMA slot order, in the same pass (module docstring).
+    ``vt_slots``: V^T's keys in MMA slot order, in the same pass; both: tiles of that V^T;
+    ``k_tiles``: K8 as 32-key tiles in shared-memory order (module docstring).
     ``sources``: q, k, v come in token order and cube slot ``i`` of the output reads token
     ``sources[i]`` (`tilegen.layout.cube_sources`): the reorder to cubes done by the same pass,
     the outputs cube-major as without it. ``pool``: also the cube means of q and k over their
@@ -508,25 +563,32 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tenso
     import dataclasses
 
     _check_mode(mode)
-    if vt_slots and (vt_tiles or mode != "int8_fp8"):
-        raise ValueError("vt_slots orders the e4m3 V^T of int8_fp8 in its natural layout: "
-                         "not with vt_tiles, nor for mode 'int8'")
+    if vt_slots and mode != "int8_fp8":
+        raise ValueError("vt_slots orders the e4m3 V^T of int8_fp8: not for mode 'int8'")
+    if k_tiles and q.shape[-1] != 128:
+        raise ValueError(f"k_tiles: K tiles are 128-byte swizzled rows, head_dim 128, not "
+                         f"{q.shape[-1]}")
     if q.device.type == "cpu":
         if pool and not with_q:
             raise ValueError("pool=True pools q as the pass reads it: not with with_q=False")
-        qi = quantize_torch(q, k, v, vbs, mode, block, vt_tiles=vt_tiles, sources=sources,
-                            pool=pool, norm_rope=norm_rope)
+        qi = quantize_torch(q, k, v, vbs, mode, block, vt_tiles=vt_tiles and not vt_slots,
+                            sources=sources, pool=pool, norm_rope=norm_rope)
         if vt_slots:
-            qi = dataclasses.replace(qi, v8t=vt_to_slots(qi.v8t), vt_slots=True)
+            v8t = vt_to_slots(qi.v8t)
+            qi = dataclasses.replace(qi, v8t=vt_to_tiles(v8t) if vt_tiles else v8t,
+                                     vt_slots=True, vt_tiles=vt_tiles)
+        if k_tiles:
+            qi = dataclasses.replace(qi, k8=k_to_tiles(qi.k8), k_tiles=True)
         return qi
     return quantize_triton(q, k, v, vbs, mode, block, with_q=with_q, vt_tiles=vt_tiles,
-                           vt_slots=vt_slots, sources=sources, pool=pool, norm_rope=norm_rope)
+                           vt_slots=vt_slots, k_tiles=k_tiles, sources=sources, pool=pool,
+                           norm_rope=norm_rope)
 
 
 def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
                     mode: str = "int8_fp8", block: int = 64, *,
                     num_warps: int = 2, tokens: int = 32, with_q: bool = True,
-                    vt_tiles: bool = False, vt_slots: bool = False,
+                    vt_tiles: bool = False, vt_slots: bool = False, k_tiles: bool = False,
                     sources: torch.Tensor | None = None, pool: bool = False,
                     norm_rope: NormRope | None = None,
                     heads_per_program: int | None = None) -> QuantizedInputs:
@@ -535,7 +597,8 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     group) to ``block``.
     The defaults are the H200's fastest (bench/NOTES.md, session 15: K and V in 0.51 ms at the
     default workload against 0.59 for a whole cube on 4 warps). ``vt_slots``: V^T's keys
-    written at their MMA slots (`vt_to_slots`), in the same pass. Two launches: the sampled
+    written at their MMA slots (`vt_to_slots`), in the same pass (with ``vt_tiles``, as
+    tiles); ``k_tiles``: K8 as tiles (`k_to_tiles`), in the same pass. Two launches: the sampled
     statistics (`_stats_kernel`, one program a head), then the pass; with ``pool`` a third,
     `coarse_gpu.pool_from_sums` of the sums the pass's Q and K programs write; with
     ``norm_rope`` one before them, `prologue.rms_rsqrt`. ``heads_per_program``: neighbouring
@@ -546,8 +609,8 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     against 1.29 for `prologue.rms_norm_rope` and the plain pass: the prologue's arithmetic in
     this latency-bound pass costs more than the 670 MB of writes it saves."""
     _check_mode(mode)
-    if vt_slots and vt_tiles:
-        raise ValueError("vt_slots orders V^T's keys in its natural layout, not with vt_tiles")
+    if vt_slots and mode != "int8_fp8":
+        raise ValueError("vt_slots orders the e4m3 V^T of int8_fp8: not for mode 'int8'")
     if pool and not with_q:
         raise ValueError("pool=True pools q as the pass reads it: not with with_q=False")
     if vt_tiles and tokens < VT_TILE:
@@ -559,6 +622,8 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     S = _check_sources(sources, S_in, block, q.device)
     if D & (D - 1):
         raise ValueError(f"head_dim {D}: the pre-pass kernel takes a power-of-two head dim")
+    if k_tiles and D != 128:
+        raise ValueError(f"k_tiles: K tiles are 128-byte swizzled rows, head_dim 128, not {D}")
     n = S // block
     if heads_per_program is None:
         heads_per_program = next(g for g in (8, 4, 2, 1) if H % g == 0) if norm_rope else 1
@@ -574,10 +639,11 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     else:  # never read: q stands in for the pointers
         prologue_args = (q,) * 5
     f32 = dict(dtype=torch.float32, device=dev)
-    k8 = torch.empty((B, S, H, D), dtype=torch.int8, device=dev)
+    k8 = torch.empty((B, H, S // VT_TILE, VT_TILE, D) if k_tiles else (B, S, H, D),
+                     dtype=torch.int8, device=dev)
     k_scale = torch.empty((B, H, S), **f32)
     # without Q its part never runs: k8 and k_scale stand in for the pointers
-    q8 = torch.empty_like(k8) if with_q else k8
+    q8 = torch.empty((B, S, H, D), dtype=torch.int8, device=dev) if with_q else k8
     q_scale = torch.empty_like(k_scale) if with_q else k_scale
     k_mean = torch.empty((B, H, D), **f32)
     fp8 = mode == "int8_fp8"
@@ -610,8 +676,7 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
         pool_sums, *prologue_args, S, S_in, H, B * H, 0 if with_q else 1,
         HEADS=heads_per_program, GATHER=sources is not None, NORM_ROPE=norm_rope is not None,
         POOL=pool, POOL_PARTS=pool_parts, POOL_LANE_ROWS=min(lane_rows, tokens),
-        FP8_V=fp8, VT_TILES=vt_tiles,
-        VT_SLOTS=vt_slots, HEAD_DIM=D,
+        FP8_V=fp8, VT_TILES=vt_tiles, VT_SLOTS=vt_slots, K_TILES=k_tiles, HEAD_DIM=D,
         BLOCK=block, TOKENS=tokens, E4M3=E4M3_MAX, K_GROUP=K_SCALE_GROUP, num_warps=num_warps)
     tiles, slots = vt_tiles and fp8, vt_slots and fp8
     pooled = {}
@@ -623,9 +688,11 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
         pooled = dict(q_pool=means[:B * H].view(B, H, n, D), k_pool=means[B * H:].view(B, H, n, D))
     if not with_q:
         return QuantizedInputs(mode, None, None, k8, k_scale, k_mean, v8t, v_scale, v_mean,
-                               vt_tiles=tiles, vt_slots=slots, k_scale_group=K_SCALE_GROUP)
+                               vt_tiles=tiles, vt_slots=slots, k_scale_group=K_SCALE_GROUP,
+                               k_tiles=k_tiles)
     return QuantizedInputs(mode, q8, q_scale, k8, k_scale, k_mean, v8t, v_scale, v_mean,
-                           vt_tiles=tiles, vt_slots=slots, k_scale_group=K_SCALE_GROUP, **pooled)
+                           vt_tiles=tiles, vt_slots=slots, k_scale_group=K_SCALE_GROUP,
+                           k_tiles=k_tiles, **pooled)
 
 
 # -- the emulation --------------------------------------------------------------------------------
@@ -649,6 +716,7 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.T
                                                                 vbs.cpu(), mode, block)
     vbs = vbs.cpu().long()
     v8t = vt_natural(qi)
+    k8_all = k_natural(qi)
     idx = topk_idx.cpu().long()
     width = idx.shape[-1]
     cnt = (torch.full((B, H, n), width) if counts is None else counts.cpu().long())
@@ -660,8 +728,8 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.T
             q8 = qi.q8[b, :, h].cpu().float().view(n, block, D)
             sq = qi.q_scale[b, h].cpu().view(n, block)
             qm = None if qi.q_mean is None else qi.q_mean[b, h].cpu()     # (n, D)
-            kd = (qi.k8[b, :, h].cpu().float() * qi.k_scale[b, h].cpu()[:, None]).view(n, block, D)
-            k8 = qi.k8[b, :, h].cpu().float().view(n, block, D)
+            kd = (k8_all[b, :, h].cpu().float() * qi.k_scale[b, h].cpu()[:, None]).view(n, block, D)
+            k8 = k8_all[b, :, h].cpu().float().view(n, block, D)
             sk = qi.k_scale[b, h].cpu().view(n, block)
             if mode == "int8_fp8":
                 vt = v8t[b, h].cpu().float().T.reshape(n, block, D)       # e4m3 values

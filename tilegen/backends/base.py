@@ -108,6 +108,12 @@ class Backend(ABC):
         search come from here): the default config, unless the family tunes another kernel."""
         return self.default_config(spec, target)
 
+    def optional_options(self, spec: Spec, target: Target) -> dict[str, Any]:
+        """The family's knobs that its configs name only where they differ from these
+        defaults (so that adding one renamed no config of before), which a search space may
+        still search: none by default."""
+        return {}
+
     def tunable(self, target: Target, spec: Spec | None = None) -> dict[str, tuple[Any, ...]]:
         """The search space of this backend on `target` (targets/<t>/target.toml) for `spec`
         (a family whose kernels differ by spec, e.g. the 8-bit one, picks its table by it)."""

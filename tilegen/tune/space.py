@@ -144,6 +144,9 @@ class SearchSpace:
     dims: tuple[Dim, ...]
     base: KernelConfig
     backend: str = "triton"
+    #: the family's optional knobs and their defaults (`Backend.optional_options`): searchable,
+    #: and named in a point's config only where they are not at their default
+    optional: tuple[tuple[str, Value], ...] = ()
 
     @classmethod
     def from_target(cls, spec: Spec, target: Target,
@@ -154,13 +157,16 @@ class SearchSpace:
         from tilegen import backends
 
         base = backends.get(backend).tuning_base(spec, target)
-        types = {**_field_types(), **{k: type(v) for k, v in base.options}}
+        optional = backends.get(backend).optional_options(spec, target)
+        types = {**_field_types(), **{k: type(v) for k, v in optional.items()},
+                 **{k: type(v) for k, v in base.options}}
         ranges: dict[str, Sequence[Value]] = dict(backends.get(backend).tunable(target, spec))
         ranges.update(overrides or {})
         launch = [make_dim(n, ranges[n], types) for n in LAUNCH_FIELDS if n in ranges]
         render = [make_dim(n, ranges[n], types) for n in sorted(ranges)
                   if n not in LAUNCH_FIELDS]
-        return cls(spec, target, tuple(launch + render), base, backend)
+        return cls(spec, target, tuple(launch + render), base, backend,
+                   tuple(sorted(optional.items())))
 
     def _is_field(self, name: str) -> bool:
         return name in _field_types()
@@ -191,11 +197,16 @@ class SearchSpace:
         fields = {n: params[n] for n in self.names if self._is_field(n)}
         options = {n: params[n] for n in self.names if not self._is_field(n)}
         if options:
-            fields["options"] = {**dict(self.base.options), **options}
+            optional = dict(self.optional)
+            merged = {**dict(self.base.options), **options}
+            fields["options"] = {k: v for k, v in merged.items()
+                                 if k not in optional or v != optional[k]}
         return self.base.replace(**fields)
 
     def _value(self, cfg: KernelConfig, name: str) -> Value:
-        return getattr(cfg, name) if self._is_field(name) else cfg.option(name)
+        if self._is_field(name):
+            return getattr(cfg, name)
+        return cfg.option(name, dict(self.optional).get(name))
 
     def params(self, cfg: KernelConfig) -> dict[str, Value]:
         """The point of `cfg` (its searched fields and options)."""

@@ -80,6 +80,15 @@ class CudaBackend(Backend):
                 return companion
         return self.default_config(spec, target)
 
+    def optional_options(self, spec: Spec, target: Target) -> dict[str, Any]:
+        """The wgmma kernel's optional knobs (`wgmma.OPTIONAL`: kv_copies) where it is what
+        the target tunes."""
+        from tilegen.backends.cuda import wgmma
+
+        if wgmma.mainloop_of(self.tuning_base(spec, target)) == "wgmma":
+            return dict(wgmma.OPTIONAL)
+        return {}
+
     @staticmethod
     def _wgmma_companion(spec: Spec, cfg: KernelConfig, target: Target) -> KernelConfig | None:
         from tilegen.backends.cuda import wgmma

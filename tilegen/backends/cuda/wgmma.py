@@ -23,6 +23,11 @@ one, on targets whose target.toml lists a wgmma instruction (sm_90). Its knobs, 
                     or 128 (two of the plan's 64-key tiles: half the per-tile work of the
                     loop, the softmax's shuffles and O's rescale, for every key); the 16-bit
                     kernel takes 64
+    kv_copies       how the 8-bit kernel's producer copies a 32-key half of K8 and of V^T:
+                    "tma" (a TMA box: 32 rows of 128 bytes, 128 rows of 32 bytes) or "bulk"
+                    (one 4 KB cp.async.bulk, from tiles the pre-pass writes in the shared
+                    tile's byte order: `tilegen.quant` k_tiles, vt_tiles). Named in a config
+                    only when not "tma" (`OPTIONAL`), so the configs of before keep their names
 
 With ``Spec(quant="int8_fp8")`` the same knobs build the 8-bit kernel
 (templates/cuda/lut_wgmma_quant_kernel.cu.j2 over sm90/lut_attention_8bit.cuh): the recipe of
@@ -67,6 +72,10 @@ DEFAULTS: dict[str, Any] = {
     "persistent": False,
     "kv_tile": 64,
 }
+#: knobs a config names only when set to another value than this (`config`), so that adding
+#: one renamed no config (or winner) of before
+OPTIONAL: dict[str, Any] = {"kv_copies": "tma"}
+KV_COPIES = ("tma", "bulk")
 #: the 8-bit kernel's knobs over `DEFAULTS`: one consumer a CTA (two CTAs an SM), K ring 3,
 #: 128-key tiles (session 20 on an H100: kernel and plan 5.30 ms at TOPK 78 against 5.52 with
 #: 64-key tiles and 5.64 with three consumers a CTA)
@@ -100,12 +109,14 @@ def mainloop_of(cfg: KernelConfig) -> str:
 
 
 def resolve(options: Mapping[str, Any]) -> dict[str, Any]:
-    """The wgmma knobs: `options` over `DEFAULTS`; an unknown key is an error."""
-    unknown = sorted(set(options) - set(DEFAULTS))
+    """The wgmma knobs: `options` over `DEFAULTS` and `OPTIONAL`; an unknown key is an
+    error."""
+    known = {**DEFAULTS, **OPTIONAL}
+    unknown = sorted(set(options) - set(known))
     if unknown:
         raise ValueError(f"unknown option(s) {unknown} of the CUDA family's wgmma mainloop; "
-                         f"known: {sorted(DEFAULTS)}")
-    return {**DEFAULTS, **options}
+                         f"known: {sorted(known)}")
+    return {**known, **options}
 
 
 def options_of(cfg: KernelConfig) -> dict[str, Any]:
@@ -113,9 +124,12 @@ def options_of(cfg: KernelConfig) -> dict[str, Any]:
 
 
 def config(**options: Any) -> KernelConfig:
-    """A wgmma config: the fixed launch shape and `options` over `DEFAULTS`."""
+    """A wgmma config: the fixed launch shape and `options` over `DEFAULTS` (an `OPTIONAL`
+    knob only where it is not its default)."""
+    named = {k: v for k, v in resolve(options).items()
+             if k not in OPTIONAL or v != OPTIONAL[k]}
     return KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=1,
-                        options=tuple(sorted(resolve(options).items())))
+                        options=tuple(sorted(named.items())))
 
 
 def q_buffers(opts: Mapping[str, Any]) -> int:
@@ -187,6 +201,11 @@ def violations(spec: Spec, cfg: KernelConfig, target: Target) -> list[str]:
     elif opts["kv_tile"] == 128 and opts["pingpong"]:
         problems.append("kv_tile 128 runs P V in parts, which ping-pong does not take turns "
                         "over")
+    if opts["kv_copies"] not in KV_COPIES:
+        problems.append(f"kv_copies={opts['kv_copies']!r}: one of {list(KV_COPIES)}")
+    elif opts["kv_copies"] == "bulk" and not quant:
+        problems.append("kv_copies 'bulk' copies the 8-bit pre-pass's K8 and V^T tiles; the "
+                        "16-bit kernel's K and V come by TMA boxes")
     if quant and cfg.store_max_prob:
         problems.append("max_prob: the 8-bit kernel does not write the softmax signal")
     if (cfg.block_m, cfg.block_n, cfg.num_warps) != (64, 64, 4):
@@ -296,6 +315,7 @@ def traits(spec: Spec, cfg: KernelConfig, target: Target) -> dict[str, Any]:
         "consumer_regs": consumer_regs,
         "pv_parts": pv_parts(quant, consumer_regs, opts["kv_tile"]),
         "kv_tile": opts["kv_tile"],
+        "bulk_kv": opts["kv_copies"] == "bulk",
         "producer_regs": PRODUCER_REGS,
     }
 
@@ -332,7 +352,7 @@ QUANT_KERNEL_SIGNATURE: tuple[tuple[str, str], ...] = (
     ("k_scale", "ptr"), ("v_scale", "ptr"), ("v_mean", "ptr"), ("seq_len", "i32"),
     ("num_heads", "i32"), ("batch_heads", "i32"), ("num_q_blocks", "i32"), ("topk", "i32"),
     ("qk_scale", "f32"), ("zero_pad_rows", "i32"), ("o_tokens", "ptr"), ("out_rows", "ptr"),
-    ("out_seq_len", "i32"),
+    ("out_seq_len", "i32"), ("k8_tiles", "ptr"), ("vt_tiles", "ptr"),
 )
 
 

@@ -133,6 +133,12 @@ class WgmmaLaunch:
                                   torch.cuda.current_stream(device).cuda_stream)
 
 
+def quant_layout(bulk: bool) -> dict[str, bool]:
+    """The pre-pass's layout flags (`tilegen.quant.quantize`) for the 8-bit kernel: V^T's keys
+    in MMA slot order; with the bulk copies (kv_copies "bulk") K8 and V^T as tiles too."""
+    return {"vt_slots": True, "vt_tiles": bulk, "k_tiles": bulk}
+
+
 class WgmmaQuantLaunch(WgmmaLaunch):
     """The 8-bit variant (quant int8_fp8): the recipe's pre-pass (`tilegen.quant.quantize`, V^T
     in MMA slot order) unless the inputs come quantized, the Gluon family's 8-bit plan (tiles
@@ -159,18 +165,22 @@ class WgmmaQuantLaunch(WgmmaLaunch):
         if o32 is not None or q_vbs is not None or max_prob_out is not None:
             raise ValueError("the 8-bit CUDA wgmma kernel writes neither an O for a backward "
                              "nor max_prob, and takes no separate K/V")
+        bulk = self.opts["kv_copies"] == "bulk"
         qi = quantized if quantized is not None else quant.quantize(
-            q, k, v, vbs, self.spec.quant, with_q=True, vt_slots=True)
-        if not qi.vt_slots:
-            raise ValueError("the CUDA wgmma 8-bit kernel reads V^T with its keys in MMA slot "
-                             "order: quantize with tilegen.quant.quantize(..., vt_slots=True) "
-                             "(or op.quantize)")
-        batch, seq_len, heads, dim = qi.k8.shape
+            q, k, v, vbs, self.spec.quant, with_q=True, **quant_layout(bulk))
+        if not qi.vt_slots or qi.vt_tiles != bulk or qi.k_tiles != bulk:
+            raise ValueError(
+                f"this CUDA wgmma 8-bit config (kv_copies={self.opts['kv_copies']!r}) reads "
+                f"V^T with its keys in MMA slot order{' and K8 and V^T as tiles' if bulk else ''}"
+                f": quantize with tilegen.quant.quantize(..., "
+                + ", ".join(f"{k}={v}" for k, v in quant_layout(bulk).items())
+                + ") (or op.quantize)")
+        batch, seq_len, heads, dim = qi.q8.shape
         nq, nkv = seq_len // self.spec.block_q, vbs.shape[0]
         if windows is None:
             topk = topk_idx.shape[3]
         rows = batch * heads * nq
-        bufs = self._buffers(qi.k8.device, rows, topk, nkv)
+        bufs = self._buffers(qi.q8.device, rows, topk, nkv)
         pack = self.opts["pack_partials"]
         if windows is not None:
             run_halves_window_prepass(windows, vbs, bufs, rows, heads, nq, cube_grid, topk, err,
@@ -178,13 +188,19 @@ class WgmmaQuantLaunch(WgmmaLaunch):
         else:
             run_halves_prepass(topk_idx, vbs, counts, bufs, rows, nkv, topk, err, pack=pack)
         cols = heads * dim
+        q8_map = encode(qi.q8.data_ptr(), byte_geometry(cols, batch * seq_len, (dim, 64), 128),
+                        "u8")
+        if bulk:  # the copies read the tiles; q8's map stands in for the maps never read
+            k8_map = vt_map = q8_map
+        else:
+            k8_map = encode(qi.k8.data_ptr(), byte_geometry(cols, batch * seq_len, (dim, 32), 128),
+                            "u8")
+            vt_map = encode(qi.v8t.data_ptr(),
+                            byte_geometry(seq_len, batch * heads * dim, (32, dim), 32), "u8")
         values: dict[str, Any] = {
-            "q8_map": encode(qi.q8.data_ptr(),
-                             byte_geometry(cols, batch * seq_len, (dim, 64), 128), "u8"),
-            "k8_map": encode(qi.k8.data_ptr(),
-                             byte_geometry(cols, batch * seq_len, (dim, 32), 128), "u8"),
-            "vt_map": encode(qi.v8t.data_ptr(),
-                             byte_geometry(seq_len, batch * heads * dim, (32, dim), 32), "u8"),
+            "q8_map": q8_map, "k8_map": k8_map, "vt_map": vt_map,
+            "k8_tiles": qi.k8.data_ptr() if bulk else 0,
+            "vt_tiles": qi.v8t.data_ptr() if bulk else 0,
             "o_map": encode(o.data_ptr(), tile_geometry(tuple(o.shape), "bshd", 64),
                             self.spec.dtype),
             # o in token order: the kernel stores each slot's row to out_rows[slot] of o
@@ -200,7 +216,7 @@ class WgmmaQuantLaunch(WgmmaLaunch):
             "zero_pad_rows": int(bool(zero_pad_rows) and nkv == nq)}
         if lse is not None and self.cfg.store_lse:
             values["lse"] = lse.data_ptr()
-        self._launch(qi.k8.device, values, nq, batch, heads)
+        self._launch(qi.q8.device, values, nq, batch, heads)
         if lse is not None and self.cfg.store_lse:
             add_smoothing_to_lse(lse, qi, float(sm_scale) * LOG2E)
 
@@ -301,7 +317,8 @@ def _quant_op_class():
             if not with_q:
                 raise ValueError("with_q=False: the CUDA 8-bit kernel reads Q quantized by the "
                                  "pre-pass")
-            return quant.quantize(q, k, v, vbs, self.spec.quant, vt_slots=True,
+            bulk = wgmma.options_of(self.config)["kv_copies"] == "bulk"
+            return quant.quantize(q, k, v, vbs, self.spec.quant, **quant_layout(bulk),
                                   sources=sources, pool=pool, norm_rope=norm_rope)
 
         writes_token_order = True  # the epilogue stores o's rows at ``out_rows``

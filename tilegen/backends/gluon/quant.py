@@ -280,6 +280,10 @@ class QuantLaunch:
         qi = quantized if quantized is not None else quant.quantize(
             q, k, v, vbs, self.spec.quant, with_q=not q_in_kernel,
             vt_tiles=bool(self.cfg["vt_tiled"]))
+        if qi.k_tiles or qi.vt_slots:
+            raise ValueError("the gluon family's 8-bit kernel reads K8 as (B, S, H, D) and V^T "
+                             "with its keys in order: quantize with tilegen.quant.quantize "
+                             "without k_tiles or vt_slots (or op.quantize)")
         if qi.vt_tiles != bool(self.cfg["vt_tiled"]):
             want = "32-key tiles" if self.cfg["vt_tiled"] else "(B, H, D, S)"
             raise ValueError(f"this 8-bit config (vt_tiled={bool(self.cfg['vt_tiled'])}) reads "
@@ -458,7 +462,9 @@ def _check_quantized(spec: Spec, qi, vbs) -> None:
     if qi.q8 is None or qi.q_scale is None:
         raise ValueError("quantized inputs without q8/q_scale (quantize(..., with_q=False)): "
                          "from_quantized takes Q quantized too (with_q=True, the default)")
-    if qi.v8t is None or qi.k8.shape != qi.q8.shape:
+    from tilegen.quant import k8_shape
+
+    if qi.v8t is None or k8_shape(qi) != tuple(qi.q8.shape):
         raise ValueError("quantized inputs: k8 must have q8's shape and v8t must be set "
                          "(tilegen.quant.quantize(q, k, v, vbs, 'int8_fp8'))")
     B, S, H, D = qi.q8.shape

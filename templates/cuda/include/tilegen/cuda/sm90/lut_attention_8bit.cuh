@@ -8,7 +8,10 @@
 //     plan[row, 2 t + u] = the first key row (within the batch) of half u of tile t | its fill
 //     << 25. A K stage is two 32-row boxes of K8 plus the halves' key scales (a 16-byte bulk
 //     copy each: K's scale is one a 32-key half); a V stage is two V^T boxes of (32 keys,
-//     kHeadDim rows) under the 32-byte swizzle.
+//     kHeadDim rows) under the 32-byte swizzle. With kBulkKv (kv_copies "bulk") each half is
+//     one 4 KB bulk copy instead, from K8 and V^T tiles the pre-pass wrote in the shared
+//     tile's byte order (quant.k_to_tiles, vt_to_tiles of the slotted V^T): the same bytes,
+//     in 8 requests a tile where the boxes are 128 rows of K8 and 512 of V^T.
 //   - S = Q8 K8^T is int32 (IGMMA); a half's key scale multiplies its max and, with the row's
 //     scale c = q_scale_i sm_scale log2 e, the exponent's coefficient (QuantSoftmax).
 //   - P V takes P in e4m3 from registers (QGMMA) into a fresh accumulator each tile, added into
@@ -62,6 +65,7 @@ struct QuantTraits : C {
   static constexpr int kSmemBytes = C::kConsumers * kConsumerBytes + 1024;
   static constexpr int kBarriers = 2 * C::kQBuffers + 2 * C::kKStages + 2 * C::kVStages;
   static constexpr int kFillShift = 25;  // plan word: key row | fill << 25
+  static constexpr bool kBulkKv = C::kBulkKv;
   static_assert(C::kBshd && !C::kStoreMaxProb, "the 8-bit pre-pass writes BSHD; no max_prob");
   static_assert(C::kBlock == 64 && C::kHeadDim == 128, "64-token cubes, head_dim 128");
   static_assert(kTileKeys == 64 || kTileKeys == 128, "tiles of one or two 64-key plan tiles");
@@ -96,12 +100,15 @@ struct QuantArgs : LutArgs {  // sidx, tinfo, max_prob unused
   void* o_tokens;
   const int* out_rows;    // (S,)
   int out_seq_len;
+  // kBulkKv: K8 (B, H, S / 32, 32, D) and V^T (B, H, S / 32, D, 32) as shared-memory tiles
+  const char* k8_tiles;
+  const char* vt_tiles;
 };
 
 struct QuantMaps {
   const TensorMap& q8;  // (H * D, B * S) int8, (128, 64) boxes
-  const TensorMap& k8;  // (128, 32) boxes
-  const TensorMap& vt;  // (S, B * H * D) e4m3, (32, D) boxes, 32-byte swizzle
+  const TensorMap& k8;  // (128, 32) boxes (kBulkKv: q8's map, unused)
+  const TensorMap& vt;  // (S, B * H * D) e4m3, (32, D) boxes, 32-byte swizzle (kBulkKv: q8's)
   const TensorMap& o;   // (H * D, B * S) 16-bit, (64, 64) boxes
 
   __device__ __forceinline__ void prefetch() const {
@@ -130,6 +137,10 @@ struct QuantProducer {
       const int* plan_row = a.plan + item.row * 2 * a.topk;
       const float* k_scale = a.k_scale + item.bh * a.seq_len;
       const int vt_row = static_cast<int>(item.bh) * T::kHeadDim;
+      // kBulkKv: the 32-key half holding key row `key` of this (batch, head), as a tile
+      auto half_tile = [&](const char* tiles, int key) {
+        return tiles + (item.bh * (a.seq_len / 32) + key / 32) * T::kHalfBytes;
+      };
       barrier_expect_bytes(ring.q_full(qb), T::kQBytes / 2);
       tma_load(ring.q_tile(qb), maps.q8, ring.q_full(qb), rows.col,
                rows.row0 + item.q_cube * T::kBlock);
@@ -159,8 +170,12 @@ struct QuantProducer {
 #pragma unroll
           for (int u = 0; u < T::kHalves; ++u) {
             const int key = key_cur[u];
-            tma_load(ring.k_tile(s) + u * T::kHalfBytes, maps.k8, ring.k_full(s), rows.col,
-                     rows.row0 + key);
+            if constexpr (T::kBulkKv)
+              bulk_load(ring.k_tile(s) + u * T::kHalfBytes, half_tile(a.k8_tiles, key),
+                        T::kHalfBytes, ring.k_full(s));
+            else
+              tma_load(ring.k_tile(s) + u * T::kHalfBytes, maps.k8, ring.k_full(s), rows.col,
+                       rows.row0 + key);
             bulk_load(ring.k_scale(s) + u * 16, k_scale + key, 16, ring.k_full(s));
           }
         }
@@ -170,9 +185,14 @@ struct QuantProducer {
           barrier_wait(ring.v_empty(s), ((vt / T::kVStages) & 1) ^ 1);
           barrier_expect_bytes(ring.v_full(s), T::kTileBytes);
 #pragma unroll
-          for (int u = 0; u < T::kHalves; ++u)
-            tma_load(ring.v_tile(s) + u * T::kHalfBytes, maps.vt, ring.v_full(s), key_prev[u],
-                     vt_row);
+          for (int u = 0; u < T::kHalves; ++u) {
+            if constexpr (T::kBulkKv)
+              bulk_load(ring.v_tile(s) + u * T::kHalfBytes, half_tile(a.vt_tiles, key_prev[u]),
+                        T::kHalfBytes, ring.v_full(s));
+            else
+              tma_load(ring.v_tile(s) + u * T::kHalfBytes, maps.vt, ring.v_full(s),
+                       key_prev[u], vt_row);
+          }
         }
 #pragma unroll
         for (int u = 0; u < T::kHalves; ++u) key_prev[u] = key_cur[u];

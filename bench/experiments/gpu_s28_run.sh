@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Session 28 (issue #19), one device call:
+#   1. gpu_s28_bulk.py: the product's bulk copies (kv_copies "bulk") against the TMA boxes at
+#      five configs, o and lse checked bit-equal, then timed (user's call and kernel + plan);
+#   2. gpu_s27_probe.py --set bulk: bare / no_loads / bare_no_loads on the bulk config beside
+#      the boxes' (the two paths' lengths with bulk copies); on an H200 also --set parts;
+#   3. on an H200, where the bulk copies' one-consumer op is at least 2% faster than the
+#      boxes': the int8_fp8 kernel tuned over the bulk configs (merged into
+#      tuning_db/winners.json, copied to $OUT) and `tilegen bench --sweep` with the winner.
+# At most 8 files under $OUT (the device tool returns no more).
+#   carry .kcache .whl;  OUT=$OUT bash bench/experiments/gpu_s28_run.sh
+set -uo pipefail
+OUT=${OUT:-out/s28_run}
+mkdir -p "$OUT"
+CALL_LIMIT=${CALL_LIMIT:-570}
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+echo "GPU: $gpu"
+source bench/experiments/gpu_env.sh
+export TILEGEN_CACHE_DIR=${TILEGEN_CACHE_DIR:-$PWD/.kcache}
+mkdir -p /tmp/s28db
+export TILEGEN_DB=/tmp/s28db/tuning.sqlite
+start=$SECONDS
+timeout 200 python3 bench/experiments/gpu_s28_bulk.py --out "$OUT/bulk.json" > "$OUT/bulk.log" 2>&1
+echo "bulk: rc $? in $((SECONDS - start)) s"
+sed -n '/bit-equal to tma/p;/^| /p' "$OUT/bulk.log"
+sets=bulk
+if [[ "$gpu" == *H200* ]]; then sets="bulk parts"; fi
+for s in $sets; do
+    start=$SECONDS
+    timeout 120 python3 bench/experiments/gpu_s27_probe.py --set "$s" --reps 3 \
+        --out "$OUT/probe_$s.json" > "$OUT/probe_$s.log" 2>&1
+    echo "probe $s: rc $? in $((SECONDS - start)) s"
+    sed -n '/^| /p' "$OUT/probe_$s.log"
+done
+if [[ "$gpu" != *H200* ]]; then exit 0; fi
+gain=$(python3 -c "
+import json
+rows = json.load(open('$OUT/bulk.json'))['rows']
+r = [x for x in rows if x['config'].startswith('1c K3 V2') and x['copies'] == 'bulk'][0]
+print(int(r['op_vs_tma'] <= 0.98))" 2>/dev/null || echo 0)
+echo "bulk 1c op at least 2% faster: $gain"
+if [[ "$gain" != 1 ]]; then exit 0; fi
+left=$((CALL_LIMIT - SECONDS))
+if ((left > 330)); then
+    start=$SECONDS
+    timeout "$((left - 160))" python3 -m tilegen.cli tune --spec bench/specs/int8_fp8.toml \
+        --backend cuda --space kv_copies=bulk --sampler grid --trials 144 --seeds 2 \
+        --export tuning_db/winners.json --summary /tmp/s28db/summary.json \
+        > "$OUT/tune_int8_fp8.log" 2>&1
+    echo "tune int8_fp8: rc $? in $((SECONDS - start)) s"
+    grep -E "^winner|^trials|merged" "$OUT/tune_int8_fp8.log" | cut -c1-200
+    cp tuning_db/winners.json "$OUT/winners.json"
+fi
+left=$((CALL_LIMIT - SECONDS))
+start=$SECONDS
+timeout "$((left > 150 ? 150 : left))" python3 -m tilegen.cli bench --sweep \
+    --backends cuda,gluon --no-dense --no-flex \
+    --json "$OUT/bench_sweep.json" > "$OUT/bench_sweep.log" 2>&1
+echo "bench: rc $? in $((SECONDS - start)) s"
+grep -E "│ seed|^bench finished" "$OUT/bench_sweep.log" | cut -c1-200

@@ -3,16 +3,19 @@
 #   1. gpu_s28_bulk.py: the product's bulk copies (kv_copies "bulk") against the TMA boxes at
 #      five configs, o and lse checked bit-equal, then timed (user's call and kernel + plan);
 #   2. gpu_s27_probe.py --set bulk: bare / no_loads / bare_no_loads on the bulk config beside
-#      the boxes' (the two paths' lengths with bulk copies); on an H200 also --set parts;
+#      the boxes' (the two paths' lengths with bulk copies);
 #   3. on an H200, where the bulk copies' one-consumer op is at least 2% faster than the
-#      boxes': the int8_fp8 kernel tuned over the bulk configs (merged into
-#      tuning_db/winners.json, copied to $OUT) and `tilegen bench --sweep` with the winner.
-# At most 8 files under $OUT (the device tool returns no more).
+#      boxes': the int8_fp8 kernel tuned over the bulk configs of one and two consumers,
+#      128-key tiles, no ping-pong or persistence (the family of every 8-bit winner so far;
+#      12 points, to fit the session's device time; merged into
+#      tuning_db/winners.json, copied to $OUT) and `tilegen bench --sweep` with the winner;
+#   4. on an H200, with the time left, --set parts (session 27 ran it on H100s only).
+# At most 8 files under $OUT (the device tool returns no more): the probes' JSON stays in /tmp.
 #   carry .kcache .whl;  OUT=$OUT bash bench/experiments/gpu_s28_run.sh
 set -uo pipefail
 OUT=${OUT:-out/s28_run}
 mkdir -p "$OUT"
-CALL_LIMIT=${CALL_LIMIT:-570}
+CALL_LIMIT=${CALL_LIMIT:-450}
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
 echo "GPU: $gpu"
 source bench/experiments/gpu_env.sh
@@ -23,16 +26,16 @@ start=$SECONDS
 timeout 200 python3 bench/experiments/gpu_s28_bulk.py --out "$OUT/bulk.json" > "$OUT/bulk.log" 2>&1
 echo "bulk: rc $? in $((SECONDS - start)) s"
 sed -n '/bit-equal to tma/p;/^| /p' "$OUT/bulk.log"
-sets=bulk
-if [[ "$gpu" == *H200* ]]; then sets="bulk parts"; fi
-for s in $sets; do
-    start=$SECONDS
-    timeout 120 python3 bench/experiments/gpu_s27_probe.py --set "$s" --reps 3 \
-        --out "$OUT/probe_$s.json" > "$OUT/probe_$s.log" 2>&1
-    echo "probe $s: rc $? in $((SECONDS - start)) s"
-    sed -n '/^| /p' "$OUT/probe_$s.log"
-done
+probe() {
+    local start=$SECONDS
+    timeout "$2" python3 bench/experiments/gpu_s27_probe.py --set "$1" --reps 3 \
+        --out "/tmp/s28db/probe_$1.json" > "$OUT/probe_$1.log" 2>&1
+    echo "probe $1: rc $? in $((SECONDS - start)) s"
+    sed -n '/^| /p' "$OUT/probe_$1.log"
+}
+probe bulk 100
 if [[ "$gpu" != *H200* ]]; then exit 0; fi
+trap 'left=$((CALL_LIMIT - SECONDS)); if ((left > 70)); then probe parts $((left - 10)); fi' EXIT
 gain=$(python3 -c "
 import json
 rows = json.load(open('$OUT/bulk.json'))['rows']
@@ -41,10 +44,11 @@ print(int(r['op_vs_tma'] <= 0.98))" 2>/dev/null || echo 0)
 echo "bulk 1c op at least 2% faster: $gain"
 if [[ "$gain" != 1 ]]; then exit 0; fi
 left=$((CALL_LIMIT - SECONDS))
-if ((left > 330)); then
+if ((left > 220)); then
     start=$SECONDS
     timeout "$((left - 160))" python3 -m tilegen.cli tune --spec bench/specs/int8_fp8.toml \
-        --backend cuda --space kv_copies=bulk --sampler grid --trials 144 --seeds 2 \
+        --backend cuda --space kv_copies=bulk --space consumers=1,2 --space kv_tile=128 \
+        --space pingpong=false --space persistent=false --sampler grid --trials 12 --seeds 2 \
         --export tuning_db/winners.json --summary /tmp/s28db/summary.json \
         > "$OUT/tune_int8_fp8.log" 2>&1
     echo "tune int8_fp8: rc $? in $((SECONDS - start)) s"

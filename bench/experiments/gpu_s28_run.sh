@@ -2,14 +2,14 @@
 # Session 28 (issue #19), one device call:
 #   1. gpu_s28_bulk.py: the product's bulk copies (kv_copies "bulk") against the TMA boxes at
 #      five configs, o and lse checked bit-equal, then timed (user's call and kernel + plan);
-#   2. gpu_s27_probe.py --set bulk: bare / no_loads / bare_no_loads on the bulk config beside
-#      the boxes' (the two paths' lengths with bulk copies);
-#   3. on an H200, where the bulk copies' one-consumer op is at least 2% faster than the
+#   2. on an H200, where the bulk copies' one-consumer op is at least 2% faster than the
 #      boxes': the int8_fp8 kernel tuned over the bulk configs of one and two consumers,
 #      128-key tiles, no ping-pong or persistence (the family of every 8-bit winner so far;
 #      12 points, to fit the session's device time; merged into
 #      tuning_db/winners.json, copied to $OUT) and `tilegen bench --sweep` with the winner;
-#   4. on an H200, with the time left, --set parts (session 27 ran it on H100s only).
+#   3. with the time left, gpu_s27_probe.py --set bulk (bare / no_loads / bare_no_loads on the
+#      bulk config beside the boxes': the two paths' lengths), then on an H200 --set parts
+#      (session 27 ran it on H100s only).
 # At most 8 files under $OUT (the device tool returns no more): the probes' JSON stays in /tmp.
 #   carry .kcache .whl;  OUT=$OUT bash bench/experiments/gpu_s28_run.sh
 set -uo pipefail
@@ -33,9 +33,15 @@ probe() {
     echo "probe $1: rc $? in $((SECONDS - start)) s"
     sed -n '/^| /p' "$OUT/probe_$1.log"
 }
-probe bulk 100
+# what is left of the call after the tune and sweep: the probes (parts on an H200 only)
+finish() {
+    local left=$((CALL_LIMIT - SECONDS))
+    if ((left > 50)); then probe bulk $((left > 100 ? 100 : left - 5)); fi
+    left=$((CALL_LIMIT - SECONDS))
+    if [[ "$gpu" == *H200* ]] && ((left > 70)); then probe parts $((left - 10)); fi
+}
+trap finish EXIT
 if [[ "$gpu" != *H200* ]]; then exit 0; fi
-trap 'left=$((CALL_LIMIT - SECONDS)); if ((left > 70)); then probe parts $((left - 10)); fi' EXIT
 gain=$(python3 -c "
 import json
 rows = json.load(open('$OUT/bulk.json'))['rows']
@@ -44,9 +50,9 @@ print(int(r['op_vs_tma'] <= 0.98))" 2>/dev/null || echo 0)
 echo "bulk 1c op at least 2% faster: $gain"
 if [[ "$gain" != 1 ]]; then exit 0; fi
 left=$((CALL_LIMIT - SECONDS))
-if ((left > 220)); then
+if ((left > 180)); then
     start=$SECONDS
-    timeout "$((left - 160))" python3 -m tilegen.cli tune --spec bench/specs/int8_fp8.toml \
+    timeout "$((left - 120))" python3 -m tilegen.cli tune --spec bench/specs/int8_fp8.toml \
         --backend cuda --space kv_copies=bulk --space consumers=1,2 --space kv_tile=128 \
         --space pingpong=false --space persistent=false --sampler grid --trials 12 --seeds 2 \
         --export tuning_db/winners.json --summary /tmp/s28db/summary.json \

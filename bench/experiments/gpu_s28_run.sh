@@ -2,6 +2,7 @@
 # Session 28 (issue #19), one device call:
 #   1. gpu_s28_bulk.py: the product's bulk copies (kv_copies "bulk") against the TMA boxes at
 #      five configs, o and lse checked bit-equal, then timed (user's call and kernel + plan);
+#      then h200_quant_op.py --small-only with the bulk variant (the quantized rule, check 4);
 #   2. on an H200, where the bulk copies' one-consumer op is at least 2% faster than the
 #      boxes': the int8_fp8 kernel tuned over the bulk configs of one and two consumers,
 #      128-key tiles, no ping-pong or persistence (the family of every 8-bit winner so far;
@@ -15,7 +16,7 @@
 set -uo pipefail
 OUT=${OUT:-out/s28_run}
 mkdir -p "$OUT"
-CALL_LIMIT=${CALL_LIMIT:-450}
+CALL_LIMIT=${CALL_LIMIT:-560}
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
 echo "GPU: $gpu"
 source bench/experiments/gpu_env.sh
@@ -23,9 +24,17 @@ export TILEGEN_CACHE_DIR=${TILEGEN_CACHE_DIR:-$PWD/.kcache}
 mkdir -p /tmp/s28db
 export TILEGEN_DB=/tmp/s28db/tuning.sqlite
 start=$SECONDS
-timeout 200 python3 bench/experiments/gpu_s28_bulk.py --out "$OUT/bulk.json" > "$OUT/bulk.log" 2>&1
+timeout 200 python3 bench/experiments/gpu_s28_bulk.py --out "$OUT/bulk.json" \
+    > /tmp/s28db/bulk.log 2>&1
 echo "bulk: rc $? in $((SECONDS - start)) s"
-sed -n '/bit-equal to tma/p;/^| /p' "$OUT/bulk.log"
+sed -n '/bit-equal to tma/p;/^| /p' /tmp/s28db/bulk.log
+# the bulk op under the quantized rule with check 4 at small shapes: every encoding the CUDA
+# kernel takes, partial cubes, counts, a bad index, the outlier head
+start=$SECONDS
+timeout 150 python3 bench/experiments/h200_quant_op.py --backend cuda --small-only \
+    --variants kv_copies=bulk --out /tmp/s28db/quant_op.json > "$OUT/quant_op.log" 2>&1
+echo "quant_op (small, bulk variant): rc $? in $((SECONDS - start)) s"
+grep -E "^checks passed|FAIL" "$OUT/quant_op.log" | head -20
 probe() {
     local start=$SECONDS
     timeout "$2" python3 bench/experiments/gpu_s27_probe.py --set "$1" --reps 3 \

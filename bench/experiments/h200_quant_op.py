@@ -13,7 +13,8 @@ the bf16 default op in the same process, pre-pass included and without it (`from
     ... --backend cuda     the CUDA family's 8-bit wgmma kernel (session 18) instead of the Gluon
                            one, the Gluon 8-bit op timed beside it; --variants then take its
                            knobs (consumers, pingpong, k_stages, v_stages, pack_partials,
-                           persistent); the cases it refuses (head_dim 64, sliding_tile) skipped
+                           persistent, kv_copies=bulk); the cases it refuses (head_dim 64,
+                           sliding_tile) skipped
 
 The table is printed last; every row is also in the JSON.
 """
@@ -70,10 +71,13 @@ def parse_variants(text: str) -> list[dict]:
         opts = {}
         for kv in part.split(","):
             key, val = kv.split("=")
-            key = key.strip()
-            opts[key] = int(val) if key.endswith(("stages", "consumers", "regs", "_exp",
-                                                  "kv_tile")) \
-                else bool(int(val))
+            key, val = key.strip(), val.strip()
+            if key.endswith(("stages", "consumers", "regs", "_exp", "kv_tile")):
+                opts[key] = int(val)
+            elif val.lstrip("-").isdigit():  # a flag as 0 / 1
+                opts[key] = bool(int(val))
+            else:  # a choice by name (kv_copies=bulk)
+                opts[key] = val
         out.append(opts)
     return out
 

@@ -418,6 +418,11 @@ def test_bulk_copies_read_tiles_and_refuse_other_layouts():
         ops["bulk"].from_quantized(boxes, idx, vbs)
     with pytest.raises(ValueError, match="k_tiles=False"):
         ops["tma"].from_quantized(tiles, idx, vbs)
+    import dataclasses
+
+    cut = dataclasses.replace(tiles, v8t=tiles.v8t[:, :, :3])  # bytes the copies would overrun
+    with pytest.raises(ValueError, match="contiguous tiles of shape"):
+        ops["bulk"].from_quantized(cut, idx, vbs)
 
 
 @needs_nvcc

@@ -510,8 +510,8 @@ def _quantize_head(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, VME
         k8, k_scale = _int8_per_group(tl.where(valid[:, None], k - k_mean[None, :], 0.0),
                                       TOKENS, K_GROUP, HEAD_DIM)
         if K_TILES:  # (B, H, S / 32, 32, D), 16-byte chunks swizzled (k_to_tiles)
-            chunk = (d // 16)[None, :] ^ (tok % 8)[:, None]
-            k_off = (bh * seq_len + tok)[:, None] * HEAD_DIM + chunk * 16 + (d % 16)[None, :]
+            k_chunk = (d // 16)[None, :] ^ (tok % 8)[:, None]
+            k_off = (bh * seq_len + tok)[:, None] * HEAD_DIM + k_chunk * 16 + (d % 16)[None, :]
         else:
             k_off = off
         tl.store(K8 + k_off, k8.to(tl.int8))

@@ -71,9 +71,10 @@ if ((left > 180)); then
     cp tuning_db/winners.json "$OUT/winners.json"
 fi
 left=$((CALL_LIMIT - SECONDS))
+if ((left <= 30)); then exit 0; fi
 start=$SECONDS
-timeout "$((left > 150 ? 150 : left))" python3 -m tilegen.cli bench --sweep \
-    --backends cuda,gluon --no-dense --no-flex \
-    --json "$OUT/bench_sweep.json" > "$OUT/bench_sweep.log" 2>&1
+timeout -k 10 "$((left > 150 ? 150 : left - 10))" python3 -m tilegen.cli bench --sweep \
+    --backends cuda,gluon --no-dense --no-flex --json "$OUT/bench_sweep.json" \
+    --plot /tmp/s28db/bench_sweep.png > "$OUT/bench_sweep.log" 2>&1
 echo "bench: rc $? in $((SECONDS - start)) s"
 grep -E "│ seed|^bench finished" "$OUT/bench_sweep.log" | cut -c1-200

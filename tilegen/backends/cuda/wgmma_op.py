@@ -176,6 +176,15 @@ class WgmmaQuantLaunch(WgmmaLaunch):
                 + ", ".join(f"{k}={v}" for k, v in quant_layout(bulk).items())
                 + ") (or op.quantize)")
         batch, seq_len, heads, dim = qi.q8.shape
+        if bulk:  # a bulk copy reads raw bytes (a TMA box clips at the tensor's edge)
+            want = {"k8": (batch, heads, seq_len // 32, 32, dim),
+                    "v8t": (batch, heads, seq_len // 32, dim, 32)}
+            for name, shape in want.items():
+                t = getattr(qi, name)
+                if tuple(t.shape) != shape or not t.is_contiguous():
+                    raise ValueError(f"kv_copies 'bulk' reads {name} as contiguous tiles of shape "
+                                     f"{shape}; got {tuple(t.shape)}"
+                                     f"{'' if t.is_contiguous() else ', not contiguous'}")
         nq, nkv = seq_len // self.spec.block_q, vbs.shape[0]
         if windows is None:
             topk = topk_idx.shape[3]

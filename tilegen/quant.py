@@ -117,21 +117,15 @@ class QuantizedInputs:
 VT_TILE = 32
 
 
-def _swizzle32(x: torch.Tensor) -> torch.Tensor:
-    """Swap the 16-byte halves of the 32-byte rows d with d // 4 odd, over the last two dims
-    (D, 32): the 32-byte swizzle of an NVMMA shared-memory tile. Its own inverse."""
-    D = x.shape[-2]
-    odd = ((torch.arange(D, device=x.device) // 4) % 2).bool()
-    halves = x.unflatten(-1, (2, 16))
-    return torch.where(odd[:, None, None], halves.flip(-2), halves).flatten(-2)
-
-
-def _swizzle128(x: torch.Tensor) -> torch.Tensor:
-    """The 128-byte swizzle over the last two dims (32 rows, 128 bytes): the 16-byte chunk c of
-    row r goes to chunk c ^ (r % 8). Its own inverse."""
+def _swizzle(x: torch.Tensor) -> torch.Tensor:
+    """The NVMMA shared-memory swizzle of rows as wide as the swizzle (32 or 128 bytes), over the
+    last two dims (rows, width): the 16-byte chunk c of row r goes to chunk c ^ ((r width / 128)
+    mod (width / 16)), i.e. the halves of the 32-byte rows r with r // 4 odd swapped, or chunk
+    c ^ (r % 8) of 128-byte rows. Its own inverse."""
     rows, width = x.shape[-2:]
     r = torch.arange(rows, device=x.device).view(rows, 1)
-    chunk = torch.arange(width // 16, device=x.device).view(1, -1) ^ (r % 8)
+    chunk = torch.arange(width // 16, device=x.device).view(1, -1) ^ (r * width // 128
+                                                                       % (width // 16))
     chunks = x.unflatten(-1, (width // 16, 16))
     index = chunk.view(rows, -1, 1).expand(rows, -1, 16).expand(chunks.shape)
     return chunks.gather(-2, index).flatten(-2)
@@ -143,7 +137,7 @@ def k_to_tiles(k8: torch.Tensor) -> torch.Tensor:
     if D != 128:
         raise ValueError(f"K tiles are 128-byte swizzled rows: head_dim 128, not {D}")
     tiles = k8.view(B, S // VT_TILE, VT_TILE, H, D).permute(0, 3, 1, 2, 4)
-    return _swizzle128(tiles.view(torch.uint8)).contiguous().view(k8.dtype)
+    return _swizzle(tiles.view(torch.uint8)).contiguous().view(k8.dtype)
 
 
 def k8_shape(qi: QuantizedInputs) -> tuple[int, ...]:
@@ -159,7 +153,7 @@ def k_natural(qi: QuantizedInputs) -> torch.Tensor:
     if not qi.k_tiles:
         return qi.k8
     B, H, n, w, D = qi.k8.shape
-    tiles = _swizzle128(qi.k8.view(torch.uint8)).view(qi.k8.dtype)
+    tiles = _swizzle(qi.k8.view(torch.uint8)).view(qi.k8.dtype)
     return tiles.permute(0, 2, 3, 1, 4).reshape(B, n * w, H, D)
 
 
@@ -167,7 +161,7 @@ def vt_to_tiles(v8t: torch.Tensor) -> torch.Tensor:
     """(B, H, D, S) V^T as (B, H, S / 32, D, 32) tiles in shared-memory byte order."""
     B, H, D, S = v8t.shape
     tiles = v8t.view(torch.uint8).view(B, H, D, S // VT_TILE, VT_TILE).permute(0, 1, 3, 2, 4)
-    return _swizzle32(tiles).contiguous().view(v8t.dtype)
+    return _swizzle(tiles).contiguous().view(v8t.dtype)
 
 
 def vt_slot_keys() -> list[int]:
@@ -194,7 +188,7 @@ def vt_natural(qi: QuantizedInputs) -> torch.Tensor | None:
         return None
     if qi.vt_tiles:
         B, H, n, D, w = v8t.shape
-        tiles = _swizzle32(v8t.view(torch.uint8))
+        tiles = _swizzle(v8t.view(torch.uint8))
         v8t = tiles.permute(0, 1, 3, 2, 4).reshape(B, H, D, n * w).view(v8t.dtype)
     if qi.vt_slots:
         B, H, D, S = v8t.shape

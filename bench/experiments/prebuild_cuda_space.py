@@ -7,6 +7,8 @@ with PART/PARTS (two cores: run two).
     TILEGEN_CACHE_DIR=$PWD/.kcache python3 bench/experiments/prebuild_cuda_space.py default 0 2 &
     TILEGEN_CACHE_DIR=$PWD/.kcache python3 bench/experiments/prebuild_cuda_space.py default 1 2
     ... int8_fp8 0 2 / int8_fp8 1 2     (the 8-bit spec, bench/specs/int8_fp8.toml)
+    ... int8_fp8 0 2 --space kv_copies=tma,bulk --space consumers=1,2 ...   (the space of a
+                                                        `tilegen tune --space ...` run)
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from tilegen.backends.cuda import BACKEND
 from tilegen.backends.cuda.nvcc import compile_cuda
 from tilegen.spec import Spec
 from tilegen.targets import get_target
-from tilegen.tune.space import SearchSpace
+from tilegen.tune.space import SearchSpace, parse_space_override
 
 
 def main() -> int:
@@ -26,10 +28,13 @@ def main() -> int:
     ap.add_argument("spec", choices=["default", "int8_fp8"])
     ap.add_argument("part", type=int, nargs="?", default=0)
     ap.add_argument("parts", type=int, nargs="?", default=1)
+    ap.add_argument("--space", action="append", default=[], metavar="NAME=V1,V2",
+                    help="override one field of the space, as `tilegen tune --space`")
     args = ap.parse_args()
+    overrides = dict(parse_space_override(text) for text in args.space)
     target = get_target("sm_90")
     spec = Spec(quant="int8_fp8") if args.spec == "int8_fp8" else Spec()
-    feasible = SearchSpace.from_target(spec, target, backend="cuda").feasible()
+    feasible = SearchSpace.from_target(spec, target, overrides, backend="cuda").feasible()
     print(f"{args.spec}: {len(feasible)} feasible points", flush=True)
     for n, cfg in enumerate(feasible):
         if n % args.parts != args.part:

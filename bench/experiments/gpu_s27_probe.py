@@ -118,21 +118,30 @@ CONFIGS: dict[str, dict] = {
 SET_CONFIGS = {"softmax": ("1c", "2c"), "parts": ("1c",), "bulk": ("1c", "1c_bulk")}
 
 
-def probe_source(source, edits: tuple[str, ...]):
-    """`source` as a CxxSource whose header snapshot has `edits` applied."""
+def with_headers(source, change):
+    """`source` as a CxxSource whose header snapshot is `change(headers)` (a dict of name ->
+    bytes, changed in place): the kernel of a probe, or of another session's headers."""
     from tilegen.backends.cuda.nvcc import include_dir
     from tilegen.identity import CxxSource
 
     if not isinstance(source, CxxSource):
         source = CxxSource.including(source, include_dir())
     headers = dict(source.headers)
-    for name in edits:
-        for header, old, new in EDITS[name]:
-            text = headers[header].decode()
-            if old not in text:
-                raise RuntimeError(f"probe {name}: {old!r} is not in {header}")
-            headers[header] = text.replace(old, new).encode()
+    change(headers)
     return dataclasses.replace(source, headers=tuple(sorted(headers.items())))
+
+
+def probe_source(source, edits: tuple[str, ...]):
+    """`source` as a CxxSource whose header snapshot has `edits` applied."""
+    def apply(headers: dict) -> None:
+        for name in edits:
+            for header, old, new in EDITS[name]:
+                text = headers[header].decode()
+                if old not in text:
+                    raise RuntimeError(f"probe {name}: {old!r} is not in {header}")
+                headers[header] = text.replace(old, new).encode()
+
+    return with_headers(source, apply)
 
 
 def probed(run, probe: str, edits: tuple[str, ...]):

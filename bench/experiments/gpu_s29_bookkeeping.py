@@ -1,7 +1,8 @@
 """Issue #19, session 29: the 8-bit kernel's consumer loop with less bookkeeping (wgmma
 descriptors from an address word, one add an MMA; the halves' fills stored by the producer in
 the K stage, so a consumer reads no plan), against session 28's kernel, and the bulk copies of
-session 28 against the TMA boxes, in one process.
+session 28 against the TMA boxes, in one process (what session 28's gpu_s28_bulk.py was to
+measure, which this replaces).
 
 Run with bench/experiments/s29_bookkeeping.patch applied (gpu_s29_run.sh says how). Session
 28's kernel is then this checkout's source with its two changed headers (sm90/wgmma.cuh,
@@ -22,13 +23,13 @@ The table is printed last; the rows are also in the JSON.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import time
 from pathlib import Path
 
 import torch
+from gpu_s27_probe import with_headers  # this directory: the scripts run by path
 
 import tilegen
 from tilegen import captures
@@ -42,6 +43,7 @@ CONFIGS: dict[str, dict] = {
     "1c K2 V3 (H200 winner)": {**BASE, "k_stages": 2, "v_stages": 3},
     "1c K3 V2 (default)": BASE,
     "2c K2 V1": {**BASE, "consumers": 2, "k_stages": 2, "v_stages": 1},
+    "3c K2 V1 kv64": {**BASE, "consumers": 3, "k_stages": 2, "v_stages": 1, "kv_tile": 64},
 }
 COPIES = ("tma", "bulk")
 KERNELS = ("s28", "s29")
@@ -56,18 +58,13 @@ def variants():
 
 def old_source(run, old_headers: Path):
     """`run`'s source with session 28's headers, and its own digest."""
-    from tilegen.backends.cuda.nvcc import include_dir
-    from tilegen.identity import CxxSource
+    def swap(headers: dict) -> None:
+        for name in HEADERS:
+            if name not in headers:
+                raise RuntimeError(f"{name} is not among the kernel's headers")
+            headers[name] = (old_headers / Path(name).name).read_bytes()
 
-    source = run.source
-    if not isinstance(source, CxxSource):
-        source = CxxSource.including(source, include_dir())
-    headers = dict(source.headers)
-    for name in HEADERS:
-        if name not in headers:
-            raise RuntimeError(f"{name} is not among the kernel's headers")
-        headers[name] = (old_headers / Path(name).name).read_bytes()
-    source = dataclasses.replace(source, headers=tuple(sorted(headers.items())))
+    source = with_headers(run.source, swap)
     return source, hashlib.sha256(f"{run.digest}|kernel:s28".encode()).hexdigest()
 
 

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The CPU machine's half of gpu_s30_run.sh (issue #19, session 30), from a clean checkout of
+# main: the tree of HEAD (the shipped kernel) unpacked into .s28 with its cubins in
+# .s28/.kcache; the kernel change (bench/experiments/s30_kernel.patch: session 29's bookkeeping
+# cut and q_in_kernel, not committed until a device has checked it and re-tuned the 8-bit
+# winner) applied to the working tree; the tuner's wheels into .whl; and every cubin the call
+# needs into .kcache (sm_90a, here: the device then compiles only the Triton pre-pass).
+#   bash bench/experiments/gpu_s30_prepare.sh
+# then: carry .kcache .whl .s28;  CALL_LIMIT=540 OUT=$OUT bash bench/experiments/gpu_s30_run.sh
+# (.kcache/, .whl/ and .s28/ belong in .git/info/exclude, so that nothing commits them)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+rm -rf .s28 && mkdir -p .s28/.kcache
+git archive HEAD | tar -x -C .s28
+if git apply --check bench/experiments/s30_kernel.patch 2>/dev/null; then
+    git apply bench/experiments/s30_kernel.patch
+else
+    git apply --reverse --check bench/experiments/s30_kernel.patch  # applied already
+fi
+# optuna and what it needs that the GPU image lacks, at the versions installed here
+mkdir -p .whl
+python3 -m pip download -q --no-deps -d .whl $(python3 -c "
+import importlib.metadata as m
+for p in ('optuna', 'sqlalchemy', 'alembic', 'colorlog', 'mako', 'markupsafe', 'pyyaml', 'tqdm'):
+    print(f'{p}=={m.version(p)}')")
+check=bench/experiments/gpu_s30_check.py
+PYTHONPATH=$PWD/.s28 TILEGEN_CACHE_DIR=$PWD/.s28/.kcache python3 $check --role ref --prebuild &
+export TILEGEN_CACHE_DIR=$PWD/.kcache
+python3 $check --role new --prebuild
+wait
+space=(--space kv_copies=tma,bulk --space consumers=1 --space kv_tile=128
+       --space pingpong=false --space persistent=false --space q_in_kernel=true,false)
+python3 bench/experiments/prebuild_cuda_space.py int8_fp8 0 2 "${space[@]}" > /tmp/s30_prebuild0.log &
+python3 bench/experiments/prebuild_cuda_space.py int8_fp8 1 2 "${space[@]}" > /tmp/s30_prebuild1.log
+wait
+grep -h "feasible" /tmp/s30_prebuild0.log
+python3 bench/experiments/h200_quant_op.py --backend cuda --prebuild \
+    --variants "q_in_kernel=1;q_in_kernel=1,kv_copies=bulk"
+# the shipped winners' cubins (the sweep's 16-bit CUDA row among them), with lse and without
+python3 - <<'PY'
+import json
+
+import tilegen
+from tilegen.backends.cuda.nvcc import compile_cuda
+from tilegen.config import KernelConfig
+from tilegen.spec import Spec
+from tilegen.targets import get_target
+
+doc = json.load(open("tuning_db/winners.json"))
+specs = {w["spec_hash"]: w["spec"] for w in doc["workloads"]}
+configs = {c["variant"]["config"]: c["config"] for c in doc["candidates"]}
+target = get_target("sm_90")
+for w in doc["winners"]:
+    if w["variant"]["backend"] != "cuda":
+        continue
+    op = tilegen.load(Spec.from_dict(specs[w["spec_hash"]]),
+                      KernelConfig.from_dict(configs[w["variant"]["config"]]), backend="cuda",
+                      target="sm_90")
+    for lse in (True, False):
+        run = op._launch_for(lse)
+        compile_cuda(run.source, target, None, run.digest)
+    print(f"prebuilt the {w['device_name']} winner {w['variant']['config']}")
+PY
+du -sh .kcache .whl .s28

@@ -169,9 +169,9 @@ int main() {
   using M = tilegen::sm90::AttentionMma8<128, 64>;
   for (int kk = 0; kk < 32; ++kk) printf("slot %d %d\n", kk, M::key_of_slot(kk));
   for (int t = 0; t < 4; ++t)
-    printf("qk %d %llu\n", t, (unsigned long long)M::qk_descriptor(4096, t));
+    printf("qk %d %llu\n", t, (unsigned long long)M::qk_descriptor(M::word(4096), t));
   for (int t = 0; t < 2; ++t)
-    printf("pv %d %llu\n", t, (unsigned long long)M::pv_descriptor(8192, t));
+    printf("pv %d %llu\n", t, (unsigned long long)M::pv_descriptor(M::word(8192), t));
   return 0;
 }
 """
@@ -441,3 +441,61 @@ def test_bulk_copies_compile_without_k_and_v_tensor_loads():
     (mma_t, tensor_t, bulk_t), (mma_b, tensor_b, bulk_b) = counts["tma"], counts["bulk"]
     assert mma_t == mma_b
     assert tensor_b < tensor_t and bulk_b > bulk_t
+
+
+def test_q_in_kernel_is_named_only_when_set_and_is_the_same_kernel():
+    """``q_in_kernel`` (session 30): the op passes the 16-bit q and each consumer quantizes its
+    cube. Off is the default and leaves every name as it was; on is named, refused for the
+    16-bit kernel and for a non-bool, and renders the same kernel text but for its name (the
+    choice is the kernel's runtime argument, so `from_quantized` runs Q8 through the same
+    build)."""
+    plain = wgmma.config(**wgmma.QUANT_DEFAULTS)
+    assert "q_in_kernel" not in plain.name
+    assert wgmma.config(**wgmma.QUANT_DEFAULTS, q_in_kernel=False) == plain
+    inside = wgmma.config(**wgmma.QUANT_DEFAULTS, q_in_kernel=True)
+    assert "q_in_kernel" in inside.name
+    assert not wgmma.violations(Q8.kernel_spec, inside, SM90)
+    texts = [nv.render_cuda(Q8, c, SM90).text.replace(c.name, "CFG") for c in (plain, inside)]
+    assert texts[0] == texts[1]
+    assert "16-bit kernel reads q" in " ".join(
+        wgmma.violations(Spec(), wgmma.config(q_in_kernel=True), SM90))
+    assert "q_in_kernel=1" in " ".join(
+        wgmma.violations(Q8.kernel_spec, wgmma.config(**wgmma.QUANT_DEFAULTS, q_in_kernel=1),
+                         SM90))
+    # the kernel's last two arguments: K's mean (lse's q.k̄ term, added in the kernel) and the
+    # flag; the template declares them in that order
+    assert wgmma.QUANT_KERNEL_SIGNATURE[-2:] == (("k_mean", "ptr"), ("q_in_kernel", "i32"))
+    text = texts[0]
+    assert text.index("const float* __restrict__ k_mean") < text.index("int q_in_kernel)")
+
+
+def test_q_in_kernel_quantizes_with_the_prepass_arithmetic():
+    """The consumer's quantization of Q (quantize_q) names the pre-pass's instructions, so its
+    Q8 and scales are the pre-pass's bit for bit (checked on the GPU by
+    bench/experiments/gpu_s30_check.py): amax / 127 by div.full.f32 (what Triton's `/`
+    lowers to in `quant._int8_per_token`), one IEEE reciprocal, the clamp, then round to
+    nearest even."""
+    header = (nv.include_dir() / "tilegen/cuda/sm90/lut_attention_8bit.cuh").read_text()
+    body = header[header.index("void quantize_q("):header.index("void smoothing_terms(")]
+    for needle in ("div.full.f32", "rcp.rn.f32", "fminf(fmaxf(", "cvt.rni.s32.f32"):
+        assert needle in body, needle
+    import inspect
+
+    from tilegen import quant
+
+    src = inspect.getsource(quant._int8_per_token.fn)
+    assert "/ 127.0" in src and "div_rn(1.0" in src and "_round_half_even" in src
+
+
+def test_pre_quantized_inputs_with_a_wrong_k_mean_are_refused():
+    """The kernel reads K's mean itself (lse's q.k̄ term), 16 bytes at a time: inputs whose
+    k_mean is not (B, H, D) are refused by name before any launch."""
+    import dataclasses
+
+    op = tilegen.load(Q8, wgmma.config(**wgmma.QUANT_DEFAULTS), backend="cuda", target="sm_90")
+    q = torch.randn(1, 128, 1, 128).to(torch.bfloat16)
+    vbs = torch.full((2,), 64, dtype=torch.int32)
+    idx = torch.zeros(1, 1, 2, 1, dtype=torch.int32)
+    qi = op.quantize(q, q, q, vbs)
+    with pytest.raises(ValueError, match=r"k_mean must be \(1, 1, 128\)"):
+        op.from_quantized(dataclasses.replace(qi, k_mean=qi.k_mean[..., :64]), idx, vbs)

@@ -82,8 +82,8 @@ EDITS: dict[str, list[tuple[str, str, str]]] = {
     "no_pv": [(KERNEL, "Mma::template pv_part<kParts, decltype(part)::value>(acc, p_in, v_tile);",
                "acc[0] = __int_as_float(p_in[0] ^ v_tile);")],
     "no_k_loads": [
-        (KERNEL, "barrier_expect_bytes(ring.k_full(s), T::kTileBytes + T::kScaleBytes);",
-         "barrier_expect_bytes(ring.k_full(s), T::kScaleBytes);"),
+        (KERNEL, "barrier_expect_bytes(ring.k_full(s), T::kTileBytes + T::kScaleCopyBytes);",
+         "barrier_expect_bytes(ring.k_full(s), T::kScaleCopyBytes);"),
         (KERNEL, K_COPY, ";"),
     ],
     "no_v_loads": [

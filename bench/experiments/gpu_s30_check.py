@@ -57,6 +57,13 @@ def variants(role: str):
                 yield label, copies, qk, wgmma.config(**knobs, kv_copies=copies, **extra)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, NaN included (torch.equal is False wherever both hold NaN, as the padded
+    query rows of partial cubes do: bench/NOTES.md, session 30)."""
+    ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(ints), b.view(ints))
+
+
 def load(spec: Spec, cfg):
     return tilegen.load(spec, cfg, backend="cuda", target="sm_90")
 
@@ -103,8 +110,8 @@ def padded_rows_check(res: dict) -> None:
             op = load(spec, cfg)
             o1, lse1 = op(q, k, v, idx, vbs)
             o2, lse2 = op.from_quantized(op.quantize(q, k, v, vbs), idx, vbs)
-            check = {"padded_rows": int(pad.sum()), "o_equal": bool(torch.equal(o1, o2)),
-                     "lse_equal": bool(torch.equal(lse1, lse2)),
+            check = {"padded_rows": int(pad.sum()), "o_equal": same_bits(o1, o2),
+                     "lse_equal": same_bits(lse1, lse2),
                      "o_real_finite": bool(torch.isfinite(o1[:, ~pad]).all())}
             res["checks"][f"padded {dtype} {copies}"] = check
             print(f"padded {dtype} {copies}: {check}", flush=True)
@@ -152,7 +159,7 @@ def main() -> int:
             o, lse = op(q, k, v, idx, vbs)
             o, lse = o.cpu(), lse.cpu()
             fin = torch.isfinite(ref["lse"])
-            check = {"o_equal": bool(torch.equal(o, ref["o"])),
+            check = {"o_equal": same_bits(o, ref["o"]),
                      "o_finite": bool(torch.isfinite(o).all()),
                      "lse_inf_same": bool(torch.equal(fin, torch.isfinite(lse))),
                      "lse_max_abs_vs_ref": float((lse[fin] - ref["lse"][fin]).abs().max())}

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# The CPU machine's half of gpu_s30_run.sh (issue #19, session 30), from a clean checkout of
-# main: the tree of HEAD (the shipped kernel) unpacked into .s28 with its cubins in
-# .s28/.kcache; the kernel change (bench/experiments/s30_kernel.patch: session 29's bookkeeping
-# cut and q_in_kernel, not committed until a device has checked it and re-tuned the 8-bit
-# winner) applied to the working tree; the tuner's wheels into .whl; and every cubin the call
-# needs into .kcache (sm_90a, here: the device then compiles only the Triton pre-pass).
+# The CPU machine's half of gpu_s30_run.sh (issue #19, session 30): a kernel change in the
+# working tree checked against the shipped kernel, HEAD's. HEAD's tree is unpacked into .s28
+# with its cubins in .s28/.kcache, the tuner's wheels go into .whl, and every cubin the call
+# needs into .kcache (sm_90a, here: the device then compiles only the Triton pre-pass). Session
+# 30 ran it at 19f3d9b with its kernel change applied as a patch (landed in the next commit).
 #   bash bench/experiments/gpu_s30_prepare.sh
 # then: carry .kcache .whl .s28;  CALL_LIMIT=540 OUT=$OUT bash bench/experiments/gpu_s30_run.sh
 # (.kcache/, .whl/ and .s28/ belong in .git/info/exclude, so that nothing commits them)
@@ -12,17 +11,18 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 rm -rf .s28 && mkdir -p .s28/.kcache
 git archive HEAD | tar -x -C .s28
-if git apply --check bench/experiments/s30_kernel.patch 2>/dev/null; then
-    git apply bench/experiments/s30_kernel.patch
-else
-    git apply --reverse --check bench/experiments/s30_kernel.patch  # applied already
-fi
 # optuna and what it needs that the GPU image lacks, at the versions installed here
+# (for this Python and for the GPU image's, 3.12: bench/experiments/gpu_env.sh takes the ones
+# that install there)
 mkdir -p .whl
-python3 -m pip download -q --no-deps -d .whl $(python3 -c "
+pins=$(python3 -c "
 import importlib.metadata as m
 for p in ('optuna', 'sqlalchemy', 'alembic', 'colorlog', 'mako', 'markupsafe', 'pyyaml', 'tqdm'):
     print(f'{p}=={m.version(p)}')")
+python3 -m pip download -q --no-deps -d .whl $pins
+python3 -m pip download -q --no-deps -d .whl --only-binary=:all: --python-version 3.12 \
+    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux_2_28_x86_64 $pins
 check=bench/experiments/gpu_s30_check.py
 PYTHONPATH=$PWD/.s28 TILEGEN_CACHE_DIR=$PWD/.s28/.kcache python3 $check --role ref --prebuild &
 export TILEGEN_CACHE_DIR=$PWD/.kcache

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Session 30 (issue #19), one device call for the 8-bit kernel of this checkout (session 29's
-# bookkeeping cut and Q quantized in the kernel, `q_in_kernel`; not committed until this runs):
+# Session 30 (issue #19), one device call for the 8-bit kernel of this checkout's working tree
+# against the shipped one (session 30: session 29's bookkeeping cut and Q quantized in the
+# kernel, `q_in_kernel`, run at 19f3d9b with them applied; bench/RESULTS.md, session 30):
 #   1. gpu_s30_check.py --role ref: the shipped kernel (the tree of the commit this starts from,
 #      unpacked into .s28 by gpu_s30_prepare.sh), o and lse saved, timed;
 #   2. gpu_s30_check.py --role new: this checkout's, o bit-equal to the shipped kernel's with and

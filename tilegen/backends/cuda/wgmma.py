@@ -28,6 +28,10 @@ one, on targets whose target.toml lists a wgmma instruction (sm_90). Its knobs, 
                     (one 4 KB cp.async.bulk, from tiles the pre-pass writes in the shared
                     tile's byte order: `tilegen.quant` k_tiles, vt_tiles). Named in a config
                     only when not "tma" (`OPTIONAL`), so the configs of before keep their names
+    q_in_kernel     the 8-bit op's call passes q in its 16-bit dtype and each consumer quantizes
+                    its query cube in shared memory with the pre-pass's arithmetic (bit for bit),
+                    so the pre-pass reads and writes K and V only; the kernel is the same (a
+                    runtime argument: `from_quantized` passes Q8). Named only when true
 
 With ``Spec(quant="int8_fp8")`` the same knobs build the 8-bit kernel
 (templates/cuda/lut_wgmma_quant_kernel.cu.j2 over sm90/lut_attention_8bit.cuh): the recipe of
@@ -74,7 +78,7 @@ DEFAULTS: dict[str, Any] = {
 }
 #: knobs a config names only when set to another value than this (`config`), so that adding
 #: one renamed no config (or winner) of before
-OPTIONAL: dict[str, Any] = {"kv_copies": "tma"}
+OPTIONAL: dict[str, Any] = {"kv_copies": "tma", "q_in_kernel": False}
 KV_COPIES = ("tma", "bulk")
 #: the 8-bit kernel's knobs over `DEFAULTS`: one consumer a CTA (two CTAs an SM), K ring 3,
 #: 128-key tiles (session 20 on an H100: kernel and plan 5.30 ms at TOPK 78 against 5.52 with
@@ -139,13 +143,14 @@ def q_buffers(opts: Mapping[str, Any]) -> int:
 def smem_bytes(opts: Mapping[str, Any], head_dim: int, quant: bool = False) -> int:
     """Dynamic shared memory of one CTA: per consumer its Q buffers and K and V rings, plus the
     1024 bytes the kernel may skip to align its tiles to the swizzle atom. 8-bit: K and V tiles
-    of one byte an element and 16 bytes of key scales a 32-key half of a K stage (one scale a
-    half, quant.K_SCALE_GROUP); Q buffers 16-bit (O staging)."""
+    of one byte an element, and a K stage's scale slot: 16 bytes of key scales a 32-key half
+    (one scale a half, quant.K_SCALE_GROUP) and 16 of the halves' fills; Q buffers 16-bit (O
+    staging)."""
     tile = 64 * head_dim * 2
     if quant:  # each consumer's slice rounded up to the 1024-byte swizzle atom
         kv = opts["kv_tile"] * head_dim
         per = (q_buffers(opts) * tile + (opts["k_stages"] + opts["v_stages"]) * kv
-               + opts["k_stages"] * 16 * (opts["kv_tile"] // 32))
+               + opts["k_stages"] * (16 * (opts["kv_tile"] // 32) + 16))
         per = -(-per // 1024) * 1024
     else:
         per = (q_buffers(opts) + opts["k_stages"] + opts["v_stages"]) * tile
@@ -206,6 +211,11 @@ def violations(spec: Spec, cfg: KernelConfig, target: Target) -> list[str]:
     elif opts["kv_copies"] == "bulk" and not quant:
         problems.append("kv_copies 'bulk' copies the 8-bit pre-pass's K8 and V^T tiles; the "
                         "16-bit kernel's K and V come by TMA boxes")
+    if type(opts["q_in_kernel"]) is not bool:
+        problems.append(f"q_in_kernel={opts['q_in_kernel']!r}: true or false")
+    elif opts["q_in_kernel"] and not quant:
+        problems.append("q_in_kernel quantizes Q in the 8-bit kernel; the 16-bit kernel reads q "
+                        "as it is")
     if quant and cfg.store_max_prob:
         problems.append("max_prob: the 8-bit kernel does not write the softmax signal")
     if (cfg.block_m, cfg.block_n, cfg.num_warps) != (64, 64, 4):
@@ -352,7 +362,8 @@ QUANT_KERNEL_SIGNATURE: tuple[tuple[str, str], ...] = (
     ("k_scale", "ptr"), ("v_scale", "ptr"), ("v_mean", "ptr"), ("seq_len", "i32"),
     ("num_heads", "i32"), ("batch_heads", "i32"), ("num_q_blocks", "i32"), ("topk", "i32"),
     ("qk_scale", "f32"), ("zero_pad_rows", "i32"), ("o_tokens", "ptr"), ("out_rows", "ptr"),
-    ("out_seq_len", "i32"), ("k8_tiles", "ptr"), ("vt_tiles", "ptr"),
+    ("out_seq_len", "i32"), ("k8_tiles", "ptr"), ("vt_tiles", "ptr"), ("k_mean", "ptr"),
+    ("q_in_kernel", "i32"),
 )
 
 

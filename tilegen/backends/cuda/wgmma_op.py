@@ -141,8 +141,9 @@ def quant_layout(bulk: bool) -> dict[str, bool]:
 
 class WgmmaQuantLaunch(WgmmaLaunch):
     """The 8-bit variant (quant int8_fp8): the recipe's pre-pass (`tilegen.quant.quantize`, V^T
-    in MMA slot order) unless the inputs come quantized, the Gluon family's 8-bit plan (tiles
-    in 32-key halves), then the kernel; lse gets the smoothing term back on the host side."""
+    in MMA slot order; K and V only with ``q_in_kernel``, whose kernel quantizes Q) unless the
+    inputs come quantized, the Gluon family's 8-bit plan (tiles in 32-key halves), then the
+    kernel, which adds lse's smoothing term itself."""
 
     def _buffers(self, device, rows: int, topk: int, nkv: int = 0) -> dict:
         from tilegen.backends.gluon.prepass import halves_buffers
@@ -160,14 +161,15 @@ class WgmmaQuantLaunch(WgmmaLaunch):
         from tilegen import quant
         from tilegen.backends.cuda.tensor_map import byte_geometry, encode, tile_geometry
         from tilegen.backends.gluon.prepass import run_halves_prepass, run_halves_window_prepass
-        from tilegen.backends.gluon.quant import add_smoothing_to_lse
 
         if o32 is not None or q_vbs is not None or max_prob_out is not None:
             raise ValueError("the 8-bit CUDA wgmma kernel writes neither an O for a backward "
                              "nor max_prob, and takes no separate K/V")
         bulk = self.opts["kv_copies"] == "bulk"
+        # Q quantized in the kernel unless the inputs come quantized (from_quantized: Q8 given)
+        q_in_kernel = self.opts["q_in_kernel"] and quantized is None
         qi = quantized if quantized is not None else quant.quantize(
-            q, k, v, vbs, self.spec.quant, with_q=True, **quant_layout(bulk))
+            q, k, v, vbs, self.spec.quant, with_q=not q_in_kernel, **quant_layout(bulk))
         if not qi.vt_slots or qi.vt_tiles != bulk or qi.k_tiles != bulk:
             raise ValueError(
                 f"this CUDA wgmma 8-bit config (kv_copies={self.opts['kv_copies']!r}) reads "
@@ -175,7 +177,7 @@ class WgmmaQuantLaunch(WgmmaLaunch):
                 f": quantize with tilegen.quant.quantize(..., "
                 + ", ".join(f"{k}={v}" for k, v in quant_layout(bulk).items())
                 + ") (or op.quantize)")
-        batch, seq_len, heads, dim = qi.q8.shape
+        batch, seq_len, heads, dim = (q if q_in_kernel else qi.q8).shape
         if bulk:  # a bulk copy reads raw bytes (a TMA box clips at the tensor's edge)
             want = {"k8": (batch, heads, seq_len // 32, 32, dim),
                     "v8t": (batch, heads, seq_len // 32, dim, 32)}
@@ -185,11 +187,19 @@ class WgmmaQuantLaunch(WgmmaLaunch):
                     raise ValueError(f"kv_copies 'bulk' reads {name} as contiguous tiles of shape "
                                      f"{shape}; got {tuple(t.shape)}"
                                      f"{'' if t.is_contiguous() else ', not contiguous'}")
+        # (B, H, D): lse's q.k̄ term, in the kernel, which reads it 16 bytes at a time
+        if tuple(qi.k_mean.shape) != (batch, heads, dim) or qi.k_mean.device != qi.k8.device:
+            raise ValueError(f"quantized inputs: k_mean must be ({batch}, {heads}, {dim}) on "
+                             f"{qi.k8.device}, got {tuple(qi.k_mean.shape)} on "
+                             f"{qi.k_mean.device}")
+        k_mean = qi.k_mean.float().contiguous()
+        if k_mean.data_ptr() % 16:
+            k_mean = k_mean.clone()
         nq, nkv = seq_len // self.spec.block_q, vbs.shape[0]
         if windows is None:
             topk = topk_idx.shape[3]
         rows = batch * heads * nq
-        bufs = self._buffers(qi.q8.device, rows, topk, nkv)
+        bufs = self._buffers(qi.k8.device, rows, topk, nkv)
         pack = self.opts["pack_partials"]
         if windows is not None:
             run_halves_window_prepass(windows, vbs, bufs, rows, heads, nq, cube_grid, topk, err,
@@ -197,8 +207,12 @@ class WgmmaQuantLaunch(WgmmaLaunch):
         else:
             run_halves_prepass(topk_idx, vbs, counts, bufs, rows, nkv, topk, err, pack=pack)
         cols = heads * dim
-        q8_map = encode(qi.q8.data_ptr(), byte_geometry(cols, batch * seq_len, (dim, 64), 128),
-                        "u8")
+        if q_in_kernel:  # the 16-bit q, as o's panels: the kernel quantizes it
+            q8_map = encode(q.data_ptr(), tile_geometry(tuple(q.shape), "bshd", 64),
+                            self.spec.dtype)
+        else:
+            q8_map = encode(qi.q8.data_ptr(),
+                            byte_geometry(cols, batch * seq_len, (dim, 64), 128), "u8")
         if bulk:  # the copies read the tiles; q8's map stands in for the maps never read
             k8_map = vt_map = q8_map
         else:
@@ -217,7 +231,8 @@ class WgmmaQuantLaunch(WgmmaLaunch):
             "out_rows": out_rows.data_ptr() if out_rows is not None else 0,
             "out_seq_len": o.shape[1] if out_rows is not None else 0,
             "plan": bufs["plan"].data_ptr(), "meta": bufs["meta"].data_ptr(),
-            "vbs": vbs.data_ptr(), "q_scale": qi.q_scale.data_ptr(),
+            "vbs": vbs.data_ptr(), "q_scale": 0 if q_in_kernel else qi.q_scale.data_ptr(),
+            "k_mean": k_mean.data_ptr(), "q_in_kernel": int(q_in_kernel),
             "k_scale": qi.k_scale.data_ptr(), "v_scale": qi.v_scale.data_ptr(),
             "v_mean": qi.v_mean.data_ptr(), "seq_len": seq_len, "num_heads": heads,
             "batch_heads": batch * heads, "num_q_blocks": nq, "topk": topk,
@@ -225,9 +240,7 @@ class WgmmaQuantLaunch(WgmmaLaunch):
             "zero_pad_rows": int(bool(zero_pad_rows) and nkv == nq)}
         if lse is not None and self.cfg.store_lse:
             values["lse"] = lse.data_ptr()
-        self._launch(qi.q8.device, values, nq, batch, heads)
-        if lse is not None and self.cfg.store_lse:
-            add_smoothing_to_lse(lse, qi, float(sm_scale) * LOG2E)
+        self._launch(qi.k8.device, values, nq, batch, heads)
 
 
 class CudaWgmmaAttention(GluonBlockSparseAttention):

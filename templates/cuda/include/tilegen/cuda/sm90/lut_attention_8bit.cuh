@@ -21,8 +21,11 @@
 //     added into O before the next is issued: what lets three consumers (160 registers each)
 //     share an SM.
 //   - the epilogue applies V's per-channel scale and adds V's mean back (rows with no key
-//     stay 0); lse is of the smoothed keys (the host adds q.k̄: add_smoothing_to_lse).
+//     stay 0); lse adds each row's q̂.k̄ back (the logits are of the smoothed keys k - k̄).
 //   - the Q buffer is 16-bit sized: Q8 fills its first half, the 16-bit O is staged over it.
+//     With q_in_kernel (a runtime argument) the producer loads the 16-bit query cube into it
+//     and the consumer quantizes it in place with the pre-pass's arithmetic (quantize_q), so
+//     the pre-pass reads and writes K and V only.
 // Inputs come from the pre-pass in BSHD (q8, k8: (B, S, H, D) int8; v8t: (B, H, D, S) e4m3 with
 // its keys permuted within each 32-key half, AttentionMma8::key_of_slot); o is BSHD.
 #pragma once
@@ -46,6 +49,19 @@ __device__ __forceinline__ void constant_for(F&& f) {
   }
 }
 
+// Two 16-bit values (one register, the low half first) to fp32, exactly.
+template <class Elem>
+__device__ __forceinline__ void unpack2(uint32_t r, float& lo, float& hi) {
+  if constexpr (std::is_same<Elem, Bf16>::value) {
+    lo = __uint_as_float(r << 16);
+    hi = __uint_as_float(r & 0xffff0000u);
+  } else {
+    asm("{\n .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
+        : "=f"(lo), "=f"(hi)
+        : "r"(r));
+  }
+}
+
 // C provides what WgmmaTraits's C does (kBshd true, kStoreMaxProb false, kHeadDim 128).
 template <class C>
 struct QuantTraits : C {
@@ -57,7 +73,12 @@ struct QuantTraits : C {
   static constexpr int kPlanTiles = kHalves / 2;                 // the plan's 64-key tiles
   static constexpr int kTileBytes = kTileKeys * C::kHeadDim;     // K8 tile; V^T tile (halves)
   static constexpr int kHalfBytes = 32 * C::kHeadDim;
-  static constexpr int kScaleBytes = kHalves * 16;               // a K stage's key scales
+  static constexpr int kScaleCopyBytes = kHalves * 16;  // a K stage's key scales (bulk copies)
+  // then the halves' fills, stored by the producer from the plan words it reads anyway, so a
+  // consumer reads one shared word a half and no plan (session 29: ~40 instructions a tile)
+  static constexpr int kFillBytes = 16;
+  static constexpr int kScaleBytes = kScaleCopyBytes + kFillBytes;  // a K stage's scale slot
+  static_assert(kHalves * 4 <= kFillBytes, "one 32-bit fill a half");
   // rounded up to the 1024-byte swizzle atom, so the next consumer's tiles start on one
   static constexpr int kConsumerBytes = (C::kQBuffers * kQBytes +
                                          (C::kKStages + C::kVStages) * kTileBytes +
@@ -90,7 +111,9 @@ struct QuantTraits : C {
 
 struct QuantArgs : LutArgs {  // sidx, tinfo, max_prob unused
   const int* plan;        // (rows, 2 topk)
-  const float* q_scale;   // (B, H, S)
+  const float* q_scale;   // (B, H, S); unread with q_in_kernel
+  const float* k_mean;    // (B, H, D): K's smoothing mean, for lse's q̂.k̄ term
+  int q_in_kernel;        // q8's map is the 16-bit q's: the consumers quantize Q (quantize_q)
   const float* k_scale;   // (B, H, S): equal within each 32-key half
   const float* v_scale;   // (B, H, D)
   const float* v_mean;    // (B, H, D)
@@ -106,7 +129,8 @@ struct QuantArgs : LutArgs {  // sidx, tinfo, max_prob unused
 };
 
 struct QuantMaps {
-  const TensorMap& q8;  // (H * D, B * S) int8, (128, 64) boxes
+  const TensorMap& q8;  // (H * D, B * S) int8, (128, 64) boxes; with q_in_kernel the 16-bit
+                        // q, (64, 64) boxes under the 128-byte swizzle (o's geometry)
   const TensorMap& k8;  // (128, 32) boxes (kBulkKv: q8's map, unused)
   const TensorMap& vt;  // (S, B * H * D) e4m3, (32, D) boxes, 32-byte swizzle (kBulkKv: q8's)
   const TensorMap& o;   // (H * D, B * S) 16-bit, (64, 64) boxes
@@ -120,6 +144,13 @@ struct QuantMaps {
 // ---- the producer -------------------------------------------------------------------------------
 template <class T>
 struct QuantProducer {
+  static __device__ __forceinline__ void store_fills(uint32_t slot,
+                                                     const int (&fill)[T::kHalves]) {
+#pragma unroll
+    for (int u = 0; u < T::kHalves; ++u)
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slot + 4 * u), "r"(fill[u]) : "memory");
+  }
+
   // Q8 of one cube, then per tile j: K8 and key scales of tile j, V^T of tile j - 1, each as
   // the 32-key halves of the plan (two a 64-key tile, four a 128-key one). Where a 128-key
   // tile's second plan tile is absent (an odd count), its halves load the first half's rows
@@ -141,32 +172,47 @@ struct QuantProducer {
       auto half_tile = [&](const char* tiles, int key) {
         return tiles + (item.bh * (a.seq_len / 32) + key / 32) * T::kHalfBytes;
       };
-      barrier_expect_bytes(ring.q_full(qb), T::kQBytes / 2);
-      tma_load(ring.q_tile(qb), maps.q8, ring.q_full(qb), rows.col,
-               rows.row0 + item.q_cube * T::kBlock);
+      if (a.q_in_kernel) {  // the 16-bit cube as two panels: the staged O's layout
+        barrier_expect_bytes(ring.q_full(qb), T::kQBytes);
+#pragma unroll
+        for (int p = 0; p < T::kHeadDim / kPanelCols; ++p)
+          tma_load(ring.q_tile(qb) + p * T::kPanelBytes, maps.q8, ring.q_full(qb),
+                   rows.col + p * kPanelCols, rows.row0 + item.q_cube * T::kBlock);
+      } else {
+        barrier_expect_bytes(ring.q_full(qb), T::kQBytes / 2);
+        tma_load(ring.q_tile(qb), maps.q8, ring.q_full(qb), rows.col,
+                 rows.row0 + item.q_cube * T::kBlock);
+      }
       at.q_load_parity ^= bit;
-      // the key rows of tile j + 1 are loaded while tile j's boxes are issued, and V reuses
-      // K's (session 19: as fast as loading each at its tile, with half the loads)
+      // the plan words of tile j + 1 are loaded while tile j's boxes are issued, and V reuses
+      // K's key rows (session 19: as fast as loading each at its tile, with half the loads)
       constexpr int kKeyMask = (1 << T::kFillShift) - 1;
-      int key_next[T::kHalves];
+      int word_next[T::kHalves];
       int key_prev[T::kHalves];
-      auto keys_of = [&](int j, int (&key)[T::kHalves]) {
+      // an absent half: the first half's key rows, fill 0
+      auto words_of = [&](int j, int (&word)[T::kHalves]) {
         const int halves = T::halves(plan_tiles, j);
 #pragma unroll
         for (int u = 0; u < T::kHalves; ++u)
-          key[u] = u < halves ? __ldg(plan_row + T::kHalves * j + u) & kKeyMask : key[0];
+          word[u] = u < halves ? __ldg(plan_row + T::kHalves * j + u) : word[0] & kKeyMask;
       };
-      keys_of(0, key_next);
+      words_of(0, word_next);
       for (int j = 0; j <= n; ++j) {
         int key_cur[T::kHalves];
+        int fill_cur[T::kHalves];
 #pragma unroll
-        for (int u = 0; u < T::kHalves; ++u) key_cur[u] = key_next[u];
-        if (j + 1 < n) keys_of(j + 1, key_next);
+        for (int u = 0; u < T::kHalves; ++u) {
+          key_cur[u] = word_next[u] & kKeyMask;
+          fill_cur[u] = word_next[u] >> T::kFillShift;
+        }
+        if (j + 1 < n) words_of(j + 1, word_next);
         if (j < n) {
           const int kt = at.k_tiles + j;
           const int s = kt % T::kKStages;
           barrier_wait(ring.k_empty(s), ((kt / T::kKStages) & 1) ^ 1);
-          barrier_expect_bytes(ring.k_full(s), T::kTileBytes + T::kScaleBytes);
+          // before the arrive below, which releases them to the consumer with the copies
+          store_fills(ring.k_scale(s) + T::kScaleCopyBytes, fill_cur);
+          barrier_expect_bytes(ring.k_full(s), T::kTileBytes + T::kScaleCopyBytes);
 #pragma unroll
           for (int u = 0; u < T::kHalves; ++u) {
             const int key = key_cur[u];
@@ -215,13 +261,127 @@ struct QuantConsumer {
     if (lane == 0) barrier_arrive(bar);
   }
 
-  // The fills of tile j's halves (0 for a half that is absent).
-  static __device__ __forceinline__ void fills_of(const int* plan_row, int plan_tiles, int j,
+  // The fills of a K stage's halves (0 for a half that is absent), as its producer stored them.
+  static __device__ __forceinline__ void fills_of(uint32_t k_scale_slot,
                                                   int (&fill)[T::kHalves]) {
-    const int halves = T::halves(plan_tiles, j);
+    const uint32_t at = k_scale_slot + T::kScaleCopyBytes;
+    if constexpr (T::kHalves == 4)
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(fill[0]), "=r"(fill[1]), "=r"(fill[2]), "=r"(fill[3])
+                   : "r"(at));
+    else
+      asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(fill[0]), "=r"(fill[1]) : "r"(at));
+  }
+
+  // Byte `col` (a multiple of 16) of row `row` in the Q8 tile: 128-byte rows under the
+  // 128-byte swizzle, as q8's TMA box lands.
+  static __device__ __forceinline__ uint32_t q8_offset(int row, int col) {
+    return row * 128 + (((col / 16) ^ (row % 8)) * 16);
+  }
+
+  // q_in_kernel: the 16-bit query cube in the Q buffer (two panels) to int8 in the Q8 tile over
+  // its first panel, one scale a row, with the pre-pass's arithmetic bit for bit
+  // (quant._int8_per_token): amax / 127 (div.full, Triton's `/`), one IEEE reciprocal, the
+  // product rounded to fp32, then to the nearest integer, ties to even. A padded row (at or
+  // past q_real) gets scale 0 and q8 0, as the pre-pass's zeroed rows do. Each quad holds its
+  // two S rows (a thread 32 columns of each), so the row scales land where the softmax reads
+  // them: c[h] = scale qk_scale, as from the pre-pass's q_scale.
+  static __device__ __forceinline__ void quantize_q(uint32_t q_tile, int q_real, int consumer,
+                                                    int warp, int lane, float qk_scale,
+                                                    float (&c)[2]) {
+    const int quad = lane & 3;
+    uint32_t x[2][16];
 #pragma unroll
-    for (int u = 0; u < T::kHalves; ++u)
-      fill[u] = u < halves ? __ldg(plan_row + T::kHalves * j + u) >> T::kFillShift : 0;
+    for (int h = 0; h < 2; ++h) {
+      const int row = Fragment::row(h, warp, lane);
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(x[h][4 * k]), "=r"(x[h][4 * k + 1]), "=r"(x[h][4 * k + 2]),
+                       "=r"(x[h][4 * k + 3])
+                     : "r"(q_tile + staged_offset<T>(row, 32 * quad + 8 * k)));
+    }
+    named_sync(kEpilogueBarrier + consumer, 128);  // every read before Q8 overwrites panel 0
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = Fragment::row(h, warp, lane);
+      float v[32];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) unpack2<typename T::Elem>(x[h][i], v[2 * i], v[2 * i + 1]);
+      float amax = 0.f;
+#pragma unroll
+      for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
+      amax = Fragment::quad_max(amax);
+      float scale;
+      asm("div.full.f32 %0, %1, %2;\n" : "=f"(scale) : "f"(amax), "f"(127.f));
+      const bool padded = row >= q_real;
+      if (padded) scale = 0.f;
+      float inv = 0.f;
+      if (scale > 0.f) asm("rcp.rn.f32 %0, %1;\n" : "=f"(inv) : "f"(scale));
+      c[h] = fmaxf(scale * qk_scale, 1.17549435e-38f);
+      uint32_t w[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        uint32_t word = 0;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          const float y = fminf(fmaxf(v[4 * i + b] * inv, -127.f), 127.f);
+          int r;
+          asm("cvt.rni.s32.f32 %0, %1;\n" : "=r"(r) : "f"(y));
+          word |= (static_cast<uint32_t>(r) & 0xffu) << (8 * b);
+        }
+        w[i] = padded ? 0u : word;  // the pre-pass zeroes them first (inf, NaN: not -127)
+      }
+#pragma unroll
+      for (int k = 0; k < 2; ++k)
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                         q_tile + q8_offset(row, 32 * quad + 16 * k)),
+                     "r"(w[4 * k]), "r"(w[4 * k + 1]), "r"(w[4 * k + 2]), "r"(w[4 * k + 3])
+                     : "memory");
+    }
+    fence_proxy_async();  // the S MMAs read Q8 in the async proxy
+    named_sync(kEpilogueBarrier + consumer, 128);
+  }
+
+  // A thread's 32 channels of K's mean (32 quad ..), for smoothing_terms: loaded before the
+  // wait for Q, so that their latency is not on the way to the first S.
+  static __device__ __forceinline__ void load_k_mean(const float* k_mean, int lane,
+                                                     float4 (&kb)[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      kb[i] = __ldg(reinterpret_cast<const float4*>(k_mean + 32 * (lane & 3) + 4 * i));
+  }
+
+  // lse's smoothing term of each row half, c[h] q8_i.k̄ (base 2, as the logits' c), from the
+  // Q8 tile: a thread's 32 columns of its two rows, summed over the quad.
+  static __device__ __forceinline__ void smoothing_terms(uint32_t q_tile, const float4 (&kb)[8],
+                                                         int warp, int lane, const float (&c)[2],
+                                                         float (&term)[2]) {
+    const int quad = lane & 3;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = Fragment::row(h, warp, lane);
+      float sum = 0.f;
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        uint32_t w[4];
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                     : "r"(q_tile + q8_offset(row, 32 * quad + 16 * k)));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float4 m = kb[4 * k + i];
+          auto byte = [&](int b) {  // the signed int8 in byte b
+            return static_cast<float>(static_cast<signed char>(w[i] >> (8 * b)));
+          };
+          sum = fmaf(byte(0), m.x, sum);
+          sum = fmaf(byte(1), m.y, sum);
+          sum = fmaf(byte(2), m.z, sum);
+          sum = fmaf(byte(3), m.w, sum);
+        }
+      }
+      term[h] = c[h] * Fragment::quad_sum(sum);
+    }
   }
 
   static __device__ __forceinline__ void cube(const QuantMaps& maps, const QuantArgs& a,
@@ -235,19 +395,22 @@ struct QuantConsumer {
     const int qb = at.q_buffer<T>();
     const uint32_t bit = 1u << qb;
     const uint32_t q_tile = ring.q_tile(qb);
-    const int* plan_row = a.plan + item.row * 2 * a.topk;
     const int kt0 = at.k_tiles;
     const int vt0 = at.v_tiles;
     const int turn0 = turn;
 
     // each row half's scale: q_scale sm_scale log2 e (a padded query row's q_scale is 0; its
     // floor keeps f * c finite where f is -inf)
+    // (with q_in_kernel, quantize_q's; a row with no tile keeps qk_scale, finite)
     const long long q_row0 = item.bh * a.seq_len + static_cast<long long>(item.q_cube) * T::kBlock;
-    float c[2];
+    float c[2] = {a.qk_scale, a.qk_scale};
+    if (!a.q_in_kernel) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-      c[h] = fmaxf(__ldg(a.q_scale + q_row0 + Fragment::row(h, warp, lane)) * a.qk_scale,
-                   1.17549435e-38f);
+      for (int h = 0; h < 2; ++h)
+        c[h] = fmaxf(__ldg(a.q_scale + q_row0 + Fragment::row(h, warp, lane)) * a.qk_scale,
+                     1.17549435e-38f);
+    }
+    float lse_term[2] = {0.f, 0.f};  // kStoreLse: each row's q̂.k̄ (smoothing_terms)
 
     float o[Mma::kORegs];
 #pragma unroll
@@ -263,12 +426,17 @@ struct QuantConsumer {
     softmax.init();
 
     if (n > 0) {
+      float4 k_mean[8];
+      if constexpr (T::kStoreLse) load_k_mean(a.k_mean + item.bh * T::kHeadDim, lane, k_mean);
+      const int q_real = a.q_in_kernel ? __ldg(a.vbs + item.q_cube) : T::kBlock;
       barrier_wait(ring.q_full(qb), (at.q_load_parity & bit) ? 1 : 0);
       at.q_load_parity ^= bit;
+      if (a.q_in_kernel) quantize_q(q_tile, q_real, consumer, warp, lane, a.qk_scale, c);
+      if constexpr (T::kStoreLse) smoothing_terms(q_tile, k_mean, warp, lane, c, lse_term);
       {
         const int kst = kt0 % T::kKStages;
-        fills_of(plan_row, plan_tiles, 0, fill);
         barrier_wait(ring.k_full(kst), (kt0 / T::kKStages) & 1);
+        fills_of(ring.k_scale(kst), fill);
         turns.begin(turn0);
         wgmma_fence();
         Mma::qk(s, q_tile, ring.k_tile(kst));
@@ -310,8 +478,8 @@ struct QuantConsumer {
           const int vt = vt0 + j - 1;
           const int kst = kt % T::kKStages;
           const int vs = vt % T::kVStages;
-          fills_of(plan_row, plan_tiles, j, fill);
           barrier_wait(ring.k_full(kst), (kt / T::kKStages) & 1);
+          fills_of(ring.k_scale(kst), fill);
           wgmma_fence();
           Mma::qk(s, q_tile, ring.k_tile(kst));
           wgmma_commit();
@@ -366,8 +534,8 @@ struct QuantConsumer {
           const int vt = vt0 + j - 1;
           const int kst = kt % T::kKStages;
           const int vs = vt % T::kVStages;
-          fills_of(plan_row, plan_tiles, j, fill);
           barrier_wait(ring.k_full(kst), (kt / T::kKStages) & 1);
+          fills_of(ring.k_scale(kst), fill);
           barrier_wait(ring.v_full(vs), (vt / T::kVStages) & 1);
           turns.begin(turn0 + j);
           fence_operands(acc);
@@ -418,8 +586,8 @@ struct QuantConsumer {
       at.tiles_done(n);
       turn += n + 1;
     }
-    epilogue(maps, a, ring.q_empty(qb), q_tile, consumer, o, softmax, c, n < 0, item, warp,
-             lane);
+    epilogue(maps, a, ring.q_empty(qb), q_tile, consumer, o, softmax, c, lse_term, n < 0, item,
+             warp, lane);
     at.cube_done(bit);
   }
 
@@ -451,13 +619,13 @@ struct QuantConsumer {
 
   // o = (acc / l) v_scale + v_mean (0 for a row with no key or a padded row when asked, NaN for
   // a bad row), staged over the Q buffer and stored by TMA (or in token order, out_rows); lse
-  // base 2 of the smoothed keys.
+  // base 2, of the smoothed keys plus lse_term (q̂.k̄ back).
   static __device__ __forceinline__ void epilogue(const QuantMaps& maps, const QuantArgs& a,
                                                   uint32_t q_empty, uint32_t q_tile,
                                                   int consumer, float (&o)[Mma::kORegs],
                                                   const Softmax& softmax, const float (&c)[2],
-                                                  bool bad, const Item<T>& item, int warp,
-                                                  int lane) {
+                                                  const float (&lse_term)[2], bool bad,
+                                                  const Item<T>& item, int warp, int lane) {
     const float nan = __int_as_float(0x7fc00000);
     const int q_real = a.zero_pad_rows ? __ldg(a.vbs + item.q_cube) : T::kBlock;
     float l[2];
@@ -505,7 +673,8 @@ struct QuantConsumer {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float lse = l[h] > 0.f
-                          ? fmaf(softmax.m[h], c[h], log2f(l[h]) - Softmax::kLog2PScale)
+                          ? fmaf(softmax.m[h], c[h], log2f(l[h]) - Softmax::kLog2PScale) +
+                                lse_term[h]
                           : neg_inf();
           if (bad) lse = nan;
           a.lse[row0 + Fragment::row(h, warp, lane)] = lse;

@@ -92,7 +92,7 @@ constexpr int kPanelCols = 64;  // 16-bit columns of one 128-byte swizzle line
 
 // A 64-bit wgmma matrix descriptor: start address, leading and stride byte offsets (all in
 // 16-byte units), 128-byte swizzle (layout type 1 in bits 62-63).
-__host__ __device__ __forceinline__ uint64_t sw128_descriptor(uint32_t smem_addr,
+__host__ __device__ __forceinline__ constexpr uint64_t sw128_descriptor(uint32_t smem_addr,
                                                               uint32_t leading_bytes,
                                                               uint32_t stride_bytes) {
   return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) |
@@ -101,7 +101,7 @@ __host__ __device__ __forceinline__ uint64_t sw128_descriptor(uint32_t smem_addr
 }
 
 // The same for tiles under the 32-byte swizzle (layout type 3): 8-bit V^T halves of 32 keys.
-__host__ __device__ __forceinline__ uint64_t sw32_descriptor(uint32_t smem_addr,
+__host__ __device__ __forceinline__ constexpr uint64_t sw32_descriptor(uint32_t smem_addr,
                                                              uint32_t stride_bytes) {
   return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) |
          (static_cast<uint64_t>(stride_bytes >> 4) << 32) | (static_cast<uint64_t>(3) << 62);
@@ -309,13 +309,30 @@ struct AttentionMma8 {
   static constexpr int kKSteps = kTileKeys / kHalfKeys;    // P V k-steps: one V^T half each
   static constexpr int kHalfBytes = kHeadDim * kHalfKeys;  // one V^T half
 
+  // The descriptors below are sw128_descriptor's and sw32_descriptor's, built from a tile's
+  // address word (address >> 4) plus each k-step's offset in 16-byte units, so an MMA costs one
+  // add, not a mask and a shift (sessions 27-29: ~5 uniform instructions an MMA, 12 MMAs a
+  // 128-key tile). Shared addresses lie below 2^18, so the 14-bit field needs no mask.
+  static constexpr uint32_t kSw128High = (1024 >> 4) | (1u << 30);  // stride 1024 B, type 1
+  static constexpr uint32_t kSw32High = (256 >> 4) | (3u << 30);    // stride 256 B, type 3
+  // `smem_addr` is a shared::cta address (below 2^18 on sm_90): a larger one would spill into
+  // the leading-offset field, where sw128_descriptor's mask drops it.
+  static __host__ __device__ __forceinline__ constexpr uint32_t word(uint32_t smem_addr) {
+    return smem_addr >> 4;
+  }
+  static __host__ __device__ __forceinline__ constexpr uint64_t descriptor(uint32_t word,
+                                                                           uint32_t high) {
+    return (static_cast<uint64_t>(high) << 32) | word;
+  }
   // S: kHeadDim / 32 k-steps, each 32 bytes further along the 128-byte lines (K-major).
-  static __host__ __device__ __forceinline__ uint64_t qk_descriptor(uint32_t tile, int t) {
-    return sw128_descriptor(tile + t * 32, 0, 1024);
+  static __host__ __device__ __forceinline__ constexpr uint64_t qk_descriptor(uint32_t tile_word,
+                                                                              int t) {
+    return descriptor(tile_word + 2 * t, kSw128High);
   }
   // P V: k-step t is V^T half t (K-major, 8-row groups 256 bytes apart).
-  static __host__ __device__ __forceinline__ uint64_t pv_descriptor(uint32_t vt_tile, int t) {
-    return sw32_descriptor(vt_tile + t * kHalfBytes, 256);
+  static __host__ __device__ __forceinline__ constexpr uint64_t pv_descriptor(
+      uint32_t vt_tile_word, int t) {
+    return descriptor(vt_tile_word + t * (kHalfBytes >> 4), kSw32High);
   }
   // The key of a V^T half that MMA key slot kk (0..31) reads (the pre-pass's permutation).
   static __host__ __device__ __forceinline__ constexpr int key_of_slot(int kk) {
@@ -323,9 +340,11 @@ struct AttentionMma8 {
   }
 
   static __device__ __forceinline__ void qk(int (&s)[kSRegs], uint32_t q_tile, uint32_t k_tile) {
+    const uint32_t q_word = word(q_tile);
+    const uint32_t k_word = word(k_tile);
 #pragma unroll
     for (int t = 0; t < kHeadDim / 32; ++t)
-      Wgmma8::ss(s, qk_descriptor(q_tile, t), qk_descriptor(k_tile, t), t > 0);
+      Wgmma8::ss(s, qk_descriptor(q_word, t), qk_descriptor(k_word, t), t > 0);
   }
 
   // acc = P V over O's columns kCols kPart .. kCols (kPart + 1) - 1 (kCols = kHeadDim / kParts:
@@ -336,10 +355,11 @@ struct AttentionMma8 {
   static __device__ __forceinline__ void pv_part(float (&acc)[kORegs / kParts],
                                                  const uint32_t (&p)[kPRegs], uint32_t vt_tile) {
     constexpr uint32_t kOffset = kPart * (kHeadDim / kParts) * kHalfKeys;
+    const uint32_t vt_word = word(vt_tile) + (kOffset >> 4);
 #pragma unroll
     for (int t = 0; t < kKSteps; ++t)
       Wgmma8::rs(acc, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3],
-                 pv_descriptor(vt_tile + kOffset, t), t > 0);
+                 pv_descriptor(vt_word, t), t > 0);
   }
   // The whole of O's columns (64-key tiles).
   static __device__ __forceinline__ void pv(float (&acc)[kORegs], const uint32_t (&p)[kPRegs],
@@ -347,6 +367,13 @@ struct AttentionMma8 {
     pv_part<1, 0>(acc, p, vt_tile);
   }
 };
+
+// The address-word descriptors equal the masked ones for any shared address (below 2^18).
+static_assert(AttentionMma8<128, 128>::qk_descriptor(AttentionMma8<128, 128>::word(0x37c00), 3) ==
+              sw128_descriptor(0x37c00 + 3 * 32, 0, 1024));
+static_assert(AttentionMma8<128, 128>::pv_descriptor(
+                  AttentionMma8<128, 128>::word(0x2a400) + (64 * 32 >> 4), 3) ==
+              sw32_descriptor(0x2a400 + 64 * 32 + 3 * 4096, 256));
 
 }  // namespace sm90
 }  // namespace tilegen

@@ -50,9 +50,12 @@ PADDED = {dtype: Spec(quant="int8_fp8", grid=(6, 10, 14), num_heads=2, topk=8, d
           for dtype in ("bf16", "fp16")}
 
 
-def variants(role: str):
-    """(label, copies, q_in_kernel, config); the shipped tree has no q_in_kernel knob."""
+def variants(role: str, only: str = ""):
+    """(label, copies, q_in_kernel, config); the shipped tree has no q_in_kernel knob.
+    ``only``: the configs whose label starts with it (a short call: the H200 winner's)."""
     for label, knobs in CONFIGS.items():
+        if not label.startswith(only):
+            continue
         for copies in COPIES:
             for qk in ((False,) if role == "ref" else (False, True)):
                 extra = {"q_in_kernel": True} if qk else {}
@@ -132,6 +135,7 @@ def main() -> int:
     ap.add_argument("--against", type=Path, help="new: the ref's --dump")
     ap.add_argument("--prebuild", action="store_true")
     ap.add_argument("--reps", type=int, default=2, help="rounds over all variants")
+    ap.add_argument("--only", default="", help="configs whose label starts with this")
     args = ap.parse_args()
     if args.prebuild:
         prebuild(args.role)
@@ -145,7 +149,7 @@ def main() -> int:
     res = {"role": args.role, "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "tilegen_file": tilegen.__file__,
            "inputs_sum": inputs_sum, "rows": [], "checks": {}}
-    ops = {(label, copies, qk): load(spec, cfg) for label, copies, qk, cfg in variants(args.role)}
+    ops = {(label, copies, qk): load(spec, cfg) for label, copies, qk, cfg in variants(args.role, args.only)}
     if args.role == "ref":
         args.dump.mkdir(parents=True, exist_ok=True)
         for (label, copies, _), op in ops.items():

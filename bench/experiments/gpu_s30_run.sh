@@ -15,6 +15,8 @@
 # At most 8 files under $OUT (the device tool returns no more).
 # Before the call, on the CPU machine, from this checkout: bash bench/experiments/gpu_s30_prepare.sh
 # Then: carry .kcache .whl .s28;  CALL_LIMIT=540 OUT=$OUT bash bench/experiments/gpu_s30_run.sh
+# (a short call: CHECK_ONLY="1c K2 V3" checks and times the H200 winner's config alone; session
+# 31 ran it so on an H100 with CALL_LIMIT=300 in 141 s, the tune and the small checks included)
 set -uo pipefail
 OUT=${OUT:-out/s30_run}
 mkdir -p "$OUT"
@@ -28,12 +30,12 @@ export TILEGEN_DB=/tmp/s30db/tuning.sqlite
 start=$SECONDS
 PYTHONPATH=$PWD/.s28:${PYTHONPATH#"$PWD":} TILEGEN_CACHE_DIR=$PWD/.s28/.kcache timeout 120 \
     python3 bench/experiments/gpu_s30_check.py --role ref --dump /tmp/s30ref \
-    --out /tmp/s30db/ref.json > "$OUT/ref.log" 2>&1
+    --only "${CHECK_ONLY:-}" --out /tmp/s30db/ref.json > "$OUT/ref.log" 2>&1
 echo "ref: rc $? in $((SECONDS - start)) s"
 sed -n '/^| /p' "$OUT/ref.log"
 start=$SECONDS
 timeout 170 python3 bench/experiments/gpu_s30_check.py --role new --against /tmp/s30ref \
-    --out "$OUT/check.json" > "$OUT/check.log" 2>&1
+    --only "${CHECK_ONLY:-}" --out "$OUT/check.json" > "$OUT/check.log" 2>&1
 echo "new: rc $? in $((SECONDS - start)) s"
 sed -n '/^inputs equal/p;/: {.o_equal/p;/^| /p' "$OUT/check.log" | sort -u
 # q_in_kernel in the tune where it made the H200 winner's op faster with both copy modes

@@ -149,7 +149,8 @@ def main() -> int:
     res = {"role": args.role, "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "tilegen_file": tilegen.__file__,
            "inputs_sum": inputs_sum, "rows": [], "checks": {}}
-    ops = {(label, copies, qk): load(spec, cfg) for label, copies, qk, cfg in variants(args.role, args.only)}
+    ops = {(label, copies, qk): load(spec, cfg)
+           for label, copies, qk, cfg in variants(args.role, args.only)}
     if args.role == "ref":
         args.dump.mkdir(parents=True, exist_ok=True)
         for (label, copies, _), op in ops.items():

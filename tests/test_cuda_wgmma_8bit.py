@@ -469,6 +469,59 @@ def test_q_in_kernel_is_named_only_when_set_and_is_the_same_kernel():
     assert text.index("const float* __restrict__ k_mean") < text.index("int q_in_kernel)")
 
 
+def test_p_exp_and_row_sum_are_named_only_when_set_and_refused_where_they_cannot_build():
+    """``row_sum`` ("fadd" | "mma") and ``p_exp`` ("ex2" | "linear"), session 32: the defaults
+    leave every name as it was (so shipped winners keep their keys); set, they are named and
+    reach the template's traits; "linear" takes the MMA row sum; neither is the 16-bit
+    kernel's; unknown values are refused with the choices."""
+    plain = wgmma.config(**wgmma.QUANT_DEFAULTS)
+    assert wgmma.config(**wgmma.QUANT_DEFAULTS, p_exp="ex2", row_sum="fadd") == plain
+    assert "p_exp" not in plain.name and "row_sum" not in plain.name
+    linear = wgmma.config(**wgmma.QUANT_DEFAULTS, p_exp="linear", row_sum="mma")
+    assert "p_explinear" in linear.name and "row_summma" in linear.name
+    assert not wgmma.violations(Q8.kernel_spec, linear, SM90)
+    traits = nv.cuda_traits(Q8, linear, SM90)
+    assert traits["linear_p"] and traits["mma_row_sum"]
+    assert not any(nv.cuda_traits(Q8, plain, SM90)[k] for k in ("linear_p", "mma_row_sum"))
+    text = nv.render_cuda(Q8, linear, SM90).text
+    assert "kLinearP = true" in text and "kMmaRowSum = true" in text
+
+    def problems(spec, **knobs):
+        return " ".join(wgmma.violations(spec, wgmma.config(**knobs), SM90))
+
+    assert "takes row_sum 'mma'" in problems(Q8.kernel_spec, **wgmma.QUANT_DEFAULTS,
+                                             p_exp="linear")
+    assert "16-bit" in problems(Spec(), p_exp="linear", row_sum="mma")
+    assert "16-bit" in problems(Spec(), row_sum="mma")
+    assert "one of ['ex2', 'linear']" in problems(Q8.kernel_spec, **wgmma.QUANT_DEFAULTS,
+                                                  p_exp="poly")
+    assert "one of ['fadd', 'mma']" in problems(Q8.kernel_spec, **wgmma.QUANT_DEFAULTS,
+                                                row_sum="tree")
+
+
+@needs_nvcc
+def test_linear_p_compiles_without_an_exponential_a_score():
+    """The three softmax builds at the 8-bit defaults: none spills; the MMA row sum adds m64n8
+    QGMMAs and drops the scores' FADDs; the linear P drops MUFU.EX2 to the few that rescale O
+    (two a tile, not one a score) and packs its codes with PRMT."""
+    counts = {}
+    for knobs in ({}, {"row_sum": "mma"}, {"p_exp": "linear", "row_sum": "mma"}):
+        cfg = wgmma.config(**wgmma.QUANT_DEFAULTS, **knobs)
+        art = nv.compile_cuda(nv.render_cuda(Q8, cfg, SM90), SM90)
+        assert art.spill_bytes == 0, knobs
+        sass = subprocess.run([str(CUOBJDUMP), "-sass", str(art.path)], capture_output=True,
+                              text=True, check=True).stdout
+        counts[knobs.get("p_exp", "ex2"), knobs.get("row_sum", "fadd")] = {
+            op: len(re.findall(rf"\b{op}\b", sass))
+            for op in ("MUFU.EX2", "FADD", "PRMT", "QGMMA.64x8x32.F32.E4M3.E4M3")}
+    base, rowsum, linear = (counts[k] for k in (("ex2", "fadd"), ("ex2", "mma"),
+                                                ("linear", "mma")))
+    assert base["QGMMA.64x8x32.F32.E4M3.E4M3"] == 0 < rowsum["QGMMA.64x8x32.F32.E4M3.E4M3"]
+    assert rowsum["FADD"] < base["FADD"] / 4
+    assert linear["MUFU.EX2"] < base["MUFU.EX2"] / 4
+    assert linear["PRMT"] > base["PRMT"]
+
+
 def test_q_in_kernel_quantizes_with_the_prepass_arithmetic():
     """The consumer's quantization of Q (quantize_q) names the pre-pass's instructions, so its
     Q8 and scales are the pre-pass's bit for bit (checked on the GPU by

@@ -117,6 +117,47 @@ def test_the_row_sum_ablation_sums_the_e4m3_p():
                        quant.emulate(*call, mode="int8", l_from_p8=True))
 
 
+def test_the_linear_p_codes_meet_the_rule_and_sum_what_p_v_multiplies():
+    """``p_exp="linear"`` (the CUDA kernel's knob): P's e4m3 code straight from the exponent in
+    eighths. Its emulation differs from the ex2 recipe's, meets the rule with the outlier head
+    and partial cubes, and its relative L1 stays within a tenth of the ex2 recipe's (the code's
+    linear mantissa is at most 6% high, and l sums the same codes); "int8" has no e4m3 P to
+    form, and an unknown recipe is refused."""
+    for seed in (0, 1):
+        cap = _capture(seed)
+        call = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"])
+        o32, _ = attention_fp32(*call)
+        ref = o32.to(torch.bfloat16)
+        ex2 = quant.emulate(*call, l_from_p8=True)
+        linear = quant.emulate(*call, p_exp="linear")
+        assert not torch.equal(ex2, linear)
+        s_lin = captures.quant_score(linear, ref, linear, o32, vbs=cap["vbs"])
+        s_ex2 = captures.quant_score(ex2, ref, ex2, o32, vbs=cap["vbs"])
+        assert s_lin.passed, str(s_lin)
+        assert s_lin.rel_l1 < 1.1 * s_ex2.rel_l1, (s_lin, s_ex2)
+        # against the ex2 recipe's emulation it stays inside check 4 too
+        assert captures.quant_score(linear, ref, ex2, o32, vbs=cap["vbs"]).passed
+    with pytest.raises(ValueError, match="p_exp"):
+        quant.emulate(*call, mode="int8", p_exp="linear")
+    with pytest.raises(ValueError, match="p_exp"):
+        quant.emulate(*call, p_exp="poly")
+
+
+def test_the_linear_p_bias_is_the_codes_mean_overestimate():
+    """lse's correction for the linear codes (`quant.LINEAR_P_BIAS`, the CUDA kernel's
+    kLinearBias) is log2 of the codes' mean ratio to the exponentials over a uniform fraction:
+    about 4% (0.057 in base 2), and the kernel's header holds the same number."""
+    from tilegen.backends.cuda.nvcc import include_dir
+
+    assert abs(quant._linear_p_bias() - quant.LINEAR_P_BIAS) < 1e-6
+    assert 0.05 < quant.LINEAR_P_BIAS < 0.06
+    header = (include_dir() / "tilegen/cuda/sm90/softmax_8bit.cuh").read_text()
+    assert f"kLinearBias = {quant.LINEAR_P_BIAS}f;" in header
+    # the top code is e4m3 448 = 2^(126 / 8 - 7) (1 + 6 / 8)
+    top = torch.tensor([quant.LINEAR_TOP_CODE], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert float(top.float()) == quant.E4M3_MAX == 448.0
+
+
 def test_the_rule_fails_a_broken_recipe():
     """K's scales one cube off: the emulation of that broken recipe fails checks 2-3, and as a
     'kernel' against the right recipe's emulation it fails check 4 as well."""
@@ -226,6 +267,27 @@ def test_the_gate_on_a_subset_of_heads_takes_the_recipe_and_fails_a_broken_outpu
     broken = o.clone()
     broken[:, :64, 1] = o[:, 64:128, 1]  # head 1's first query cube holds its second's output
     assert not ref.score(broken).passed
+
+
+def test_the_gate_scores_each_kernel_against_its_own_p_recipe():
+    """`QuantReference.score(o, p_exp)`: check 4 compares a kernel with the emulation of its own
+    P recipe (`quant.p_exp_of` reads it from the op's config), computed when first asked for:
+    the linear recipe's output matches its own emulation exactly (ratios 1), not the ex2
+    recipe's."""
+    cap = _capture(1)
+    call = (cap["q"], cap["k"], cap["v"], cap["topk_idx"], cap["vbs"])
+    ref = quant.quant_reference("int8_fp8", *call, None, [0, 1])
+    assert not ref.other_emul
+    o = quant.emulate(*call, mode="int8_fp8", p_exp="linear").to(torch.bfloat16)
+    own = ref.score(o, p_exp="linear")
+    assert own.passed and own.emul_max_ratio <= 1.01 and "linear" in ref.other_emul
+    assert ref.score(o).emul_max_ratio != own.emul_max_ratio
+    from tilegen.backends.cuda import wgmma
+
+    class Op:
+        config = wgmma.config(**wgmma.QUANT_DEFAULTS, p_exp="linear", row_sum="mma")
+
+    assert quant.p_exp_of(Op()) == "linear" and quant.p_exp_of(object()) == "ex2"
 
 
 def test_triton_prepass_without_q_leaves_q_to_the_kernel(interpreter):

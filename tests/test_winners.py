@@ -353,22 +353,28 @@ def test_shipped_int8_fp8_winner_is_used_on_an_h200(monkeypatch: pytest.MonkeyPa
     """Issue #19, deliverable 5: the CUDA 8-bit kernel tuned on the H200 (session 30,
     bench/results/2026-12-07_s30_h200_tune_int8_fp8.log: one consumer, K ring 2, V ring 3,
     128-key tiles, bulk copies, Q quantized in the kernel, 5.42 ms with lse) is what
-    `tilegen.load(Spec(quant="int8_fp8"))` resolves there. The H100's winner went stale with
-    session 30's kernel and is not shipped until an H100 re-tunes it: an H100 gets no winner
-    of the H200's (the default config, and a note that there is none)."""
+    `tilegen.load(Spec(quant="int8_fp8"))` resolves there (re-keyed in session 32: the same
+    SASS). The H100 has its own (session 32,
+    bench/results/2026-12-07_s32_h100_run4_tune_int8_fp8.log: the same rings and copies with
+    P's code linear in the exponent and the MMA row sum, 5.07 ms with lse)."""
     from tilegen.paths import ROOT as root
 
     monkeypatch.setattr(winners, "SHIPPED_DIR", root / "tuning_db")
     spec = Spec(quant="int8_fp8")
     h200 = winners.find_winner(spec, TARGET, backend="cuda", device_name="NVIDIA H200")
     assert h200.hit and not h200.nearest and h200.timer == "do_bench"
-    knobs = ("consumers", "k_stages", "v_stages", "kv_tile", "kv_copies", "q_in_kernel")
+    knobs = ("consumers", "k_stages", "v_stages", "kv_tile", "kv_copies", "q_in_kernel",
+             "p_exp", "row_sum")
     assert {k: h200.config.option(k) for k in knobs} == {
         "consumers": 1, "k_stages": 2, "v_stages": 3, "kv_tile": 128, "kv_copies": "bulk",
-        "q_in_kernel": True}
+        "q_in_kernel": True, "p_exp": None, "row_sum": None}
     assert abs(h200.median_ms - 5.415) < 0.01
     h100 = winners.find_winner(spec, TARGET, backend="cuda", device_name="NVIDIA H100 80GB HBM3")
-    assert not h100.hit
+    assert h100.hit and not h100.nearest and h100.timer == "do_bench"
+    assert {k: h100.config.option(k) for k in knobs} == {
+        "consumers": 1, "k_stages": 2, "v_stages": 3, "kv_tile": 128, "kv_copies": "bulk",
+        "q_in_kernel": True, "p_exp": "linear", "row_sum": "mma"}
+    assert abs(h100.median_ms - 5.074) < 0.01
     monkeypatch.setattr(winners, "current_device_name", lambda: "NVIDIA H200")
     backend, cfg, source = ops.resolve_config(spec, TARGET)
     assert (backend, source) == ("cuda", "winner") and cfg == h200.config

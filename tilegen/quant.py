@@ -41,6 +41,12 @@ kernels are held to (contract.md, the quantized rule's check 4).
   ``e4m3(p * P_SCALE)`` and divides by ``P_SCALE`` afterwards; the row sum ``l`` is of the fp32
   ``p``. Each tile's P·V goes into an fp32 accumulator (Hopper's 8-bit MMA accumulates at
   reduced precision inside one instruction, so tiles are summed outside it).
+  With ``p_exp="linear"`` (the CUDA kernel's knob of that name) P's e4m3 code comes straight
+  from the exponent in eighths, ``code = round(8 s - sc + 126)`` clamped to ``0..126`` with the
+  row's shift ``sc = ceil(8 m)`` (an integer), so the code's mantissa is linear in the
+  exponent's fraction (``2^f`` read as ``1 + f``, at most 6% high); ``l`` sums those same e4m3
+  values, so o keeps its accuracy (bench/NOTES.md, session 32), and lse takes out their mean
+  overestimate, `LINEAR_P_BIAS`. No exponential is computed a score.
 * ``"int8"`` keeps V in bf16 and rounds P to bf16, as the bf16 kernels do.
 
 `quantize` runs the pre-pass (two Triton launches on a GPU, no host sync; the same arithmetic in
@@ -54,7 +60,7 @@ LUT order with the online softmax the kernels use. The rule itself is
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -74,6 +80,22 @@ E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 INT8_MAX = 127.0
 #: P in [0, 1] is stored as P x P_SCALE in e4m3 (the top of its range)
 P_SCALE = E4M3_MAX
+#: how P's e4m3 code is formed (`emulate`; the CUDA kernel's knob ``p_exp``): "ex2" rounds
+#: ``exp2(s - m) * P_SCALE``, "linear" takes the exponent in eighths as the code
+P_EXPS = ("ex2", "linear")
+#: the code of e4m3 448 (0x7e), the top of a "linear" P: ``2^(126 / 8 - 7) (1 + 6 / 8)``
+LINEAR_TOP_CODE = 126
+
+
+def _linear_p_bias() -> float:
+    """log2 of the mean of ``e4m3(code) / 2^(code / 8 - 7)`` over a uniform fraction: how
+    much a "linear" P's row sum overestimates its exponentials' on average (lse takes it out)."""
+    z = torch.arange(0, 8, 2 ** -16, dtype=torch.float64)
+    return math.log2(float(((1 + torch.round(z) / 8) / torch.exp2(z / 8)).mean()))
+
+
+#: `_linear_p_bias`, as the CUDA kernel's softmax_8bit.cuh holds it (kLinearBias)
+LINEAR_P_BIAS = 0.0570815
 #: V's per-channel scale = sampled amax x this / 448 (room above the sample's largest value)
 V_HEADROOM = 8.0
 #: cubes whose first token is the sample for K's and V's means and V's scales
@@ -693,14 +715,20 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
 def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.Tensor,
             vbs: torch.Tensor, counts: torch.Tensor | None = None, *, mode: str = "int8_fp8",
             sm_scale: float | None = None, block: int = 64,
-            quantized: QuantizedInputs | None = None, l_from_p8: bool = False) -> torch.Tensor:
+            quantized: QuantizedInputs | None = None, l_from_p8: bool = False,
+            p_exp: str = "ex2") -> torch.Tensor:
     """Block-sparse attention with exactly the recipe's quantization, in fp32 (BSHD, cube-major
     padded; padded query rows come out zero, as the reference's do). Tile by tile in LUT order
     with the kernels' online softmax (base 2), so each rounding happens where a kernel's does.
     ``quantized``: the pre-pass's output to use (default: `quantize_torch` of q, k, v).
     ``l_from_p8`` (``"int8_fp8"``, an ablation: `bench/experiments/int8_recipe_variants.py`):
-    the row sum adds the e4m3 P that P.V multiplies instead of the fp32 p. Returns o in fp32."""
+    the row sum adds the e4m3 P that P.V multiplies instead of the fp32 p. ``p_exp``
+    (``"int8_fp8"``): how P's e4m3 code is formed (`P_EXPS`; "linear" sums the codes' values,
+    as the kernel's MMA row sum does). Returns o in fp32."""
     _check_mode(mode)
+    if p_exp not in P_EXPS or (p_exp != "ex2" and mode != "int8_fp8"):
+        raise ValueError(f"p_exp={p_exp!r}: one of {list(P_EXPS)}, and 'linear' forms the e4m3 "
+                         f"P of mode 'int8_fp8'")
     if quantized is not None and quantized.mode != mode:
         raise ValueError(f"quantized holds a {quantized.mode!r} pre-pass, mode is {mode!r}")
     B, S, H, D = q.shape
@@ -730,6 +758,7 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.T
             else:
                 vt = v[b, :, h].cpu().float().view(n, block, D)
             m = torch.full((n, block), -math.inf)
+            sc = torch.zeros(n, block)                                    # "linear": ceil(8 m)
             l_sum = torch.zeros(n, block)
             acc = torch.zeros(n, block, D)
             for t in range(width):
@@ -744,6 +773,16 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.T
                 s = torch.where(key_ok[:, None, :], s, -math.inf)
                 m_new = torch.maximum(m, s.amax(-1))
                 m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
+                if p_exp == "linear":
+                    sc_new = torch.ceil(8 * m_safe)
+                    alpha = torch.exp2((sc - sc_new) / 8)
+                    code = torch.round(8 * s + (LINEAR_TOP_CODE - sc_new)[..., None])
+                    code = torch.where(torch.isfinite(s), code, 0.0).clamp(0, LINEAR_TOP_CODE)
+                    p8 = code.to(torch.uint8).view(torch.float8_e4m3fn).float()
+                    acc = acc * alpha[..., None] + torch.bmm(p8, vt[c])
+                    l_sum = l_sum * alpha + p8.sum(-1)
+                    m, sc = m_new, sc_new
+                    continue
                 alpha = torch.exp2(m - m_safe)
                 p = torch.exp2(s - m_safe[..., None])
                 p_sum = p.sum(-1)
@@ -779,14 +818,31 @@ class QuantReference:
     o_oracle: torch.Tensor
     o_emul: torch.Tensor
     vbs: torch.Tensor
+    #: what another P recipe's emulation needs (`emulate`'s arguments on the heads, CPU), and
+    #: those computed so far, by p_exp
+    emulate_args: tuple = ()
+    emulate_kwargs: dict = field(default_factory=dict)
+    other_emul: dict = field(default_factory=dict, compare=False)
 
-    def score(self, o: torch.Tensor):
-        """`tilegen.captures.quant_score` of the op's whole output ``o`` (BSHD) on the heads."""
+    def emulation(self, p_exp: str = "ex2") -> torch.Tensor:
+        """The recipe's emulation with P formed as ``p_exp`` (`P_EXPS`), on the heads."""
+        if p_exp == "ex2":
+            return self.o_emul
+        if p_exp not in self.other_emul:
+            if not self.emulate_args:
+                raise ValueError(f"this reference keeps no inputs to emulate p_exp={p_exp!r}")
+            self.other_emul[p_exp] = emulate(*self.emulate_args, **self.emulate_kwargs,
+                                             p_exp=p_exp)
+        return self.other_emul[p_exp]
+
+    def score(self, o: torch.Tensor, p_exp: str = "ex2"):
+        """`tilegen.captures.quant_score` of the op's whole output ``o`` (BSHD) on the heads,
+        check 4 against the emulation of the op's own P recipe (``p_exp``)."""
         from tilegen.captures import quant_score
 
         mine = o[:, :, self.heads].float().cpu()
-        return quant_score(mine, self.o_oracle.to(o.dtype), self.o_emul, self.o_oracle,
-                           vbs=self.vbs)
+        return quant_score(mine, self.o_oracle.to(o.dtype), self.emulation(p_exp),
+                           self.o_oracle, vbs=self.vbs)
 
 
 def quant_reference(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -808,7 +864,14 @@ def quant_reference(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     qi_cpu = QuantizedInputs(**{f: (getattr(qi, f).cpu() if isinstance(getattr(qi, f),
                                                                        torch.Tensor)
                                     else getattr(qi, f)) for f in qi.__dataclass_fields__})
-    o_emul = emulate(q.cpu(), k.cpu(), v.cpu(), idx.cpu(), vbs.cpu(),
-                     None if cnt is None else cnt.cpu(), mode=mode, sm_scale=sm_scale,
-                     block=block, quantized=qi_cpu)
-    return QuantReference(mode, sel, o32.cpu(), o_emul, vbs.cpu())
+    args = (q.cpu(), k.cpu(), v.cpu(), idx.cpu(), vbs.cpu(), None if cnt is None else cnt.cpu())
+    kwargs = dict(mode=mode, sm_scale=sm_scale, block=block, quantized=qi_cpu)
+    return QuantReference(mode, sel, o32.cpu(), emulate(*args, **kwargs), vbs.cpu(), args,
+                          kwargs)
+
+
+def p_exp_of(op) -> str:
+    """The P recipe an 8-bit op's kernel runs (its config's ``p_exp``, "ex2" by default and
+    for kernels without the knob), for `QuantReference.score`."""
+    cfg = getattr(op, "config", None) or getattr(op, "_config", None)
+    return str(dict(getattr(cfg, "options", ()) or ()).get("p_exp", "ex2"))

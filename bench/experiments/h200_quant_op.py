@@ -72,7 +72,7 @@ def parse_variants(text: str) -> list[dict]:
         for kv in part.split(","):
             key, val = kv.split("=")
             key, val = key.strip(), val.strip()
-            if key.endswith(("stages", "consumers", "regs", "_exp", "kv_tile")):
+            if key.endswith(("stages", "consumers", "regs", "_exp", "kv_tile")) and val.isdigit():
                 opts[key] = int(val)
             elif val.lstrip("-").isdigit():  # a flag as 0 / 1
                 opts[key] = bool(int(val))
@@ -100,7 +100,8 @@ def check_case(name: str, spec: Spec, seed: int, out: list, counts_fn=None, sort
     o, lse = op(*args, **kw)
     torch.cuda.synchronize()
     qi = op.quantize(q.to(DEV), k.to(DEV), v.to(DEV), vbs.to(DEV))  # the op's V^T layout
-    oe = quant.emulate(q, k, v, idx, vbs, counts, mode=spec.quant, quantized=_cpu(qi))
+    oe = quant.emulate(q, k, v, idx, vbs, counts, mode=spec.quant, quantized=_cpu(qi),
+                       p_exp=quant.p_exp_of(op))
     o32, lse32 = attention_fp32(q, k, v, idx, vbs, counts)
     s = captures.quant_score(o.cpu(), o32.to(q.dtype), oe, o32, vbs=vbs)
     real = (torch.arange(64)[None, :] < vbs[:, None]).reshape(-1)

@@ -135,18 +135,21 @@ def _run_point(plan: Plan, point: Point, device: str, timer: Callable, loader: C
         try:
             if variant.kind == "tilegen":
                 if variant.label == "lut":
-                    out = _run_tilegen(plan, variant, lut_spec(spec, idx.shape[-1]), lut_args,
-                                       loader, timer, row, device)
+                    out, _ = _run_tilegen(plan, variant, lut_spec(spec, idx.shape[-1]),
+                                          lut_args, loader, timer, row, device)
                 elif variant.label.startswith("quant-"):
                     mode = variant.label.removeprefix("quant-")
-                    out = _run_tilegen(plan, variant, spec.replace(quant=mode), args, loader,
-                                       timer, row, device)
-                    _quant_score(spec, cap, lut_args, out, mode, row)
+                    out, op = _run_tilegen(plan, variant, spec.replace(quant=mode), args,
+                                           loader, timer, row, device)
+                    from tilegen.quant import p_exp_of
+
+                    _quant_score(spec, cap, lut_args, out, mode, row, p_exp_of(op))
                     del out
                     finish(row)
                     continue
                 else:
-                    out = _run_tilegen(plan, variant, spec, args, loader, timer, row, device)
+                    out, _ = _run_tilegen(plan, variant, spec, args, loader, timer, row,
+                                          device)
                 if variant.label == "reference":
                     if o_ref is None:
                         o_ref = out
@@ -202,9 +205,9 @@ def _summary(r: Row) -> str:
 
 
 def _run_tilegen(plan: Plan, variant: Variant, spec: Spec, args: tuple, loader: Callable,
-                 timer: Callable, row: Row, device: str) -> torch.Tensor:
+                 timer: Callable, row: Row, device: str) -> tuple[torch.Tensor, Any]:
     """Load, run once (scored by the caller), then time the op, the custom op and the bare
-    launch. Returns the op's output."""
+    launch. Returns the op's output and the op."""
     if variant.label == "reference":
         op = loader(spec, reference_config(spec))
     elif variant.label in ("default", "config", "lut"):
@@ -234,7 +237,7 @@ def _run_tilegen(plan: Plan, variant: Variant, spec: Spec, args: tuple, loader: 
         row.add_note(f"bare launch failed: {type(exc).__name__}: {exc}")
     if hasattr(op, "check"):
         op.check()  # a bad value met on the device (none expected) raises here
-    return o
+    return o, op
 
 
 def _config_name(op: Any, device: torch.device) -> str:
@@ -274,7 +277,7 @@ def _time_custom_op(spec: Spec, args: tuple, timer: Callable, row: Row) -> None:
 
 
 def _quant_score(spec: Spec, cap: dict, args: tuple, o_variant: torch.Tensor, mode: str,
-                 row: Row) -> None:
+                 row: Row, p_exp: str = "ex2") -> None:
     """An 8-bit row against the fp32 oracle and the recipe's emulation (check 4) on the
     oracle's subset of heads (`tilegen.quant.quant_reference`), padded query rows left out."""
     from tilegen import quant
@@ -286,7 +289,7 @@ def _quant_score(spec: Spec, cap: dict, args: tuple, o_variant: torch.Tensor, mo
     counts = args[5] if len(args) > 5 else None
     ref = quant.quant_reference(mode, *args[:5], counts, heads, sm_scale=spec.sm_scale,
                                 block=spec.block_kv)
-    row.set_quant_score(ref.score(o_variant),
+    row.set_quant_score(ref.score(o_variant, p_exp),
                         f"fp32 oracle and tilegen.quant.emulate, heads {heads}")
 
 

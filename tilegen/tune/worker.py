@@ -298,7 +298,7 @@ class _WorkerState:
                 if i == 0:
                     res.compile_s = time.perf_counter() - tc  # first call: JIT compile + run
                 if self.spec.quant != "none":  # the quantized rule (`_quant_reference`)
-                    qs = ref.score(o)
+                    qs = ref.score(o, p_exp=str(dict(cfg.options).get("p_exp", "ex2")))
                     del o
                     rows.append({"capture": name, "passed": qs.passed, "finite": qs.finite,
                                  "min_head_cos": qs.min_head_cos, "max_abs": None,

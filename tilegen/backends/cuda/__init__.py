@@ -81,9 +81,8 @@ class CudaBackend(Backend):
         return self.default_config(spec, target)
 
     def optional_options(self, spec: Spec, target: Target) -> dict[str, Any]:
-        """The wgmma kernel's optional knobs (`wgmma.OPTIONAL`: kv_copies,
-        q_in_kernel) where it is what
-        the target tunes."""
+        """The wgmma kernel's optional knobs (`wgmma.OPTIONAL`: kv_copies, q_in_kernel,
+        row_sum, p_exp) where it is what the target tunes."""
         from tilegen.backends.cuda import wgmma
 
         if wgmma.mainloop_of(self.tuning_base(spec, target)) == "wgmma":

@@ -32,6 +32,15 @@ one, on targets whose target.toml lists a wgmma instruction (sm_90). Its knobs, 
                     its query cube in shared memory with the pre-pass's arithmetic (bit for bit),
                     so the pre-pass reads and writes K and V only; the kernel is the same (a
                     runtime argument: `from_quantized` passes Q8). Named only when true
+    row_sum         the 8-bit softmax's row sum l: "fadd" (each thread adds its scores, a quad
+                    sum at the end) or "mma" (an m64n8 MMA of P against e4m3 ones beside P V:
+                    the sum of the very e4m3 values P V multiplies, no FADD a score). Named only
+                    when not "fadd"
+    p_exp           how the 8-bit softmax forms P's e4m3 code: "ex2" (ex2.approx, then rounded
+                    to e4m3) or "linear" (the code straight from the exponent in eighths of a
+                    power of two, rounded by the FFMA that forms it at 2^23, its mantissa linear
+                    in the exponent's fraction: no MUFU a score; `tilegen.quant` p_exp). Takes
+                    row_sum "mma". Named only when not "ex2"
 
 With ``Spec(quant="int8_fp8")`` the same knobs build the 8-bit kernel
 (templates/cuda/lut_wgmma_quant_kernel.cu.j2 over sm90/lut_attention_8bit.cuh): the recipe of
@@ -78,8 +87,11 @@ DEFAULTS: dict[str, Any] = {
 }
 #: knobs a config names only when set to another value than this (`config`), so that adding
 #: one renamed no config (or winner) of before
-OPTIONAL: dict[str, Any] = {"kv_copies": "tma", "q_in_kernel": False}
+OPTIONAL: dict[str, Any] = {"kv_copies": "tma", "q_in_kernel": False, "row_sum": "fadd",
+                            "p_exp": "ex2"}
 KV_COPIES = ("tma", "bulk")
+ROW_SUMS = ("fadd", "mma")
+P_EXPS = ("ex2", "linear")
 #: the 8-bit kernel's knobs over `DEFAULTS`: one consumer a CTA (two CTAs an SM), K ring 3,
 #: 128-key tiles (session 20 on an H100: kernel and plan 5.30 ms at TOPK 78 against 5.52 with
 #: 64-key tiles and 5.64 with three consumers a CTA)
@@ -216,6 +228,18 @@ def violations(spec: Spec, cfg: KernelConfig, target: Target) -> list[str]:
     elif opts["q_in_kernel"] and not quant:
         problems.append("q_in_kernel quantizes Q in the 8-bit kernel; the 16-bit kernel reads q "
                         "as it is")
+    if opts["row_sum"] not in ROW_SUMS:
+        problems.append(f"row_sum={opts['row_sum']!r}: one of {list(ROW_SUMS)}")
+    elif opts["row_sum"] != "fadd" and not quant:
+        problems.append("row_sum 'mma' sums the 8-bit kernel's e4m3 P; the 16-bit kernel adds "
+                        "its scores")
+    if opts["p_exp"] not in P_EXPS:
+        problems.append(f"p_exp={opts['p_exp']!r}: one of {list(P_EXPS)}")
+    elif opts["p_exp"] != "ex2" and not quant:
+        problems.append("p_exp 'linear' forms the 8-bit kernel's e4m3 P codes; the 16-bit "
+                        "kernel's P is bf16/fp16")
+    elif opts["p_exp"] == "linear" and opts["row_sum"] != "mma":
+        problems.append("p_exp 'linear' leaves no fp32 P to add: it takes row_sum 'mma'")
     if quant and cfg.store_max_prob:
         problems.append("max_prob: the 8-bit kernel does not write the softmax signal")
     if (cfg.block_m, cfg.block_n, cfg.num_warps) != (64, 64, 4):
@@ -326,6 +350,8 @@ def traits(spec: Spec, cfg: KernelConfig, target: Target) -> dict[str, Any]:
         "pv_parts": pv_parts(quant, consumer_regs, opts["kv_tile"]),
         "kv_tile": opts["kv_tile"],
         "bulk_kv": opts["kv_copies"] == "bulk",
+        "linear_p": opts["p_exp"] == "linear",
+        "mma_row_sum": opts["row_sum"] == "mma",
         "producer_regs": PRODUCER_REGS,
     }
 

@@ -13,7 +13,9 @@
 //     tile's byte order (quant.k_to_tiles, vt_to_tiles of the slotted V^T): the same bytes,
 //     in 8 requests a tile where the boxes are 128 rows of K8 and 512 of V^T.
 //   - S = Q8 K8^T is int32 (IGMMA); a half's key scale multiplies its max and, with the row's
-//     scale c = q_scale_i sm_scale log2 e, the exponent's coefficient (QuantSoftmax).
+//     scale c = q_scale_i sm_scale log2 e, the exponent's coefficient (QuantSoftmax). P's e4m3
+//     code comes from ex2 (p_exp "ex2") or straight from the exponent (p_exp "linear"), the row
+//     sum from the scores (row_sum "fadd") or from an m64n8 MMA of P against ones ("mma").
 //   - P V takes P in e4m3 from registers (QGMMA) into a fresh accumulator each tile, added into
 //     O in fp32 (two-level accumulation): O = O alpha_{j-1} + P_{j-1} V_{j-1}, one FFMA an
 //     element, where the 16-bit kernel rescales O in place. With kPvParts 2 or 4 the
@@ -87,6 +89,8 @@ struct QuantTraits : C {
   static constexpr int kBarriers = 2 * C::kQBuffers + 2 * C::kKStages + 2 * C::kVStages;
   static constexpr int kFillShift = 25;  // plan word: key row | fill << 25
   static constexpr bool kBulkKv = C::kBulkKv;
+  static constexpr bool kLinearP = C::kLinearP;      // p_exp "linear" (QuantSoftmax)
+  static constexpr bool kMmaRowSum = C::kMmaRowSum;  // row_sum "mma" (QuantSoftmax)
   static_assert(C::kBshd && !C::kStoreMaxProb, "the 8-bit pre-pass writes BSHD; no max_prob");
   static_assert(C::kBlock == 64 && C::kHeadDim == 128, "64-token cubes, head_dim 128");
   static_assert(kTileKeys == 64 || kTileKeys == 128, "tiles of one or two 64-key plan tiles");
@@ -249,11 +253,24 @@ struct QuantProducer {
   }
 };
 
+// A 32-key by 8-column tile of e4m3 ones (0x38), the B operand of the MMA row sum
+// (QuantSoftmax::kRowSumMma): static shared memory, written once before the warpgroups split,
+// and none without the row sum (so other builds keep their layout).
+template <bool kUsed>
+__device__ __forceinline__ uint32_t ones_tile() {
+  if constexpr (kUsed) {
+    __shared__ __align__(256) uint32_t ones[64];
+    return smem_u32(ones);
+  } else {
+    return 0u;
+  }
+}
+
 // ---- a consumer warpgroup -----------------------------------------------------------------------
 template <class T>
 struct QuantConsumer {
   using Mma = AttentionMma8<T::kHeadDim, T::kTileKeys>;
-  using Softmax = QuantSoftmax<T::kTileKeys>;
+  using Softmax = QuantSoftmax<T::kTileKeys, T::kLinearP, T::kMmaRowSum>;
   using Turns = PingPong<T::kPingPong, 1>;  // named barriers 1, 2
   static constexpr int kEpilogueBarrier = 3;  // + consumer index
 
@@ -318,7 +335,7 @@ struct QuantConsumer {
       if (padded) scale = 0.f;
       float inv = 0.f;
       if (scale > 0.f) asm("rcp.rn.f32 %0, %1;\n" : "=f"(inv) : "f"(scale));
-      c[h] = fmaxf(scale * qk_scale, 1.17549435e-38f);
+      c[h] = fmaxf(scale * qk_scale, Softmax::kMinScale);
       uint32_t w[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -399,8 +416,8 @@ struct QuantConsumer {
     const int vt0 = at.v_tiles;
     const int turn0 = turn;
 
-    // each row half's scale: q_scale sm_scale log2 e (a padded query row's q_scale is 0; its
-    // floor keeps f * c finite where f is -inf)
+    // each row half's scale: q_scale sm_scale log2 e, floored at Softmax::kMinScale (a padded
+    // query row's q_scale is 0)
     // (with q_in_kernel, quantize_q's; a row with no tile keeps qk_scale, finite)
     const long long q_row0 = item.bh * a.seq_len + static_cast<long long>(item.q_cube) * T::kBlock;
     float c[2] = {a.qk_scale, a.qk_scale};
@@ -408,13 +425,15 @@ struct QuantConsumer {
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         c[h] = fmaxf(__ldg(a.q_scale + q_row0 + Fragment::row(h, warp, lane)) * a.qk_scale,
-                     1.17549435e-38f);
+                     Softmax::kMinScale);
     }
     float lse_term[2] = {0.f, 0.f};  // kStoreLse: each row's q̂.k̄ (smoothing_terms)
 
     float o[Mma::kORegs];
 #pragma unroll
     for (int i = 0; i < Mma::kORegs; ++i) o[i] = 0.f;
+    float rs[4] = {0.f, 0.f, 0.f, 0.f};  // Softmax::kRowSumMma: P_{j-1}'s row sums
+    const uint32_t ones = ones_tile<Softmax::kRowSumMma>();
     int s[Mma::kSRegs];
     float f[Mma::kSRegs];
     uint32_t p[Mma::kPRegs];
@@ -469,9 +488,20 @@ struct QuantConsumer {
         auto issue_part = [&](auto part, const uint32_t (&p_in)[Mma::kPRegs],
                               uint32_t v_tile) {
           fence_operands(acc);
+          if constexpr (Softmax::kRowSumMma && decltype(part)::value == 0) fence_operands(rs);
           wgmma_fence();
           Mma::template pv_part<kParts, decltype(part)::value>(acc, p_in, v_tile);
+          if constexpr (Softmax::kRowSumMma && decltype(part)::value == 0)
+            Mma::row_sum(rs, p_in, ones);
           wgmma_commit();
+        };
+        auto add_sums = [&](int k) {
+          if constexpr (Softmax::kRowSumMma) {
+            if (k == 0) {
+              fence_operands(rs);
+              softmax.add_row_sums(rs, alpha_prev);
+            }
+          }
         };
         auto tile_parts = [&](int j, uint32_t (&p)[Mma::kPRegs]) {
           const int kt = kt0 + j;
@@ -497,6 +527,7 @@ struct QuantConsumer {
             wgmma_wait<0>();
             fence_operands(acc);
             add_part(k);
+            add_sums(k);
             if constexpr (k + 1 < kParts)
               issue_part(std::integral_constant<int, k + 1>{}, p, ring.v_tile(vs));
             if constexpr (k == 0) softmax.template exponentiate<false>(f, alpha, c, ks);
@@ -517,6 +548,7 @@ struct QuantConsumer {
             wgmma_wait<0>();
             fence_operands(acc);
             add_part(decltype(part)::value);
+            add_sums(decltype(part)::value);
           });
           fence_operands(p);
           release(ring.v_empty(vs), lane);
@@ -544,6 +576,7 @@ struct QuantConsumer {
           Mma::qk(s, q_tile, ring.k_tile(kst));
           wgmma_commit();
           Mma::pv(acc, p_in, ring.v_tile(vs));
+          if constexpr (Softmax::kRowSumMma) Mma::row_sum(rs, p_in, ones);
           wgmma_commit();
           turns.end(turn0 + j);
           wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
@@ -559,6 +592,10 @@ struct QuantConsumer {
 #pragma unroll
           for (int i = 0; i < Mma::kORegs; ++i)
             o[i] = fmaf(o[i], alpha_prev[Fragment::half(i)], acc[i]);
+          if constexpr (Softmax::kRowSumMma) {
+            fence_operands(rs);
+            softmax.add_row_sums(rs, alpha_prev);
+          }
           alpha_prev[0] = alpha[0];
           alpha_prev[1] = alpha[1];
         };
@@ -571,6 +608,7 @@ struct QuantConsumer {
           fence_operands(p_last);
           wgmma_fence();
           Mma::pv(acc, p_last, ring.v_tile(vs));
+          if constexpr (Softmax::kRowSumMma) Mma::row_sum(rs, p_last, ones);
           wgmma_commit();
           turns.end(turn0 + n);
           wgmma_wait<0>();
@@ -580,6 +618,10 @@ struct QuantConsumer {
 #pragma unroll
           for (int i = 0; i < Mma::kORegs; ++i)
             o[i] = fmaf(o[i], alpha_prev[Fragment::half(i)], acc[i]);
+          if constexpr (Softmax::kRowSumMma) {
+            fence_operands(rs);
+            softmax.add_row_sums(rs, alpha_prev);
+          }
         };
         run_tiles(n, tile, last, p, p_next);
       }
@@ -673,8 +715,7 @@ struct QuantConsumer {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float lse = l[h] > 0.f
-                          ? fmaf(softmax.m[h], c[h], log2f(l[h]) - Softmax::kLog2PScale) +
-                                lse_term[h]
+                          ? softmax.lse(h, c[h], l[h]) + lse_term[h]
                           : neg_inf();
           if (bad) lse = nan;
           a.lse[row0 + Fragment::row(h, warp, lane)] = lse;
@@ -696,6 +737,12 @@ __device__ __forceinline__ void lut_attention_8bit(const QuantMaps& maps, const 
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t bars0 = smem_u32(&bars[0][0]);
   init_barriers<T, ConsumerRing<T>>(base, bars0);
+  if constexpr (QuantConsumer<T>::Softmax::kRowSumMma) {
+    if (threadIdx.x < 64)
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ones_tile<true>() + 4 * threadIdx.x),
+                   "r"(0x38383838u) : "memory");
+    fence_proxy_async();  // the MMAs read it in the async proxy
+  }
   __syncthreads();  // every V^T slot a half reads is written by its own copy (padded keys: 0)
   run_warpgroups<T, ConsumerRing<T>, QuantProducer<T>, QuantConsumer<T>>(maps, a, base, bars0);
 }

@@ -5,7 +5,8 @@
 // fragment (AttentionMma8). The running max m is of the row-unscaled scores k_scale_u S_ij (c >
 // 0 per row, so the max commutes with it). A half's scale multiplies its max and the row's
 // exponent coefficient, never a score: per score one convert, one max, one FFMA, one exp2, one
-// add, half a pack. l sums the same p * 448 that P V multiplies, so o / l needs no rescale.
+// add, half a pack (p_exp "ex2"; "linear" below: no exp2, no add). l is in P's scale (p * 448),
+// so o / l needs no rescale.
 #pragma once
 
 #include <cstdint>
@@ -16,19 +17,42 @@
 namespace tilegen {
 namespace sm90 {
 
-template <int kBlock>
+// kMmaRowSum (row_sum "mma"): l is P's row sum from an m64n8 MMA of P against e4m3 ones (the
+// very e4m3 values P V multiplies; no FADD a score). kLinearP (p_exp "linear"): P's e4m3 code
+// comes straight from the exponent in eighths, y = 8 (c ks S) - sc + 126 with the row's shift
+// sc = ceil(8 c m) an integer: the FFMA that forms y at 2^23 rounds it to the integer code
+// (ties to even), an FMNMX clamps it at 0, and the code is y's low byte (PRMT). The mantissa is
+// then linear in the exponent's fraction (2^f read as 1 + f, at most 6% high, the same for P V
+// and l, so o keeps its accuracy: bench/NOTES.md, session 32); it takes no MUFU.EX2, FADD or F2FP
+// a score, and needs the MMA row sum.
+template <int kBlock, bool kLinearP = false, bool kMmaRowSum = false>
 struct QuantSoftmax {
   static constexpr int kSRegs = kBlock / 2;
   static constexpr int kPRegs = kBlock / 8;
   static constexpr int kHalves = kBlock / 32;
   static constexpr int kHalfRegs = kSRegs / kHalves;  // S registers of one 32-key half
   static constexpr float kLog2PScale = 8.807354922057604f;  // log2(448): P's e4m3 scale
+  // The floor of a key scale and of a row's scale c (FLT_MIN). Known defect: a padded query row
+  // (q_scale 0) over a half of padded keys (k_scale 0) gets the exponent's coefficient 0, and a
+  // masked key's -inf times 0 is NaN in that row's sum and O with p_exp "ex2" (bench/NOTES.md,
+  // session 30; "linear" clamps it to code 0). The fix, a floor of 2^-60, is checked on a GPU
+  // and waits for an H200 re-tune: bench/experiments/s31_padded_rows.patch.
+  static constexpr float kMinScale = 1.17549435e-38f;
+  static constexpr bool kLinear = kLinearP;
+  static constexpr bool kRowSumMma = kMmaRowSum || kLinearP;
+  static constexpr float kMagic = 0x1p23f;  // y in [2^23, 2^24): y's low bits are round(y - 2^23)
+  static constexpr float kTopCode = 126.f;  // e4m3 0x7e = 448 = 2^(126 / 8 - 7) (1 + 6 / 8)
+  // log2 of the linear code's mean overestimate of 2^x (x's fraction uniform; tilegen.quant
+  // LINEAR_P_BIAS): taken out of lse, which l's sum of the codes would otherwise carry
+  static constexpr float kLinearBias = 0.0570815f;
   float m[2];
-  float l[2];
+  float l[2];   // kRowSumMma: the whole row's sum (the MMA's); else this thread's part of it
+  float sc[2];  // kLinear: the row's shift, ceil(8 c m), an integer
 
   __device__ __forceinline__ void init() {
     m[0] = m[1] = neg_inf();
     l[0] = l[1] = 0.f;
+    sc[0] = sc[1] = 0.f;
   }
 
   // Register i of S lies in key half i / kHalfRegs (its column 8 (i / 4) + ..., 32 a half).
@@ -37,13 +61,13 @@ struct QuantSoftmax {
   }
 
   // The tile's key scales, one a half (the first 16 bytes of each half's slot in the K stage;
-  // the floor keeps a masked -inf score times the scale -inf where a half's keys are all 0).
+  // floored at kMinScale where a half's keys are all 0 or padded).
   static __device__ __forceinline__ void key_scales(uint32_t slots, float (&ks)[kHalves]) {
 #pragma unroll
     for (int u = 0; u < kHalves; ++u) {
       float x;
       asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x) : "r"(slots + 16 * u));
-      ks[u] = fmaxf(x, 1.17549435e-38f);
+      ks[u] = fmaxf(x, kMinScale);
     }
   }
 
@@ -106,7 +130,13 @@ struct QuantSoftmax {
       }
       // the first half of every tile holds a real key (fill[0] >= 1): mx and m_new are finite
       const float m_new = fmaxf(m[h], Fragment::quad_max(mx));
-      if constexpr (!kFirst) alpha[h] = fast_exp2((m[h] - m_new) * c[h]);
+      if constexpr (kLinear) {
+        const float sc_new = ceilf(8.f * (m_new * c[h]));
+        if constexpr (!kFirst) alpha[h] = fast_exp2((sc[h] - sc_new) * 0.125f);
+        sc[h] = sc_new;
+      } else {
+        if constexpr (!kFirst) alpha[h] = fast_exp2((m[h] - m_new) * c[h]);
+      }
       m[h] = m_new;
     }
   }
@@ -116,6 +146,24 @@ struct QuantSoftmax {
   __device__ __forceinline__ void exponentiate(float (&f)[kSRegs], const float (&alpha)[2],
                                                const float (&c)[2],
                                                const float (&ks)[kHalves]) {
+    if constexpr (kLinear) {
+      // y = 2^23 + 8 (c ks S - sc / 8) + 126, rounded to an integer by the FFMA itself; at most
+      // 2^23 + 126 (sc >= 8 c m), clamped below at 2^23 (code 0; a masked key's -inf too)
+      float coef[2][kHalves];
+      float base[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        base[h] = (kMagic + kTopCode) - sc[h];
+#pragma unroll
+        for (int u = 0; u < kHalves; ++u) coef[h][u] = (8.f * c[h]) * ks[u];
+      }
+#pragma unroll
+      for (int i = 0; i < kSRegs; ++i) {
+        const int h = Fragment::half(i);
+        f[i] = fmaxf(fmaf(f[i], coef[h][key_half(i)], base[h]), kMagic);
+      }
+      return;
+    }
     const float shift[2] = {fmaf(m[0], c[0], -kLog2PScale), fmaf(m[1], c[1], -kLog2PScale)};
     float coef[2][kHalves];
 #pragma unroll
@@ -127,13 +175,46 @@ struct QuantSoftmax {
     for (int i = 0; i < kSRegs; ++i) {
       const int h = Fragment::half(i);
       f[i] = fast_exp2(fmaf(f[i], coef[h][key_half(i)], -shift[h]));
-      sum[h] += f[i];
+      if constexpr (!kRowSumMma) sum[h] += f[i];
     }
+    if constexpr (!kRowSumMma) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) l[h] = kFirst ? sum[h] : fmaf(l[h], alpha[h], sum[h]);
+      for (int h = 0; h < 2; ++h) l[h] = kFirst ? sum[h] : fmaf(l[h], alpha[h], sum[h]);
+    }
+  }
+
+  // kRowSumMma: P_{j-1}'s row sums (the m64n8 fragment) added as O adds P_{j-1} V_{j-1}.
+  __device__ __forceinline__ void add_row_sums(const float (&rs)[4], const float (&alpha)[2]) {
+    l[0] = fmaf(l[0], alpha[0], rs[0]);
+    l[1] = fmaf(l[1], alpha[1], rs[2]);
+  }
+
+  // Row half h's lse (base 2, of the smoothed keys) from its row sum l > 0.
+  __device__ __forceinline__ float lse(int h, float c, float l_row) const {
+    if constexpr (kLinear)
+      return fmaf(sc[h], 0.125f, log2f(l_row) - (kTopCode / 8.f - 7.f + kLinearBias));
+    return fmaf(m[h], c, log2f(l_row) - kLog2PScale);
   }
 
   static __device__ __forceinline__ void pack(const float (&f)[kSRegs], uint32_t (&p)[kPRegs]) {
+    if constexpr (kLinear) {  // the codes are the low bytes of f's bits
+      auto code4 = [](float a, float b, float c, float d) {
+        const uint32_t ab = __byte_perm(__float_as_uint(a), __float_as_uint(b), 0x0040);
+        const uint32_t cd = __byte_perm(__float_as_uint(c), __float_as_uint(d), 0x0040);
+        return __byte_perm(ab, cd, 0x5410);
+      };
+#pragma unroll
+      for (int t = 0; t < kPRegs / 4; ++t)
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int g = 4 * t + 2 * hi;
+            p[4 * t + 2 * hi + h] = code4(f[4 * g + 2 * h], f[4 * g + 2 * h + 1],
+                                          f[4 * g + 4 + 2 * h], f[4 * g + 4 + 2 * h + 1]);
+          }
+      return;
+    }
 #pragma unroll
     for (int t = 0; t < kPRegs / 4; ++t)
 #pragma unroll
@@ -146,7 +227,10 @@ struct QuantSoftmax {
         }
   }
 
-  __device__ __forceinline__ float row_sum(int h) const { return Fragment::quad_sum(l[h]); }
+  __device__ __forceinline__ float row_sum(int h) const {
+    if constexpr (kRowSumMma) return l[h];
+    return Fragment::quad_sum(l[h]);
+  }
 };
 
 }  // namespace sm90

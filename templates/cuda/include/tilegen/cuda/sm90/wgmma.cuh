@@ -273,9 +273,15 @@ struct Wgmma8 {
   template <int R>
   static __device__ __forceinline__ void rs(float (&d)[R], uint32_t a0, uint32_t a1, uint32_t a2,
                                             uint32_t a3, uint64_t b, bool accumulate) {
-    static_assert(R == 16 || R == 32 || R == 64, "m64n32, m64n64 or m64n128");
+    static_assert(R == 4 || R == 16 || R == 32 || R == 64, "m64n8, m64n32, m64n64 or m64n128");
     const int scale_d = accumulate ? 1 : 0;
-    if constexpr (R == 16) {
+    if constexpr (R == 4) {
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+                   "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}"
+                   ", {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                   : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(scale_d));
+    } else if constexpr (R == 16) {
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
                    "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 " TILEGEN_SM90_D16
                    ", {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
@@ -360,6 +366,16 @@ struct AttentionMma8 {
     for (int t = 0; t < kKSteps; ++t)
       Wgmma8::rs(acc, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3],
                  pv_descriptor(vt_word, t), t > 0);
+  }
+  // rs = P 1: each row's sum of P in every column of an m64n8 fragment (register 0: row half
+  // 0, register 2: row half 1), from a 32-key by 8-column tile of e4m3 ones (any swizzle reads
+  // ones), so the row sum is of the very e4m3 values P V multiplies.
+  static __device__ __forceinline__ void row_sum(float (&rs)[4], const uint32_t (&p)[kPRegs],
+                                                 uint32_t ones_tile) {
+    const uint64_t b = descriptor(word(ones_tile), kSw32High);
+#pragma unroll
+    for (int t = 0; t < kKSteps; ++t)
+      Wgmma8::rs(rs, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], b, t > 0);
   }
   // The whole of O's columns (64-key tiles).
   static __device__ __forceinline__ void pv(float (&acc)[kORegs], const uint32_t (&p)[kPRegs],

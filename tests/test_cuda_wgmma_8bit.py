@@ -503,7 +503,8 @@ def test_p_exp_and_row_sum_are_named_only_when_set_and_refused_where_they_cannot
 def test_linear_p_compiles_without_an_exponential_a_score():
     """The three softmax builds at the 8-bit defaults: none spills; the MMA row sum adds m64n8
     QGMMAs and drops the scores' FADDs; the linear P drops MUFU.EX2 to the few that rescale O
-    (two a tile, not one a score) and packs its codes with PRMT."""
+    (two a tile, not one a score), rounds and clamps its codes two at a time in f16 (HMNMX2)
+    and takes the row max on S with DPX three-way maxima (VIMNMX3), so fewer FMNMX."""
     counts = {}
     for knobs in ({}, {"row_sum": "mma"}, {"p_exp": "linear", "row_sum": "mma"}):
         cfg = wgmma.config(**wgmma.QUANT_DEFAULTS, **knobs)
@@ -513,13 +514,15 @@ def test_linear_p_compiles_without_an_exponential_a_score():
                               text=True, check=True).stdout
         counts[knobs.get("p_exp", "ex2"), knobs.get("row_sum", "fadd")] = {
             op: len(re.findall(rf"\b{op}\b", sass))
-            for op in ("MUFU.EX2", "FADD", "PRMT", "QGMMA.64x8x32.F32.E4M3.E4M3")}
+            for op in ("MUFU.EX2", "FADD", "FMNMX", "HMNMX2", "VIMNMX3",
+                       "QGMMA.64x8x32.F32.E4M3.E4M3")}
     base, rowsum, linear = (counts[k] for k in (("ex2", "fadd"), ("ex2", "mma"),
                                                 ("linear", "mma")))
     assert base["QGMMA.64x8x32.F32.E4M3.E4M3"] == 0 < rowsum["QGMMA.64x8x32.F32.E4M3.E4M3"]
     assert rowsum["FADD"] < base["FADD"] / 4
     assert linear["MUFU.EX2"] < base["MUFU.EX2"] / 4
-    assert linear["PRMT"] > base["PRMT"]
+    assert base["HMNMX2"] == base["VIMNMX3"] == 0 < linear["HMNMX2"] and linear["VIMNMX3"] > 0
+    assert linear["FMNMX"] < base["FMNMX"]
 
 
 def test_q_in_kernel_quantizes_with_the_prepass_arithmetic():

@@ -57,6 +57,8 @@ VARIANTS: dict[str, dict] = {
     "3c K2 V1 kv64 linear": {**THREE, **LINEAR},
     "1c K3 V3 kv64 linear": {**ONE64, **LINEAR},
 }
+#: run 9's shorter list (`--only short`; `--only all`, the default, is every variant)
+SHORT = ("1c K2 V3", "1c K2 V3 linear", "2c K2 V2 linear")
 
 
 def load_variant(spec: Spec, label: str):
@@ -144,7 +146,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--seeds", default="0,1")
     args = ap.parse_args()
-    labels = [x for x in args.only.split(",") if x]
+    named = {"short": ",".join(SHORT), "all": ",".join(VARIANTS)}.get(args.only, args.only)
+    labels = [x for x in named.split(",") if x]
     if args.prebuild:
         prebuild(labels)
         return 0

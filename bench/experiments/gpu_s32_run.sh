@@ -10,6 +10,7 @@
 # At most 8 files under $OUT (the device tool returns no more).
 # Before the call, on the CPU machine: bash bench/experiments/gpu_s32_prepare.sh
 # Then: carry .kcache .whl;  CALL_LIMIT=540 OUT=$OUT bash bench/experiments/gpu_s32_run.sh
+# (run 4 ran every gpu_s32_bits.py variant, as BITS_ONLY=all does; the default is the short list)
 set -uo pipefail
 OUT=${OUT:-out/s32_run}
 mkdir -p "$OUT"
@@ -22,7 +23,8 @@ export TILEGEN_CACHE_DIR=$PWD/.kcache
 mkdir -p /tmp/s32db
 export TILEGEN_DB=/tmp/s32db/tuning.sqlite
 start=$SECONDS
-timeout 200 python3 bench/experiments/gpu_s32_bits.py --out "$OUT/bits.json" > "$OUT/bits.log" 2>&1
+timeout 200 python3 bench/experiments/gpu_s32_bits.py --only "${BITS_ONLY:-short}" \
+    --out "$OUT/bits.json" > "$OUT/bits.log" 2>&1
 echo "bits: rc $? in $((SECONDS - start)) s"
 sed -n '/^bf16 default op:/,$p' "$OUT/bits.log"
 grep -E "rel_l1 .* passed" "$OUT/bits.log" | cut -c1-220

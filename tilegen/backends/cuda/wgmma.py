@@ -38,9 +38,10 @@ one, on targets whose target.toml lists a wgmma instruction (sm_90). Its knobs, 
                     when not "fadd"
     p_exp           how the 8-bit softmax forms P's e4m3 code: "ex2" (ex2.approx, then rounded
                     to e4m3) or "linear" (the code straight from the exponent in eighths of a
-                    power of two, rounded by the FFMA that forms it at 2^23, its mantissa linear
-                    in the exponent's fraction: no MUFU a score; `tilegen.quant` p_exp). Takes
-                    row_sum "mma". Named only when not "ex2"
+                    power of two, rounded by its f16 conversion at 1024 + code, its mantissa
+                    linear in the exponent's fraction; the row max on S's int32 by DPX: no MUFU
+                    a score; `tilegen.quant` p_exp). Takes row_sum "mma". Named only when not
+                    "ex2"
 
 With ``Spec(quant="int8_fp8")`` the same knobs build the 8-bit kernel
 (templates/cuda/lut_wgmma_quant_kernel.cu.j2 over sm90/lut_attention_8bit.cuh): the recipe of

@@ -439,6 +439,7 @@ struct QuantConsumer {
     uint32_t p[Mma::kPRegs];
     int fill[T::kHalves];
     float ks[T::kHalves];  // the tile's key scales, one a half
+    float mu[2][T::kHalves];  // Softmax::kLinear: the tile's maxima of S (Softmax::scores)
     float alpha[2];
     float alpha_prev[2] = {1.f, 1.f};  // O's rescale for the P V being added (tile j - 1's)
     Softmax softmax;
@@ -464,10 +465,10 @@ struct QuantConsumer {
         wgmma_wait<0>();
         fence_operands(s);
         Softmax::key_scales(ring.k_scale(kst), ks);
-        Softmax::scores(s, f, fill, lane);
+        Softmax::scores(s, f, fill, lane, mu);
         release(ring.k_empty(kst), lane);  // after its key scales are read
       }
-      softmax.template step<true>(f, p, alpha, c, ks);
+      softmax.template step<true>(f, mu, p, alpha, c, ks);
 
       // each branch its own accumulator (and the lambdas that use it)
       if constexpr (T::kPvParts > 1) {
@@ -519,9 +520,9 @@ struct QuantConsumer {
           wgmma_wait<1>();  // S_j has landed
           fence_operands(s);
           Softmax::key_scales(ring.k_scale(kst), ks);
-          Softmax::scores(s, f, fill, lane);
+          Softmax::scores(s, f, fill, lane, mu);
           release(ring.k_empty(kst), lane);
-          softmax.template update_max<false>(f, alpha, c, ks);
+          softmax.template update_max<false>(f, mu, alpha, c, ks);
           constant_for<kParts>([&](auto part) {
             constexpr int k = decltype(part)::value;
             wgmma_wait<0>();
@@ -582,9 +583,9 @@ struct QuantConsumer {
           wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
           fence_operands(s);
           Softmax::key_scales(ring.k_scale(kst), ks);
-          Softmax::scores(s, f, fill, lane);
+          Softmax::scores(s, f, fill, lane, mu);
           release(ring.k_empty(kst), lane);
-          softmax.template step<false>(f, p_out, alpha, c, ks);
+          softmax.template step<false>(f, mu, p_out, alpha, c, ks);
           wgmma_wait<0>();
           fence_operands(acc);
           fence_operands(p_in);

@@ -19,12 +19,15 @@ namespace sm90 {
 
 // kMmaRowSum (row_sum "mma"): l is P's row sum from an m64n8 MMA of P against e4m3 ones (the
 // very e4m3 values P V multiplies; no FADD a score). kLinearP (p_exp "linear"): P's e4m3 code
-// comes straight from the exponent in eighths, y = 8 (c ks S) - sc + 126 with the row's shift
-// sc = ceil(8 c m) an integer: the FFMA that forms y at 2^23 rounds it to the integer code
-// (ties to even), an FMNMX clamps it at 0, and the code is y's low byte (PRMT). The mantissa is
-// then linear in the exponent's fraction (2^f read as 1 + f, at most 6% high, the same for P V
-// and l, so o keeps its accuracy: bench/NOTES.md, session 32); it takes no MUFU.EX2, FADD or F2FP
-// a score, and needs the MMA row sum.
+// comes straight from the exponent in eighths, 8 (c ks S) - sc + 126 with the row's shift sc =
+// ceil(8 c m) an integer: the FFMA puts it at 1024 + code, F2FP packs two such into f16x2, whose
+// rounding at 1024..2047 (ulp 1) is the code's (ties to even), HMNMX2 clamps two at 1024 (code
+// 0, a masked key's -inf too), and a PRMT takes four codes, the low bytes of four halves. The
+// row max is of S's int32, two scores a DPX three-way max. The mantissa is then linear in the
+// exponent's fraction (2^f read as 1 + f, at most 6% high, the same for P V and l, so o keeps
+// its accuracy: bench/NOTES.md, session 32); a score takes one convert, half a max, one FFMA,
+// half an F2FP, half an HMNMX2 and a quarter PRMT, no MUFU.EX2 or FADD, and needs the MMA row
+// sum.
 template <int kBlock, bool kLinearP = false, bool kMmaRowSum = false>
 struct QuantSoftmax {
   static constexpr int kSRegs = kBlock / 2;
@@ -40,7 +43,10 @@ struct QuantSoftmax {
   static constexpr float kMinScale = 1.17549435e-38f;
   static constexpr bool kLinear = kLinearP;
   static constexpr bool kRowSumMma = kMmaRowSum || kLinearP;
-  static constexpr float kMagic = 0x1p23f;  // y in [2^23, 2^24): y's low bits are round(y - 2^23)
+  // linear P: y = 1024 + code, so y's f16 (ulp 1 in [1024, 2048)) is the integer code in its
+  // low byte; 0x6400 is f16 1024 (code 0) twice
+  static constexpr float kCodeBase = 1024.f;
+  static constexpr uint32_t kCodeZero2 = 0x64006400u;
   static constexpr float kTopCode = 126.f;  // e4m3 0x7e = 448 = 2^(126 / 8 - 7) (1 + 6 / 8)
   // log2 of the linear code's mean overestimate of 2^x (x's fraction uniform; tilegen.quant
   // LINEAR_P_BIAS): taken out of lse, which l's sum of the codes would otherwise carry
@@ -73,20 +79,46 @@ struct QuantSoftmax {
 
   // f = S_ij as fp32 (exact: |S| < 2^24); keys at or past their half's fill (fill[u] for keys
   // 32 u .. 32 u + 31; 0 for an absent half) get -inf.
-  static __device__ __forceinline__ void scores(const int (&s)[kSRegs], float (&f)[kSRegs],
-                                                const int (&fill)[kHalves], int lane) {
-#pragma unroll
-    for (int i = 0; i < kSRegs; ++i) f[i] = static_cast<float>(s[i]);
+  // kLinear: also mu, each key half's and row half's max of S (masked keys INT_MIN), taken
+  // before S becomes f, so that f can take S's registers.
+  static __device__ __forceinline__ void scores(int (&s)[kSRegs], float (&f)[kSRegs],
+                                                const int (&fill)[kHalves], int lane,
+                                                float (&mu)[2][kHalves]) {
     bool partial = false;
 #pragma unroll
     for (int u = 0; u < kHalves; ++u) partial |= fill[u] < 32;
+    auto masked = [&](int i) { return Fragment::column(i, lane) % 32 >= fill[key_half(i)]; };
+    if constexpr (kLinear) {
+      if (partial) {
+#pragma unroll
+        for (int i = 0; i < kSRegs; ++i)
+          if (masked(i)) s[i] = INT32_MIN;
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int u = 0; u < kHalves; ++u) mu[h][u] = static_cast<float>(half_max(s, u, h));
+    }
+#pragma unroll
+    for (int i = 0; i < kSRegs; ++i) f[i] = static_cast<float>(s[i]);
     if (partial) {
 #pragma unroll
-      for (int i = 0; i < kSRegs; ++i) {
-        const int col = Fragment::column(i, lane);
-        if (col % 32 >= fill[key_half(i)]) f[i] = neg_inf();
-      }
+      for (int i = 0; i < kSRegs; ++i)
+        if (masked(i)) f[i] = neg_inf();
     }
+  }
+
+  // The max of S over key half u's registers of row half h (eight), in four DPX maxima.
+  static __device__ __forceinline__ int half_max(const int (&s)[kSRegs], int u, int h) {
+    static_assert(kHalfRegs == 16, "eight scores a key half and row half");
+    int v[8];
+    int n = 0;
+#pragma unroll
+    for (int i = u * kHalfRegs; i < (u + 1) * kHalfRegs; ++i)
+      if (Fragment::half(i) == h) v[n++] = s[i];
+    const int a = __vimax3_s32(v[0], v[1], v[2]);
+    const int b = __vimax3_s32(v[3], v[4], v[5]);
+    return max(__vimax3_s32(a, b, v[6]), v[7]);
   }
 
   // One e4m3x4 register: bytes (low first) a, b, c, d.
@@ -105,28 +137,34 @@ struct QuantSoftmax {
   // > 0), `ks` the tile's key scales. The three parts run apart where P V is issued in parts
   // (QuantConsumer).
   template <bool kFirst>
-  __device__ __forceinline__ void step(float (&f)[kSRegs], uint32_t (&p)[kPRegs],
-                                       float (&alpha)[2], const float (&c)[2],
-                                       const float (&ks)[kHalves]) {
-    update_max<kFirst>(f, alpha, c, ks);
+  __device__ __forceinline__ void step(float (&f)[kSRegs], const float (&mu)[2][kHalves],
+                                       uint32_t (&p)[kPRegs], float (&alpha)[2],
+                                       const float (&c)[2], const float (&ks)[kHalves]) {
+    update_max<kFirst>(f, mu, alpha, c, ks);
     exponentiate<kFirst>(f, alpha, c, ks);
     pack(f, p);
   }
 
-  // The running max over this tile's scaled scores: each half's max of S times its scale.
+  // The running max over this tile's scaled scores: each half's max of S times its scale
+  // (kLinear: the halves' maxima `scores` took of S).
   template <bool kFirst>
-  __device__ __forceinline__ void update_max(const float (&f)[kSRegs], float (&alpha)[2],
+  __device__ __forceinline__ void update_max(const float (&f)[kSRegs],
+                                             const float (&mu)[2][kHalves], float (&alpha)[2],
                                              const float (&c)[2], const float (&ks)[kHalves]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = neg_inf();
 #pragma unroll
       for (int u = 0; u < kHalves; ++u) {
-        float mu = neg_inf();
+        float mh = neg_inf();
+        if constexpr (kLinear) {
+          mh = mu[h][u];
+        } else {
 #pragma unroll
-        for (int i = u * kHalfRegs; i < (u + 1) * kHalfRegs; ++i)
-          if (Fragment::half(i) == h) mu = fmaxf(mu, f[i]);
-        mx = fmaxf(mx, mu * ks[u]);
+          for (int i = u * kHalfRegs; i < (u + 1) * kHalfRegs; ++i)
+            if (Fragment::half(i) == h) mh = fmaxf(mh, f[i]);
+        }
+        mx = fmaxf(mx, mh * ks[u]);
       }
       // the first half of every tile holds a real key (fill[0] >= 1): mx and m_new are finite
       const float m_new = fmaxf(m[h], Fragment::quad_max(mx));
@@ -147,20 +185,20 @@ struct QuantSoftmax {
                                                const float (&c)[2],
                                                const float (&ks)[kHalves]) {
     if constexpr (kLinear) {
-      // y = 2^23 + 8 (c ks S - sc / 8) + 126, rounded to an integer by the FFMA itself; at most
-      // 2^23 + 126 (sc >= 8 c m), clamped below at 2^23 (code 0; a masked key's -inf too)
+      // y = 1024 + 8 (c ks S - sc / 8) + 126: at most 1024 + 126 (sc >= 8 c m); pack rounds
+      // and clamps it
       float coef[2][kHalves];
       float base[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        base[h] = (kMagic + kTopCode) - sc[h];
+        base[h] = (kCodeBase + kTopCode) - sc[h];
 #pragma unroll
         for (int u = 0; u < kHalves; ++u) coef[h][u] = (8.f * c[h]) * ks[u];
       }
 #pragma unroll
       for (int i = 0; i < kSRegs; ++i) {
         const int h = Fragment::half(i);
-        f[i] = fmaxf(fmaf(f[i], coef[h][key_half(i)], base[h]), kMagic);
+        f[i] = fmaf(f[i], coef[h][key_half(i)], base[h]);
       }
       return;
     }
@@ -197,11 +235,14 @@ struct QuantSoftmax {
   }
 
   static __device__ __forceinline__ void pack(const float (&f)[kSRegs], uint32_t (&p)[kPRegs]) {
-    if constexpr (kLinear) {  // the codes are the low bytes of f's bits
+    if constexpr (kLinear) {  // y = 1024 + code: f16x2 pairs, clamped, the low bytes
       auto code4 = [](float a, float b, float c, float d) {
-        const uint32_t ab = __byte_perm(__float_as_uint(a), __float_as_uint(b), 0x0040);
-        const uint32_t cd = __byte_perm(__float_as_uint(c), __float_as_uint(d), 0x0040);
-        return __byte_perm(ab, cd, 0x5410);
+        uint32_t ab, cd;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(ab) : "f"(b), "f"(a));
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(cd) : "f"(d), "f"(c));
+        asm("max.f16x2 %0, %0, %1;\n" : "+r"(ab) : "r"(kCodeZero2));
+        asm("max.f16x2 %0, %0, %1;\n" : "+r"(cd) : "r"(kCodeZero2));
+        return __byte_perm(ab, cd, 0x6420);
       };
 #pragma unroll
       for (int t = 0; t < kPRegs / 4; ++t)

@@ -1,0 +1,90 @@
+"""Issue #19, session 32: cuts of the linear-P kernel's loop as header defines (each variant its
+own cache key), with a probe patch applied (never landed), checked and timed as
+`gpu_s32_bits.py` does its variants, in one process. Two sets:
+
+``--set 1`` (with ``s32_probes.patch``, runs 6-7):
+    TILEGEN_EXP_MAGIC_S   S to float by an IADD on its bits (1.5 2^23 + S, exact) instead of
+                          I2FP, the offset taken out in the FFMA's addend
+    TILEGEN_EXP_NO_OADD   a probe: O never updated (wrong numbers; ptxas then drops P V's MMAs
+                          too, so it measures P V and the update together)
+    TILEGEN_EXP_DIRECT_O  P V accumulated into O's registers by the MMA itself (no two-level
+                          accumulation), O rescaled before it only where the row max moved
+``--set 2`` (with ``s32_probes2.patch``, run 8):
+    TILEGEN_EXP_F16_CODE  the code at 1024 + code: F2FP packs two into f16x2 (rounding each),
+                          HMNMX2 clamps two, one PRMT takes four
+    TILEGEN_EXP_IMAX3     the row max on S's int32 with DPX vimax3 (two scores an instruction)
+
+    git apply bench/experiments/s32_probes2.patch
+    PYTHONPATH=$PWD TILEGEN_CACHE_DIR=$PWD/.kcache python3 bench/experiments/gpu_s32_probes.py \
+        --set 2 --out $OUT/probes.json        (--prebuild: the cubins here)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import sys
+from pathlib import Path
+
+import tilegen
+from tilegen.backends.cuda import wgmma
+
+sys.path.insert(0, str(Path(__file__).parent))
+import gpu_s32_bits as bits  # noqa: E402
+
+LINEAR = {**bits.H200_WINNER, **bits.LINEAR}
+TWO = {**bits.TWO, **bits.LINEAR, "v_stages": 2}
+#: set -> label -> (wgmma knobs, defines)
+SETS: dict[str, dict[str, tuple[dict, tuple[str, ...]]]] = {
+    "1": {
+        "1c K2 V3 linear": (LINEAR, ()),
+        "1c K2 V3 linear magic": (LINEAR, ("TILEGEN_EXP_MAGIC_S",)),
+        "1c K2 V3 linear no_oadd (wrong)": (LINEAR, ("TILEGEN_EXP_NO_OADD",)),
+        "1c K2 V3 linear direct": (LINEAR, ("TILEGEN_EXP_DIRECT_O",)),
+        "1c K2 V3 ex2 direct": (bits.H200_WINNER, ("TILEGEN_EXP_DIRECT_O",)),
+        "2c K2 V2 linear": (TWO, ()),
+        "2c K2 V2 linear magic": (TWO, ("TILEGEN_EXP_MAGIC_S",)),
+        "2c K2 V2 linear direct": (TWO, ("TILEGEN_EXP_DIRECT_O",)),
+    },
+    "2": {
+        "1c K2 V3 linear": (LINEAR, ()),
+        "1c K2 V3 linear f16": (LINEAR, ("TILEGEN_EXP_F16_CODE",)),
+        "1c K2 V3 linear imax3": (LINEAR, ("TILEGEN_EXP_IMAX3",)),
+        "1c K2 V3 linear f16 imax3": (LINEAR, ("TILEGEN_EXP_F16_CODE", "TILEGEN_EXP_IMAX3")),
+        "2c K2 V2 linear": (TWO, ()),
+        "2c K2 V2 linear f16 imax3": (TWO, ("TILEGEN_EXP_F16_CODE", "TILEGEN_EXP_IMAX3")),
+    },
+}
+PROBES: dict[str, tuple[dict, tuple[str, ...]]] = {}
+
+
+def patch(run, defines: tuple[str, ...]) -> None:
+    """The launch's source with `defines` in front (and its own cache key)."""
+    if not defines:
+        return
+    text = "".join(f"#define {d} 1\n" for d in defines) + run.source.text
+    run.source = dataclasses.replace(run.source, text=text)
+    run.digest = hashlib.sha256((run.digest + "|" + ",".join(defines)).encode()).hexdigest()
+
+
+def load_probe(spec, label: str):
+    knobs, defines = PROBES[label]
+    op = tilegen.load(spec, wgmma.config(**knobs), backend="cuda", target="sm_90")
+    for lse in (True, False):
+        patch(op._launch_for(lse), defines)
+    return op
+
+
+def main() -> int:
+    which = sys.argv[sys.argv.index("--set") + 1] if "--set" in sys.argv else "2"
+    if "--set" in sys.argv:
+        i = sys.argv.index("--set")
+        del sys.argv[i:i + 2]
+    PROBES.update(SETS[which])
+    bits.VARIANTS = {label: knobs for label, (knobs, _) in PROBES.items()}
+    bits.load_variant = load_probe
+    return bits.main()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

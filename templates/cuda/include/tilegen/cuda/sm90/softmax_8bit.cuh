@@ -35,12 +35,6 @@ struct QuantSoftmax {
   static constexpr int kHalves = kBlock / 32;
   static constexpr int kHalfRegs = kSRegs / kHalves;  // S registers of one 32-key half
   static constexpr float kLog2PScale = 8.807354922057604f;  // log2(448): P's e4m3 scale
-  // The floor of a key scale and of a row's scale c (FLT_MIN). Known defect: a padded query row
-  // (q_scale 0) over a half of padded keys (k_scale 0) gets the exponent's coefficient 0, and a
-  // masked key's -inf times 0 is NaN in that row's sum and O with p_exp "ex2" (bench/NOTES.md,
-  // session 30; "linear" clamps it to code 0). The fix, a floor of 2^-60, is checked on a GPU
-  // and waits for an H200 re-tune: bench/experiments/s31_padded_rows.patch.
-  static constexpr float kMinScale = 1.17549435e-38f;
   static constexpr bool kLinear = kLinearP;
   static constexpr bool kRowSumMma = kMmaRowSum || kLinearP;
   // linear P: y = 1024 + code, so y's f16 (ulp 1 in [1024, 2048)) is the integer code in its
@@ -54,6 +48,13 @@ struct QuantSoftmax {
   float m[2];
   float l[2];   // kRowSumMma: the whole row's sum (the MMA's); else this thread's part of it
   float sc[2];  // kLinear: the row's shift, ceil(8 c m), an integer
+
+  // The floor of a key scale and of a row's scale c (FLT_MIN). Known defect: a padded query row
+  // (q_scale 0) over a half of padded keys (k_scale 0) gets the exponent's coefficient 0, and a
+  // masked key's -inf times 0 is NaN in that row's sum and O with p_exp "ex2" (bench/NOTES.md,
+  // session 30; "linear" clamps it to code 0). The fix, a floor of 2^-60, is checked on a GPU
+  // and waits for an H200 re-tune: bench/experiments/s31_padded_rows.patch.
+  static constexpr float kMinScale = 1.17549435e-38f;
 
   __device__ __forceinline__ void init() {
     m[0] = m[1] = neg_inf();

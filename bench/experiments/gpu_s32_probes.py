@@ -9,9 +9,6 @@ own cache key), with a probe patch applied (never landed), checked and timed as
                           too, so it measures P V and the update together)
     TILEGEN_EXP_DIRECT_O  P V accumulated into O's registers by the MMA itself (no two-level
                           accumulation), O rescaled before it only where the row max moved
-``--set 3`` (with ``s33_fixed_code.patch``, prepared in session 32, not yet run):
-    TILEGEN_EXP_FIXED_CODE  the code in fixed point from S's int32 (mad.hi, floored; no float a
-                            score), clamped and packed two at a time by cvt.pack.sat.u8.s32
 ``--set 2`` (with ``s32_probes2.patch``, run 8):
     TILEGEN_EXP_F16_CODE  the code at 1024 + code: F2FP packs two into f16x2 (rounding each),
                           HMNMX2 clamps two, one PRMT takes four
@@ -48,12 +45,6 @@ SETS: dict[str, dict[str, tuple[dict, tuple[str, ...]]]] = {
         "2c K2 V2 linear": (TWO, ()),
         "2c K2 V2 linear magic": (TWO, ("TILEGEN_EXP_MAGIC_S",)),
         "2c K2 V2 linear direct": (TWO, ("TILEGEN_EXP_DIRECT_O",)),
-    },
-    "3": {
-        "1c K2 V3 linear": (LINEAR, ()),
-        "1c K2 V3 linear fixed": (LINEAR, ("TILEGEN_EXP_FIXED_CODE",)),
-        "2c K2 V2 linear": (TWO, ()),
-        "2c K2 V2 linear fixed": (TWO, ("TILEGEN_EXP_FIXED_CODE",)),
     },
     "2": {
         "1c K2 V3 linear": (LINEAR, ()),

@@ -27,28 +27,5 @@ wait
 grep -h "feasible" /tmp/s32_prebuild0.log
 python3 bench/experiments/h200_quant_op.py --backend cuda --prebuild --variants "$SMALL_VARIANTS"
 # the shipped winners' cubins (the sweep's 16-bit CUDA row among them), with lse and without
-python3 - <<'PY'
-import json
-
-import tilegen
-from tilegen.backends.cuda.nvcc import compile_cuda
-from tilegen.config import KernelConfig
-from tilegen.spec import Spec
-from tilegen.targets import get_target
-
-doc = json.load(open("tuning_db/winners.json"))
-specs = {w["spec_hash"]: w["spec"] for w in doc["workloads"]}
-configs = {c["variant"]["config"]: c["config"] for c in doc["candidates"]}
-target = get_target("sm_90")
-for w in doc["winners"]:
-    if w["variant"]["backend"] != "cuda":
-        continue
-    op = tilegen.load(Spec.from_dict(specs[w["spec_hash"]]),
-                      KernelConfig.from_dict(configs[w["variant"]["config"]]), backend="cuda",
-                      target="sm_90")
-    for lse in (True, False):
-        run = op._launch_for(lse)
-        compile_cuda(run.source, target, None, run.digest)
-    print(f"prebuilt the {w['device_name']} winner {w['variant']['config']}")
-PY
+python3 bench/experiments/prebuild_cuda_winners.py
 du -sh .kcache .whl

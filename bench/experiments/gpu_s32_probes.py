@@ -21,8 +21,6 @@ own cache key), with a probe patch applied (never landed), checked and timed as
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import sys
 from pathlib import Path
 
@@ -31,6 +29,7 @@ from tilegen.backends.cuda import wgmma
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu_s32_bits as bits  # noqa: E402
+from h200_s19_q8_cvt import patch  # noqa: E402  (defines in front, their own cache key)
 
 LINEAR = {**bits.H200_WINNER, **bits.LINEAR}
 TWO = {**bits.TWO, **bits.LINEAR, "v_stages": 2}
@@ -56,15 +55,6 @@ SETS: dict[str, dict[str, tuple[dict, tuple[str, ...]]]] = {
     },
 }
 PROBES: dict[str, tuple[dict, tuple[str, ...]]] = {}
-
-
-def patch(run, defines: tuple[str, ...]) -> None:
-    """The launch's source with `defines` in front (and its own cache key)."""
-    if not defines:
-        return
-    text = "".join(f"#define {d} 1\n" for d in defines) + run.source.text
-    run.source = dataclasses.replace(run.source, text=text)
-    run.digest = hashlib.sha256((run.digest + "|" + ",".join(defines)).encode()).hexdigest()
 
 
 def load_probe(spec, label: str):

@@ -235,28 +235,24 @@ struct QuantSoftmax {
     return fmaf(m[h], c, log2f(l_row) - kLog2PScale);
   }
 
+  // kLinear: four values y = 1024 + code to their codes: two f16x2 conversions (each value
+  // rounded to its integer code), clamped two at a time at 1024, the low bytes of the halves.
+  static __device__ __forceinline__ uint32_t linear_codes4(float a, float b, float c, float d) {
+    uint32_t ab, cd;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(ab) : "f"(b), "f"(a));
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(cd) : "f"(d), "f"(c));
+    asm("max.f16x2 %0, %0, %1;\n" : "+r"(ab) : "r"(kCodeZero2));
+    asm("max.f16x2 %0, %0, %1;\n" : "+r"(cd) : "r"(kCodeZero2));
+    return __byte_perm(ab, cd, 0x6420);
+  }
+
+  // One P register (bytes a, b, c, d, low first) from f as exponentiate left it.
+  static __device__ __forceinline__ uint32_t p_register(float a, float b, float c, float d) {
+    if constexpr (kLinear) return linear_codes4(a, b, c, d);
+    return pack_e4m3x4(a, b, c, d);
+  }
+
   static __device__ __forceinline__ void pack(const float (&f)[kSRegs], uint32_t (&p)[kPRegs]) {
-    if constexpr (kLinear) {  // y = 1024 + code: f16x2 pairs, clamped, the low bytes
-      auto code4 = [](float a, float b, float c, float d) {
-        uint32_t ab, cd;
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(ab) : "f"(b), "f"(a));
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(cd) : "f"(d), "f"(c));
-        asm("max.f16x2 %0, %0, %1;\n" : "+r"(ab) : "r"(kCodeZero2));
-        asm("max.f16x2 %0, %0, %1;\n" : "+r"(cd) : "r"(kCodeZero2));
-        return __byte_perm(ab, cd, 0x6420);
-      };
-#pragma unroll
-      for (int t = 0; t < kPRegs / 4; ++t)
-#pragma unroll
-        for (int hi = 0; hi < 2; ++hi)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int g = 4 * t + 2 * hi;
-            p[4 * t + 2 * hi + h] = code4(f[4 * g + 2 * h], f[4 * g + 2 * h + 1],
-                                          f[4 * g + 4 + 2 * h], f[4 * g + 4 + 2 * h + 1]);
-          }
-      return;
-    }
 #pragma unroll
     for (int t = 0; t < kPRegs / 4; ++t)
 #pragma unroll
@@ -264,8 +260,8 @@ struct QuantSoftmax {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int g = 4 * t + 2 * hi;
-          p[4 * t + 2 * hi + h] = pack_e4m3x4(f[4 * g + 2 * h], f[4 * g + 2 * h + 1],
-                                              f[4 * g + 4 + 2 * h], f[4 * g + 4 + 2 * h + 1]);
+          p[4 * t + 2 * hi + h] = p_register(f[4 * g + 2 * h], f[4 * g + 2 * h + 1],
+                                             f[4 * g + 4 + 2 * h], f[4 * g + 4 + 2 * h + 1]);
         }
   }
 

@@ -144,7 +144,9 @@ def main() -> int:
     ap.add_argument("--only", default=",".join(VARIANTS))
     ap.add_argument("--prebuild", action="store_true")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--seeds", default="0,1", help="the checks' seeds ('': no checks)")
+    ap.add_argument("--topk", type=int, default=None,
+                    help="the timing's TOPK (default: the spec's, 78); the checks keep 78")
     args = ap.parse_args()
     named = {"short": ",".join(SHORT), "all": ",".join(VARIANTS)}.get(args.only, args.only)
     labels = [x for x in named.split(",") if x]
@@ -154,8 +156,10 @@ def main() -> int:
     from triton.testing import do_bench
 
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "checks": check(labels, [int(s) for s in args.seeds.split(",")]), "rows": []}
+           "checks": check(labels, [int(s) for s in args.seeds.split(",") if s]), "rows": []}
     spec = Spec(quant="int8_fp8")
+    if args.topk is not None:
+        spec = spec.replace(topk=args.topk)
     cap = captures.synthesize_for(spec.replace(quant="none"), seed=0, device="cuda")
     q, k, v, idx, vbs = (cap[n] for n in ("q", "k", "v", "topk_idx", "vbs"))
     ops = {label: load_variant(spec, label) for label in labels}

@@ -2,8 +2,8 @@
 # Session 33 (issue #19), one device call. On an H200: the pre-pass against the card's copy
 # rate (gpu_s33_prepass.py), then session 32's call (gpu_s32_run.sh: the padded-rows fix
 # applied first, the check, the tune over the linear P, the small checks, the sweep). On another
-# card (run 2 was the H100's pre-pass): one and two consumers with the linear P at TOPK 31 and
-# 187.
+# card (run 2 was the H100's pre-pass, run 3 one and two consumers at TOPK 31 and 187, by
+# `gpu_s32_bits.py --topk`): the tune of the TOPK-31 workload (bench/specs/int8_fp8_topk31.toml).
 # Before the call, on the CPU machine: bash bench/experiments/gpu_s32_prepare.sh, once on this
 # tree and once with s31_padded_rows.patch applied (both source states' cubins in .kcache).
 # Then: carry .kcache .whl;  CALL_LIMIT=540 OUT=$OUT bash bench/experiments/gpu_s33_run.sh
@@ -21,15 +21,17 @@ if [[ "$gpu" == *H200* ]]; then
     PADDED_PATCH=bench/experiments/s31_padded_rows.patch CALL_LIMIT=$((CALL_LIMIT - SECONDS)) \
         OUT="$OUT" bash bench/experiments/gpu_s32_run.sh
 else
-    # not the bar's card: the H100 winner's choice across TOPKs (its tune saw TOPK 78 only,
-    # where one and two consumers came level; session 32's sweep read two consumers behind at
-    # TOPK 31)
+    # not the bar's card: the H100's own 8-bit winner at TOPK 31 (run 3: one consumer 5%
+    # ahead of two there, level at 78 and 187, where the TOPK-78 tune's pick is noise)
     echo "GPU: $gpu"
-    export TILEGEN_CACHE_DIR=$PWD/.kcache
-    for topk in 31 187; do
-        timeout 150 python3 bench/experiments/gpu_s32_bits.py --only "1c K2 V3 linear,2c K2 V2 linear" \
-            --seeds "" --topk $topk --out "$OUT/topk$topk.json" > "$OUT/topk$topk.log" 2>&1
-        echo "TOPK $topk: rc $? at $SECONDS s"
-        sed -n '/^| variant/,$p' "$OUT/topk$topk.log"
-    done
+    source bench/experiments/gpu_s32_space.sh
+    export TILEGEN_CACHE_DIR=$PWD/.kcache TILEGEN_DB=/tmp/s33db/tuning.sqlite
+    mkdir -p /tmp/s33db
+    timeout 300 python3 -m tilegen.cli tune --spec bench/specs/int8_fp8_topk31.toml \
+        --backend cuda "${SPACE[@]}" --sampler grid --trials 12 --seeds 2 \
+        --export tuning_db/winners.json > "$OUT/tune_topk31.log" 2>&1
+    echo "tune int8_fp8 TOPK 31: rc $? at $SECONDS s"
+    grep -E "^winner|^trials|merged" "$OUT/tune_topk31.log" | cut -c1-220
+    sed -n '/^rank/,/^$/p' "$OUT/tune_topk31.log" | cut -c1-40,170-230
+    cp tuning_db/winners.json "$OUT/winners.json"
 fi

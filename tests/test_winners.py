@@ -357,7 +357,7 @@ def test_shipped_int8_fp8_winner_is_used_on_an_h200(monkeypatch: pytest.MonkeyPa
     SASS). The H100 has its own (session 32,
     bench/results/2026-12-07_s32_h100_run9_tune_int8_fp8.log: two consumers, K ring 2, V ring 2,
     bulk copies, `q_in_kernel`, P's code linear in the exponent and the MMA row sum, 4.98 ms
-    with lse)."""
+    with lse), and one of its own at TOPK 31 (session 33)."""
     from tilegen.paths import ROOT as root
 
     monkeypatch.setattr(winners, "SHIPPED_DIR", root / "tuning_db")
@@ -376,6 +376,18 @@ def test_shipped_int8_fp8_winner_is_used_on_an_h200(monkeypatch: pytest.MonkeyPa
         "consumers": 2, "k_stages": 2, "v_stages": 2, "kv_tile": 128, "kv_copies": "bulk",
         "q_in_kernel": True, "p_exp": "linear", "row_sum": "mma"}
     assert abs(h100.median_ms - 4.977) < 0.01
+    # TOPK 31 (session 33, bench/results/2026-12-07_s33_h100_run4_tune_topk31.log): the H100's
+    # own winner there, one consumer (two were 2.4% behind); the H200 takes its TOPK-78 one
+    sparse = spec.replace(topk=31)
+    h100_31 = winners.find_winner(sparse, TARGET, backend="cuda",
+                                  device_name="NVIDIA H100 80GB HBM3")
+    assert h100_31.hit and not h100_31.nearest
+    assert {k: h100_31.config.option(k) for k in knobs} == {
+        "consumers": 1, "k_stages": 3, "v_stages": 2, "kv_tile": 128, "kv_copies": "bulk",
+        "q_in_kernel": True, "p_exp": "linear", "row_sum": "mma"}
+    assert abs(h100_31.median_ms - 2.501) < 0.01
+    h200_31 = winners.find_winner(sparse, TARGET, backend="cuda", device_name="NVIDIA H200")
+    assert h200_31.hit and h200_31.nearest and h200_31.config == h200.config
     monkeypatch.setattr(winners, "current_device_name", lambda: "NVIDIA H200")
     backend, cfg, source = ops.resolve_config(spec, TARGET)
     assert (backend, source) == ("cuda", "winner") and cfg == h200.config

@@ -2,8 +2,9 @@
 # Session 33 (issue #19), one device call. On an H200: the pre-pass against the card's copy
 # rate (gpu_s33_prepass.py), then session 32's call (gpu_s32_run.sh: the check, the tune
 # over the linear P, the small checks, the sweep). On another
-# card (run 2 was the H100's pre-pass, run 3 one and two consumers at TOPK 31 and 187, by
-# `gpu_s32_bits.py --topk`): the tune of the TOPK-31 workload (bench/specs/int8_fp8_topk31.toml).
+# card nothing, or with TOPK31_TUNE=1 the tune of the TOPK-31 workload
+# (bench/specs/int8_fp8_topk31.toml; run 4). Run 2 was the H100's pre-pass probe, run 3 one and
+# two consumers at TOPK 31 and 187 (`gpu_s32_bits.py --topk`).
 # Before the call, on the CPU machine: bash bench/experiments/gpu_s32_prepare.sh.
 # Then: carry .kcache .whl;  CALL_LIMIT=540 OUT=$OUT bash bench/experiments/gpu_s33_run.sh
 set -uo pipefail
@@ -20,9 +21,9 @@ if [[ "$gpu" == *H200* ]]; then
     # without the padded-rows fix: a linear-P winner has finite padded rows already, and the
     # fix would make the H100's winners stale
     CALL_LIMIT=$((CALL_LIMIT - SECONDS)) OUT="$OUT" bash bench/experiments/gpu_s32_run.sh
-else
-    # not the bar's card: the H100's own 8-bit winner at TOPK 31 (run 3: one consumer 5%
-    # ahead of two there, level at 78 and 187, where the TOPK-78 tune's pick is noise)
+elif [[ "${TOPK31_TUNE:-0}" == 1 ]]; then
+    # another card, asked for (run 4): the H100's own 8-bit winner at TOPK 31 (run 3: one
+    # consumer 5% ahead of two there, level at 78 and 187, where the TOPK-78 tune's pick is noise)
     echo "GPU: $gpu"
     source bench/experiments/gpu_s32_space.sh
     export TILEGEN_CACHE_DIR=$PWD/.kcache TILEGEN_DB=/tmp/s33db/tuning.sqlite
@@ -34,4 +35,6 @@ else
     grep -E "^winner|^trials|merged" "$OUT/tune_topk31.log" | cut -c1-220
     sed -n '/^rank/,/^$/p' "$OUT/tune_topk31.log" | cut -c1-40,170-230
     cp tuning_db/winners.json "$OUT/winners.json"
+else
+    echo "GPU: $gpu: not an H200, nothing to run (TOPK31_TUNE=1: the TOPK-31 tune)"
 fi

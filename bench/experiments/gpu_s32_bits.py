@@ -11,6 +11,7 @@ others, checked and timed in one process.
 
     PYTHONPATH=$PWD TILEGEN_CACHE_DIR=$PWD/.kcache python3 bench/experiments/gpu_s32_bits.py \
         --out $OUT/bits.json
+    ... --ncu LABEL     only that variant's kernel + plan, four launches (for Nsight Compute)
     ... --prebuild      compile every variant for sm_90a here (no GPU): registers, spills, and
                         the MUFU / PRMT / F2FP / QGMMA counts of the SASS
 
@@ -145,6 +146,8 @@ def main() -> int:
     ap.add_argument("--prebuild", action="store_true")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--seeds", default="0,1", help="the checks' seeds ('': no checks)")
+    ap.add_argument("--ncu", default="", help="a label: only its kernel + plan, four times (the "
+                    "default workload), for `ncu -k regex:int8_fp8_bm64 --launch-skip 2`")
     ap.add_argument("--topk", type=int, default=None,
                     help="the timing's TOPK (default: the spec's, 78); the checks keep 78")
     args = ap.parse_args()
@@ -152,6 +155,15 @@ def main() -> int:
     labels = [x for x in named.split(",") if x]
     if args.prebuild:
         prebuild(labels)
+        return 0
+    if args.ncu:
+        spec = Spec(quant="int8_fp8")
+        cap = captures.synthesize_for(spec.replace(quant="none"), seed=0, device="cuda")
+        op = load_variant(spec, args.ncu)
+        qi = op.quantize(cap["q"], cap["k"], cap["v"], cap["vbs"])
+        for _ in range(4):
+            op.from_quantized(qi, cap["topk_idx"], cap["vbs"], return_lse=False)
+        torch.cuda.synchronize()
         return 0
     from triton.testing import do_bench
 

@@ -3,7 +3,8 @@
 # rate (gpu_s33_prepass.py), then session 32's call (gpu_s32_run.sh: the check, the tune
 # over the linear P, the small checks, the sweep). On another
 # card nothing, or with TOPK31_TUNE=1 the tune of the TOPK-31 workload
-# (bench/specs/int8_fp8_topk31.toml; run 4). Run 2 was the H100's pre-pass probe, run 3 one and
+# (bench/specs/int8_fp8_topk31.toml; run 4), or with NCU=1 Nsight Compute on the ex2 and the
+# linear P kernels (run 5). Run 2 was the H100's pre-pass probe, run 3 one and
 # two consumers at TOPK 31 and 187 (`gpu_s32_bits.py --topk`).
 # Before the call, on the CPU machine: bash bench/experiments/gpu_s32_prepare.sh.
 # Then: carry .kcache .whl;  CALL_LIMIT=540 OUT=$OUT bash bench/experiments/gpu_s33_run.sh
@@ -35,6 +36,27 @@ elif [[ "${TOPK31_TUNE:-0}" == 1 ]]; then
     grep -E "^winner|^trials|merged" "$OUT/tune_topk31.log" | cut -c1-220
     sed -n '/^rank/,/^$/p' "$OUT/tune_topk31.log" | cut -c1-40,170-230
     cp tuning_db/winners.json "$OUT/winners.json"
+elif [[ "${NCU:-0}" == 1 ]]; then
+    # another card, asked for (run 5): Nsight Compute on one launch of the ex2 and the linear P
+    # kernel (the H200 winner's config): pipes, warp states, scheduler
+    echo "GPU: $gpu"
+    export TILEGEN_CACHE_DIR=$PWD/.kcache
+    n=0
+    for L in "1c K2 V3" "1c K2 V3 linear" "2c K2 V2 linear"; do
+        n=$((n + 1))
+        timeout 150 ncu --clock-control none -k regex:int8_fp8_bm64 --launch-skip 2 \
+            --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+            --section InstructionStats --section WarpStateStats --section SchedulerStats \
+            --section Occupancy --section MemoryWorkloadAnalysis \
+            --metrics smsp__inst_executed.sum,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active \
+            --page raw --csv python3 bench/experiments/gpu_s32_bits.py --ncu "$L" \
+            > "$OUT/ncu_$n.csv" 2> /tmp/ncu_$n.err
+        echo "== ncu $n ($L) rc $? at $SECONDS s"; tail -3 /tmp/ncu_$n.err
+        python3 bench/experiments/h200_s19_q8_cvt.py --ncu-summary "$OUT/ncu_$n.csv" \
+            | grep -v "\.max \|\.min \|\.sum \[" \
+            | grep -E "pipe_.*pct_of_peak_sustained_active|pipe_.*cycles_active.avg.pct|warp_issue_stalled.*per_warp_active|issue_active.*pct|gpu__time_duration.sum|inst_executed.sum|cycles_elapsed.avg.per_second|tensor" \
+            | grep -v "^smsp__pcsamp" | head -60
+    done
 else
-    echo "GPU: $gpu: not an H200, nothing to run (TOPK31_TUNE=1: the TOPK-31 tune)"
+    echo "GPU: $gpu: not an H200, nothing to run (TOPK31_TUNE=1: the TOPK-31 tune; NCU=1: profiles)"
 fi

@@ -72,7 +72,7 @@ def sass_counts(cubin: Path) -> dict:
     tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     text = subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True,
                           check=True).stdout
-    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", text)
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", text)
     want = ("MUFU", "PRMT", "F2FP", "FADD", "FMNMX", "FFMA", "QGMMA", "IGMMA", "FRND", "I2FP")
     return {w: sum(1 for o in ops if o.startswith(w)) for w in want} | {"all": len(ops)}
 

@@ -1,6 +1,6 @@
 """Issue #19, session 32: cuts of the linear-P kernel's loop as header defines (each variant its
 own cache key), with a probe patch applied (never landed), checked and timed as
-`gpu_s32_bits.py` does its variants, in one process. Two sets:
+`gpu_s32_bits.py` does its variants, in one process. Three sets:
 
 ``--set 1`` (with ``s32_probes.patch``, runs 6-7):
     TILEGEN_EXP_MAGIC_S   S to float by an IADD on its bits (1.5 2^23 + S, exact) instead of
@@ -9,6 +9,11 @@ own cache key), with a probe patch applied (never landed), checked and timed as
                           too, so it measures P V and the update together)
     TILEGEN_EXP_DIRECT_O  P V accumulated into O's registers by the MMA itself (no two-level
                           accumulation), O rescaled before it only where the row max moved
+``--set 3`` (with ``s33_s_ahead.patch``, session 33, not run yet):
+    TILEGEN_EXP_S_AHEAD   S_{j+1}'s MMAs issued inside tile j, after S_j's codes are packed into
+                          a second P fragment and before P_{j-1} V_{j-1}'s last part is waited
+    TILEGEN_EXP_PACK_EARLY  with it: the codes packed before the last part is issued
+    TILEGEN_EXP_PV4       P V in four 16-register parts instead of two
 ``--set 2`` (with ``s32_probes2.patch``, run 8):
     TILEGEN_EXP_F16_CODE  the code at 1024 + code: F2FP packs two into f16x2 (rounding each),
                           HMNMX2 clamps two, one PRMT takes four
@@ -52,6 +57,15 @@ SETS: dict[str, dict[str, tuple[dict, tuple[str, ...]]]] = {
         "1c K2 V3 linear f16 imax3": (LINEAR, ("TILEGEN_EXP_F16_CODE", "TILEGEN_EXP_IMAX3")),
         "2c K2 V2 linear": (TWO, ()),
         "2c K2 V2 linear f16 imax3": (TWO, ("TILEGEN_EXP_F16_CODE", "TILEGEN_EXP_IMAX3")),
+    },
+    "3": {  # session 33, with s33_s_ahead.patch
+        "1c K2 V3 linear": (LINEAR, ()),
+        "1c K2 V3 linear s_ahead": (LINEAR, ("TILEGEN_EXP_S_AHEAD",)),
+        "1c K2 V3 linear s_ahead pack_early": (LINEAR, ("TILEGEN_EXP_S_AHEAD",
+                                                        "TILEGEN_EXP_PACK_EARLY")),
+        "1c K2 V3 linear pv4": (LINEAR, ("TILEGEN_EXP_PV4",)),
+        "2c K2 V2 linear": (TWO, ()),
+        "2c K2 V2 linear s_ahead": (TWO, ("TILEGEN_EXP_S_AHEAD",)),
     },
 }
 PROBES: dict[str, tuple[dict, tuple[str, ...]]] = {}

@@ -525,6 +525,32 @@ def test_linear_p_compiles_without_an_exponential_a_score():
     assert linear["FMNMX"] < base["FMNMX"]
 
 
+@needs_nvcc
+def test_the_shipped_8bit_winners_keep_their_mmas_asynchronous(monkeypatch):
+    """ptxas makes every GMMA of a kernel synchronous (a DEPBAR after each) when it finds one
+    register hazard inside a pipeline stage, and says so only in its log (C7513 / C7514:
+    session 33's S-ahead probe, bench/NOTES.md): each shipped CUDA 8-bit winner, H200 and
+    H100, TOPK 78 and 31, builds without such a note and without spills."""
+    from tilegen import winners
+    from tilegen.paths import ROOT
+
+    monkeypatch.setattr(winners, "SHIPPED_DIR", ROOT / "tuning_db")
+    built = set()
+    for topk in (78, 31):
+        for device in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
+            w = winners.find_winner(Q8.replace(topk=topk), SM90, backend="cuda",
+                                    device_name=device)
+            assert w.hit, (topk, device)
+            if w.config.name in built:
+                continue
+            built.add(w.config.name)
+            art = nv.compile_cuda(nv.render_cuda(Q8, w.config, SM90), SM90)
+            log = json.loads((art.path.parent / "meta.json").read_text())["ptxas_log"]
+            assert not re.search(r"C75(10|13|14|15|19)|serialized", log), (w.config.name, log)
+            assert art.spill_bytes == 0, w.config.name
+    assert len(built) == 3  # H200's; H100's at TOPK 78 and at 31
+
+
 def test_q_in_kernel_quantizes_with_the_prepass_arithmetic():
     """The consumer's quantization of Q (quantize_q) names the pre-pass's instructions, so its
     Q8 and scales are the pre-pass's bit for bit (checked on the GPU by

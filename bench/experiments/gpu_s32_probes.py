@@ -12,7 +12,10 @@ own cache key), with a probe patch applied (never landed), checked and timed as
 ``--set 3`` (with ``s33_s_ahead.patch``, session 33, not run yet):
     TILEGEN_EXP_S_AHEAD   S_{j+1}'s MMAs issued inside tile j, after S_j's codes are packed into
                           a second P fragment and before P_{j-1} V_{j-1}'s last part is waited
-    TILEGEN_EXP_PACK_EARLY  with it: the codes packed before the last part is issued
+                          (alone: in flight across the loop's back edge, and ptxas serializes
+                          every MMA, C7513)
+    TILEGEN_EXP_S_AHEAD2  with it: two tiles a turn, S issued ahead only inside the turn (no
+                          C751x; 64 bytes of spills)
     TILEGEN_EXP_PV4       P V in four 16-register parts instead of two
 ``--set 2`` (with ``s32_probes2.patch``, run 8):
     TILEGEN_EXP_F16_CODE  the code at 1024 + code: F2FP packs two into f16x2 (rounding each),
@@ -58,14 +61,14 @@ SETS: dict[str, dict[str, tuple[dict, tuple[str, ...]]]] = {
         "2c K2 V2 linear": (TWO, ()),
         "2c K2 V2 linear f16 imax3": (TWO, ("TILEGEN_EXP_F16_CODE", "TILEGEN_EXP_IMAX3")),
     },
-    "3": {  # session 33, with s33_s_ahead.patch
+    "3": {  # session 33, with s33_s_ahead.patch (S_AHEAD alone serializes: not run)
         "1c K2 V3 linear": (LINEAR, ()),
-        "1c K2 V3 linear s_ahead": (LINEAR, ("TILEGEN_EXP_S_AHEAD",)),
-        "1c K2 V3 linear s_ahead pack_early": (LINEAR, ("TILEGEN_EXP_S_AHEAD",
-                                                        "TILEGEN_EXP_PACK_EARLY")),
+        "1c K2 V3 linear s_ahead2": (LINEAR, ("TILEGEN_EXP_S_AHEAD", "TILEGEN_EXP_S_AHEAD2")),
+        "1c K2 V3 linear s_ahead2 pv4": (LINEAR, ("TILEGEN_EXP_S_AHEAD", "TILEGEN_EXP_S_AHEAD2",
+                                                  "TILEGEN_EXP_PV4")),
         "1c K2 V3 linear pv4": (LINEAR, ("TILEGEN_EXP_PV4",)),
         "2c K2 V2 linear": (TWO, ()),
-        "2c K2 V2 linear s_ahead": (TWO, ("TILEGEN_EXP_S_AHEAD",)),
+        "2c K2 V2 linear s_ahead2": (TWO, ("TILEGEN_EXP_S_AHEAD", "TILEGEN_EXP_S_AHEAD2")),
     },
 }
 PROBES: dict[str, tuple[dict, tuple[str, ...]]] = {}

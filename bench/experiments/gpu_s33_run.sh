@@ -6,7 +6,9 @@
 # (bench/specs/int8_fp8_topk31.toml; run 4), or with NCU=1 Nsight Compute on the ex2 and the
 # linear P kernels (run 5). Run 2 was the H100's pre-pass probe, run 3 one and
 # two consumers at TOPK 31 and 187 (`gpu_s32_bits.py --topk`).
-# Before the call, on the CPU machine: bash bench/experiments/gpu_s32_prepare.sh.
+# With PROBES=1, last and on any card: the S-ahead probes (gpu_s32_probes.py --set 3 with
+# s33_s_ahead.patch applied on the device only).
+# Before the call, on the CPU machine: bash bench/experiments/gpu_s33_prepare.sh.
 # Then: carry .kcache .whl;  CALL_LIMIT=540 OUT=$OUT bash bench/experiments/gpu_s33_run.sh
 set -uo pipefail
 OUT=${OUT:-out/s33_run}
@@ -58,5 +60,20 @@ elif [[ "${NCU:-0}" == 1 ]]; then
             | grep -v "^smsp__pcsamp" | head -60
     done
 else
-    echo "GPU: $gpu: not an H200, nothing to run (TOPK31_TUNE=1: the TOPK-31 tune; NCU=1: profiles)"
+    echo "GPU: $gpu: not an H200 (TOPK31_TUNE=1: the TOPK-31 tune; NCU=1: profiles)"
+fi
+if [[ "${PROBES:-0}" == 1 ]]; then
+    # on any card, last: the S-ahead probes (s33_s_ahead.patch, applied here only; their
+    # cubins from gpu_s33_prepare.sh), checked and timed beside the landed loop
+    left=$((CALL_LIMIT - SECONDS))
+    if ((left > 90)); then
+        git apply bench/experiments/s33_s_ahead.patch 2>/dev/null \
+            || patch -p1 < bench/experiments/s33_s_ahead.patch
+        export TILEGEN_CACHE_DIR=$PWD/.kcache
+        timeout $((left - 10)) python3 bench/experiments/gpu_s32_probes.py --set 3 \
+            --out /tmp/probes3.json > "$OUT/probes3.log" 2>&1
+        echo "probes (set 3): rc $? at $SECONDS s"
+        sed -n '/^bf16 default op:/,$p' "$OUT/probes3.log"
+        grep -E "rel_l1 .* passed" "$OUT/probes3.log" | cut -c1-200
+    fi
 fi

@@ -32,6 +32,13 @@ from tilegen.spec import Spec
 from tilegen.targets import get_target
 
 Q8 = Spec(quant="int8_fp8")
+#: ptxas's notes that it made the MMAs synchronous (C7510/13/14/15) or injected a
+#: warpgroup.arrive around one (C7519)
+_SERIALIZED = re.compile(r"C75(10|13|14|15|19)|serialized")
+
+
+def _ptxas_log(art) -> str:
+    return json.loads((art.path.parent / "meta.json").read_text())["ptxas_log"]
 
 
 def test_rules_say_why():
@@ -131,9 +138,9 @@ def test_byte_maps():
 def test_the_8bit_kernel_compiles_to_igmma_and_qgmma(opts):
     cfg = wgmma.config(**opts)
     art = nv.compile_cuda(nv.render_cuda(Q8, cfg, SM90), SM90)
-    log = json.loads((art.path.parent / "meta.json").read_text())["ptxas_log"]
+    log = _ptxas_log(art)
     # wgmma kept asynchronous, and no warpgroup.arrive injected around an MMA (C7519)
-    assert not re.search(r"C75(10|13|15|19)|serialized", log), log
+    assert not _SERIALIZED.search(log), log
     assert art.spill_bytes <= known_spills.allowed("sm_90", art.path.name), log
     assert art.registers == wgmma.registers_at_entry(wgmma.options_of(cfg), SM90)
     assert art.shared_bytes <= SM90.max_shared_bytes
@@ -545,8 +552,8 @@ def test_the_shipped_8bit_winners_keep_their_mmas_asynchronous(monkeypatch):
                 continue
             built.add(w.config.name)
             art = nv.compile_cuda(nv.render_cuda(Q8, w.config, SM90), SM90)
-            log = json.loads((art.path.parent / "meta.json").read_text())["ptxas_log"]
-            assert not re.search(r"C75(10|13|14|15|19)|serialized", log), (w.config.name, log)
+            log = _ptxas_log(art)
+            assert not _SERIALIZED.search(log), (w.config.name, log)
             assert art.spill_bytes == 0, w.config.name
     assert len(built) == 3  # H200's; H100's at TOPK 78 and at 31
 

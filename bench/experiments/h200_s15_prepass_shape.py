@@ -28,10 +28,15 @@ SHAPES = [(64, 4), (64, 2), (64, 1), (32, 2), (32, 1), (16, 2), (16, 1)]
 
 
 def _differ(a: quant.QuantizedInputs, b: quant.QuantizedInputs) -> dict:
-    """The fields that differ, with how many values."""
+    """The fields that differ, with how many values (a field both leave out, such as Q's
+    without it, is not compared; one side's alone counts as differing)."""
     out = {}
     for f in ("q8", "q_scale", "k8", "k_scale", "k_mean", "v8t", "v_scale", "v_mean"):
         x, y = getattr(a, f), getattr(b, f)
+        if x is None or y is None:
+            if x is not y:
+                out[f] = -1
+            continue
         if x.dtype == torch.float8_e4m3fn:
             x, y = x.view(torch.uint8), y.view(torch.uint8)
         if not torch.equal(x, y):

@@ -63,7 +63,7 @@ elif [[ "${NCU:-0}" == 1 ]]; then
 else
     echo "GPU: $gpu: not an H200 (TOPK31_TUNE=1: the TOPK-31 tune; NCU=1: profiles)"
 fi
-if [[ "${OVERLAP:-0}" == 1 ]]; then
+if [[ "${OVERLAP:-0}" == 1 ]] && ((CALL_LIMIT - SECONDS > 160)); then
     # on any card (session 34): the pre-pass and the kernel on two streams, the bound of
     # an overlap (gpu_s34_overlap.py)
     export TILEGEN_CACHE_DIR=$PWD/.kcache

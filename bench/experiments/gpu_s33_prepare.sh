@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash bench/experiments/gpu_s32_prepare.sh
 export TILEGEN_CACHE_DIR=$PWD/.kcache
+python3 bench/experiments/gpu_s34_overlap.py --prebuild  # session 34: overlap_prepass
 git apply bench/experiments/s33_s_ahead.patch
 trap 'git apply -R bench/experiments/s33_s_ahead.patch' EXIT
 python3 bench/experiments/gpu_s32_probes.py --set 3 --prebuild

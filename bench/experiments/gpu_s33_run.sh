@@ -63,14 +63,17 @@ elif [[ "${NCU:-0}" == 1 ]]; then
 else
     echo "GPU: $gpu: not an H200 (TOPK31_TUNE=1: the TOPK-31 tune; NCU=1: profiles)"
 fi
-if [[ "${OVERLAP:-0}" == 1 ]] && ((CALL_LIMIT - SECONDS > 160)); then
+if [[ "${OVERLAP:-0}" == 1 ]] && ((CALL_LIMIT - SECONDS > 200)); then
     # on any card (session 34): the pre-pass and the kernel on two streams, the bound of
     # an overlap (gpu_s34_overlap.py)
     export TILEGEN_CACHE_DIR=$PWD/.kcache
-    timeout 150 python3 bench/experiments/gpu_s34_overlap.py --out /tmp/overlap.json \
+    t=$((CALL_LIMIT - SECONDS - 170)); ((t > 240)) && t=240
+    timeout $t python3 bench/experiments/gpu_s34_overlap.py \
+        --out /tmp/overlap.json \
         > "$OUT/overlap.log" 2>&1
     echo "overlap: rc $? at $SECONDS s"
-    sed -n '/^| what/,$p' "$OUT/overlap.log"; tail -3 "$OUT/overlap.log"
+    sed -n '/^| what/,$p' "$OUT/overlap.log"; grep -E "^overlap_prepass|Error|error" \
+        "$OUT/overlap.log" | cut -c1-300 | tail -8
 fi
 if [[ "${PROBES:-0}" == 1 ]]; then
     # on any card, last: the S-ahead probes (s33_s_ahead.patch, applied here only; their

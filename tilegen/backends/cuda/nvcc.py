@@ -364,10 +364,18 @@ def compile_cuda(source: Source, target: Target, out_dir: str | Path | None = No
     )
 
 
+#: the longest source file stem nvcc's intermediates take (255 bytes, less their prefix and
+#: suffix, with room to spare)
+MAX_NVCC_STEM = 200
+
+
 def _run_nvcc(source: CxxSource, nvcc: Path, version: str, arch: str, key: str,
               cubin_name: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tilegen-nvcc-") as tmp:
-        src = Path(tmp) / source.name
+        # nvcc names its intermediates tmpxft_<16 chars>-<n>_<stem>.cudafe1.gpu: a config's
+        # long name would pass the file system's 255 bytes, so such a source goes by its key
+        name = source.name if len(Path(source.name).stem) <= MAX_NVCC_STEM else f"{key}.cu"
+        src = Path(tmp) / name
         src.write_text(source.text)
         include = source.write_headers(Path(tmp) / "include")
         out = Path(tmp) / cubin_name

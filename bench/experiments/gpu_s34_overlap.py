@@ -150,6 +150,11 @@ def main() -> int:
             cur.wait_stream(s_kernel)
         return run
 
+    # the bound first, printed before anything of the knob runs (a hang there loses nothing)
+    first = {"pass alone": prepass, "kernel + plan alone": kernel, "both, one stream": serial,
+             "both, two streams (pass high)": beside(streams["pass high"])}
+    print("bound: " + ", ".join(f"{n} {do_bench(fn, rep=200):.3f}" for n, fn in first.items()),
+          flush=True)
     beside_op = tilegen.load(spec, overlap_config(op.config), backend="cuda", target="sm_90")
     checks = {}
     for per_sm in PER_SM:

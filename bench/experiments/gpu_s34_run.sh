@@ -25,7 +25,7 @@ timeout $((h200 ? 170 : 240)) python3 bench/experiments/gpu_s34_overlap.py --rep
     --out /tmp/overlap.json > "$OUT/overlap.log" 2>&1
 echo "overlap: rc $? at $SECONDS s"
 sed -n '/^| what/,$p' "$OUT/overlap.log"
-grep -E "^overlap_prepass|Error|error" "$OUT/overlap.log" | cut -c1-300 | tail -8
+grep -E "^bound|^overlap_prepass|Error|error" "$OUT/overlap.log" | cut -c1-300 | tail -8
 # the knob joins the tune only if it passed everything and gained
 overlap_space=$(python3 - <<'EOF' 2>/dev/null
 import json

@@ -13,11 +13,14 @@ the op runs), the kernel + plan alone (`from_quantized`), both in one stream, bo
 streams (the pass's stream at high priority, then at low), and the op's call.
 
 Then the built overlap (``overlap_prepass``: the pass as a grid of one wave counting each
-head's work, the kernel by programmatic dependent launch waiting for its head's count), the
-winner's config with the knob, at `quant.READY_PROGRAMS_PER_SM` of 2, 4 and 8: checked first
-(o and lse of ten calls bit-equal to the shipped op's on the default workload, and the
-quantized rule on 4 heads), then timed beside the rows above, with the ready pass alone.
-``--prebuild``: the knob's cubins of the H100 and H200 winners here (no GPU).
+head's work, the kernel by programmatic dependent launch waiting for its head's count) on one
+consumer a CTA, K ring 2, V ring 3, the linear P (`ONE_CONSUMER`: the pass's programs, 128
+registers each, leave room for one such CTA an SM; a two-consumer CTA takes the whole register
+file), at `quant.READY_PROGRAMS_PER_SM` of 2, 4 and 8 (8 leaves the kernel no room: a
+control): checked first (o and lse of ten calls bit-equal to the same config's without the
+knob on the default workload, and the quantized rule on 4 heads), then timed beside the rows
+above (and that config's op without the knob), with the ready pass alone.
+``--prebuild``: the knob's cubins here (no GPU).
 """
 
 from __future__ import annotations
@@ -33,12 +36,21 @@ from tilegen import captures
 from tilegen.spec import Spec
 
 PER_SM = (2, 4, 8)
+#: the config the knob is measured on (the H200 winner's rings and copies, the linear P)
+ONE_CONSUMER = {"consumers": 1, "k_stages": 2, "v_stages": 3, "kv_tile": 128,
+                "kv_copies": "bulk", "q_in_kernel": True, "p_exp": "linear", "row_sum": "mma"}
 
 
 def overlap_config(cfg):
     from tilegen.backends.cuda import wgmma
 
     return wgmma.config(**{**dict(cfg.options), "overlap_prepass": True})
+
+
+def one_consumer():
+    from tilegen.backends.cuda import wgmma
+
+    return wgmma.config(**ONE_CONSUMER)
 
 
 def prebuild() -> None:
@@ -50,14 +62,18 @@ def prebuild() -> None:
     winners.SHIPPED_DIR = ROOT / "tuning_db"
     target = get_target("sm_90")
     spec = Spec(quant="int8_fp8")
-    for device in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
-        w = winners.find_winner(spec, target, backend="cuda", device_name=device)
-        op = tilegen.load(spec, overlap_config(w.config), backend="cuda", target="sm_90")
-        for lse in (True, False):
-            run = op._launch_for(lse)
-            art = compile_cuda(run.source, target, None, run.digest)
-        print(f"prebuilt {device}'s winner with overlap_prepass: {art.registers} registers, "
-              f"spills {art.spill_bytes}", flush=True)
+    configs = {device: winners.find_winner(spec, target, backend="cuda",
+                                           device_name=device).config
+               for device in ("NVIDIA H200", "NVIDIA H100 80GB HBM3")}
+    for name, cfg in {**configs, "one consumer": one_consumer()}.items():
+        for knob in (False, True):
+            op = tilegen.load(spec, overlap_config(cfg) if knob else cfg, backend="cuda",
+                              target="sm_90")
+            for lse in (True, False):
+                run = op._launch_for(lse)
+                art = compile_cuda(run.source, target, None, run.digest)
+            print(f"prebuilt {name} (overlap_prepass {knob}): {art.registers} registers, "
+                  f"spills {art.spill_bytes}", flush=True)
 
 
 _EMULATED: dict = {}
@@ -155,11 +171,13 @@ def main() -> int:
              "both, two streams (pass high)": beside(streams["pass high"])}
     print("bound: " + ", ".join(f"{n} {do_bench(fn, rep=200):.3f}" for n, fn in first.items()),
           flush=True)
-    beside_op = tilegen.load(spec, overlap_config(op.config), backend="cuda", target="sm_90")
+    base_op = tilegen.load(spec, one_consumer(), backend="cuda", target="sm_90")
+    beside_op = tilegen.load(spec, overlap_config(one_consumer()), backend="cuda",
+                             target="sm_90")
     checks = {}
     for per_sm in PER_SM:
         quant.READY_PROGRAMS_PER_SM = per_sm
-        checks[per_sm] = check(op, beside_op, spec)
+        checks[per_sm] = check(base_op, beside_op, spec)
         print(f"overlap_prepass, {per_sm} programs an SM: {checks[per_sm]}", flush=True)
     ready = torch.zeros(q.shape[0] * q.shape[2], dtype=torch.int32, device="cuda")
 
@@ -172,13 +190,15 @@ def main() -> int:
     rows = {"pass alone": prepass, "kernel + plan alone": kernel, "both, one stream": serial,
             **{f"both, two streams ({name})": beside(p) for name, p in streams.items()},
             "op": lambda: op(q, k, v, idx, vbs, return_lse=False),
-            "op with lse": lambda: op(q, k, v, idx, vbs)}
+            "op with lse": lambda: op(q, k, v, idx, vbs),
+            "op 1c K2 V3 linear": lambda: base_op(q, k, v, idx, vbs, return_lse=False),
+            "op 1c K2 V3 linear with lse": lambda: base_op(q, k, v, idx, vbs)}
     for per_sm in PER_SM:
         rows[f"ready pass alone, {per_sm} an SM"] = at(per_sm, lambda: quant.quantize(
             q, k, v, vbs, with_q=False, ready=ready, **quant_layout_of(op)))
-        rows[f"op overlap_prepass, {per_sm} an SM"] = at(
+        rows[f"op 1c overlap_prepass, {per_sm} an SM"] = at(
             per_sm, lambda: beside_op(q, k, v, idx, vbs, return_lse=False))
-        rows[f"op overlap_prepass with lse, {per_sm} an SM"] = at(
+        rows[f"op 1c overlap_prepass with lse, {per_sm} an SM"] = at(
             per_sm, lambda: beside_op(q, k, v, idx, vbs))
     times: dict[str, list[float]] = {name: [] for name in rows}
     for rnd in range(args.reps):

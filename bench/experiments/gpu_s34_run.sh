@@ -32,8 +32,8 @@ import json
 r = json.load(open("/tmp/overlap.json"))
 ok = all(c["passed"] and c["bit_equal_calls"] == 10 for c in r["checks"].values())
 best = r["best_ms"]
-beside = min(t for n, t in best.items() if n.startswith("op overlap_prepass, "))
-print("false,true" if ok and beside < best["op"] * 0.995 else "false")
+beside = min(t for n, t in best.items() if n.startswith("op 1c overlap_prepass, "))
+print("false,true" if ok and beside < best["op 1c K2 V3 linear"] * 0.995 else "false")
 EOF
 )
 echo "overlap_prepass in the tune: ${overlap_space:-false}"

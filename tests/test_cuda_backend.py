@@ -747,3 +747,17 @@ def test_gpu_check_script_cpu_parts():
     lse = torch.tensor([0.5, float("-inf")])
     assert mod.lse_error(lse, lse) == 0 and mod.lse_error(lse, torch.tensor([0.5, 1.0])) == (
         float("inf"))
+
+
+@needs_nvcc
+def test_a_source_whose_name_nvcc_cannot_take_compiles_under_its_key():
+    """nvcc names its intermediates tmpxft_<...>_<stem>.cudafe1.gpu, so a stem of 218
+    characters (a config with many named knobs, session 34) made it fail with "File name too
+    long"; such a source is compiled under its variant key and cached under its own name."""
+    long_stem = "k_" + "x" * 216  # the length of that config's stem
+    assert len(long_stem) > nv.MAX_NVCC_STEM
+    text = ('extern "C" __global__ void long_named(float* out) { out[threadIdx.x] = 1.0f; }\n')
+    src = CxxSource(text, f"{long_stem}.cu", "none", "cuda")
+    art = nv.compile_cuda(src, SM90)
+    assert art.kernel_name == "long_named" and art.path.name == f"{long_stem}.sm_90a.cubin"
+    assert art.path.is_file() and art.spill_bytes == 0

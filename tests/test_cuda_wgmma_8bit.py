@@ -469,41 +469,11 @@ def test_q_in_kernel_is_named_only_when_set_and_is_the_same_kernel():
     assert "q_in_kernel=1" in " ".join(
         wgmma.violations(Q8.kernel_spec, wgmma.config(**wgmma.QUANT_DEFAULTS, q_in_kernel=1),
                          SM90))
-    # K's mean (lse's q.k̄ term, added in the kernel), the flag, then overlap_prepass's ready
-    # counts; the template declares them in that order
-    assert wgmma.QUANT_KERNEL_SIGNATURE[-4:] == (("k_mean", "ptr"), ("q_in_kernel", "i32"),
-                                                 ("ready", "ptr"), ("ready_target", "i32"))
+    # the kernel's last two arguments: K's mean (lse's q.k̄ term, added in the kernel) and the
+    # flag; the template declares them in that order
+    assert wgmma.QUANT_KERNEL_SIGNATURE[-2:] == (("k_mean", "ptr"), ("q_in_kernel", "i32"))
     text = texts[0]
-    assert (text.index("const float* __restrict__ k_mean") < text.index("int q_in_kernel,")
-            < text.index("const unsigned* __restrict__ ready,")
-            < text.index("int ready_target)"))
-
-
-def test_overlap_prepass_is_named_only_when_set_and_needs_q_in_kernel():
-    """``overlap_prepass`` (session 34): off leaves every name and the kernel's traits as they
-    were; on is named, reaches the template (the producer's wait for its head's ready count),
-    and is refused for the 16-bit kernel, for a non-bool, and without ``q_in_kernel`` (a cube's
-    Q load does not wait)."""
-    base = {**wgmma.QUANT_DEFAULTS, "q_in_kernel": True}
-    plain = wgmma.config(**base)
-    assert wgmma.config(**base, overlap_prepass=False) == plain
-    assert "overlap_prepass" not in plain.name
-    beside = wgmma.config(**base, overlap_prepass=True)
-    assert "overlap_prepass1" in beside.name
-    assert not wgmma.violations(Q8.kernel_spec, beside, SM90)
-    assert nv.cuda_traits(Q8, beside, SM90)["wait_ready"]
-    assert not nv.cuda_traits(Q8, plain, SM90)["wait_ready"]
-    text = nv.render_cuda(Q8, beside, SM90).text
-    assert "kWaitReady = true" in text
-    assert "kWaitReady = false" in nv.render_cuda(Q8, plain, SM90).text
-
-    def refused(spec, **options):
-        return " ".join(wgmma.violations(spec, wgmma.config(**options), SM90))
-
-    assert "16-bit kernel has no pre-pass" in refused(Spec(), overlap_prepass=True)
-    assert "overlap_prepass=1" in refused(Q8.kernel_spec, **base, overlap_prepass=1)
-    assert "takes q_in_kernel" in refused(Q8.kernel_spec, **wgmma.QUANT_DEFAULTS,
-                                          overlap_prepass=True)
+    assert text.index("const float* __restrict__ k_mean") < text.index("int q_in_kernel)")
 
 
 def test_p_exp_and_row_sum_are_named_only_when_set_and_refused_where_they_cannot_build():
@@ -586,25 +556,6 @@ def test_the_shipped_8bit_winners_keep_their_mmas_asynchronous(monkeypatch):
             assert not _SERIALIZED.search(log), (w.config.name, log)
             assert art.spill_bytes == 0, w.config.name
     assert len(built) == 3  # H200's; H100's at TOPK 78 and at 31
-
-
-def test_overlap_prepass_builds_its_wait_without_spills_or_serialized_mmas():
-    """``overlap_prepass`` on the H100 winner's config: the producer's wait (an acquire load in
-    a loop, then the async-proxy fence) compiles for sm_90a with the MMAs asynchronous and no
-    spills, and the SASS has the acquire (LDG with .STRONG.GPU) only with the knob."""
-    base = {**wgmma.QUANT_DEFAULTS, "k_stages": 2, "v_stages": 3, "kv_copies": "bulk",
-            "q_in_kernel": True, "p_exp": "linear", "row_sum": "mma"}
-    sass = {}
-    for on in (False, True):
-        cfg = wgmma.config(**base, overlap_prepass=on)
-        art = nv.compile_cuda(nv.render_cuda(Q8, cfg, SM90), SM90)
-        assert not _SERIALIZED.search(_ptxas_log(art)), (on, _ptxas_log(art))
-        assert art.spill_bytes == 0, on
-        sass[on] = subprocess.run([str(CUOBJDUMP), "-sass", str(art.path)], capture_output=True,
-                                  text=True, check=True).stdout
-    assert "FENCE.VIEW.ASYNC" in sass[True] or "FENCE" in sass[True]
-    acquire = re.compile(r"LDG\.E\.STRONG\.GPU")
-    assert acquire.search(sass[True]) and not acquire.search(sass[False])
 
 
 def test_q_in_kernel_quantizes_with_the_prepass_arithmetic():

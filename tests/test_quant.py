@@ -306,29 +306,6 @@ def test_triton_prepass_without_q_leaves_q_to_the_kernel(interpreter):
             quant.quantize_triton(q, k, v, vbs, "int8_fp8", tokens=tokens)
 
 
-@pytest.mark.parametrize("programs", [3, 64])
-def test_ready_pass_writes_the_same_bytes_and_counts_each_head(interpreter, programs):
-    """``ready=`` (the op's pass beside its kernel, overlap_prepass): the grid of one wave
-    writes the bytes the plain pass writes (the op's layout: with_q=False, K8 and V^T as slotted
-    tiles), and leaves each (batch, head)'s count at `ready_count`, from any value it held
-    before (the statistics' launch zeroes it); fewer programs than items, and more."""
-    q, k, v, vbs, _ = _qkv(7, S=2 * 64, D=128)
-    layout = dict(with_q=False, k_tiles=True, vt_tiles=True, vt_slots=True)
-    plain = quant.quantize_triton(q, k, v, vbs, "int8_fp8", **layout)
-    ready = torch.full((2,), 99, dtype=torch.int32)
-    got = quant.quantize_triton(q, k, v, vbs, "int8_fp8", ready=ready, ready_programs=programs,
-                                **layout)
-    for name in ("k8", "k_scale", "k_mean", "v_scale", "v_mean"):
-        assert torch.equal(getattr(got, name), getattr(plain, name)), name
-    assert torch.equal(got.v8t.view(torch.uint8), plain.v8t.view(torch.uint8))
-    want = quant.ready_count(q.shape[1], "int8_fp8", with_q=False)
-    assert want == 2 * 64 // 32 * 2 and ready.tolist() == [want, want]
-    with pytest.raises(ValueError, match="int32 of shape"):
-        quant.quantize_triton(q, k, v, vbs, "int8_fp8", ready=ready[:1], **layout)
-    with pytest.raises(ValueError, match="a CPU pass has none"):
-        quant.quantize(q, k, v, vbs, "int8_fp8", ready=ready)
-
-
 def test_vt_tiles_are_the_natural_layout_reordered(interpreter):
     """``vt_tiles=True`` (the kernel's 128-byte-row V^T loads): every pre-pass writes the same
     bytes as the (B, H, D, S) layout, in 32-key tiles whose 16-byte halves follow the shared

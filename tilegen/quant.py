@@ -102,9 +102,6 @@ V_HEADROOM = 8.0
 SAMPLE_CUBES = 16
 #: key tokens that share one INT8 scale: a 32-key half of a cube (the 8-bit kernels' K box)
 K_SCALE_GROUP = 32
-#: `quantize_triton(..., ready=...)`'s programs an SM by default: few enough that the kernel
-#: launched beside the pass finds room on every SM (bench/NOTES.md, session 34)
-READY_PROGRAMS_PER_SM = 4
 
 
 @dataclass(frozen=True)
@@ -411,18 +408,16 @@ def _normed_rows(x, RSQRT, W, COS, SIN, norm_row, tok, h, HEAD_DIM: tl.constexpr
 
 
 @triton.jit
-def _stats_kernel(K, V, SRC, KMEAN, VSCALE, VMEAN, RSQRT, KW, COS, SIN, READY, batch, in_len,
+def _stats_kernel(K, V, SRC, KMEAN, VSCALE, VMEAN, RSQRT, KW, COS, SIN, batch, in_len,
                   num_heads, n_cubes, n_sample, GATHER: tl.constexpr, NORM_ROPE: tl.constexpr,
                   FP8_V: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK: tl.constexpr, SAMPLE: tl.constexpr, E4M3: tl.constexpr,
-                  HEADROOM: tl.constexpr, ZERO_READY: tl.constexpr):
+                  HEADROOM: tl.constexpr):
     """One program a (batch, head): k̄, and with FP8_V v̄ and V's channel scales, from the first
     token of n_sample cubes spread over the sequence; the pass's K and V programs read them
     (each computing them from the samples made the pass 15% slower: session 22,
     bench/NOTES.md)."""
     bh = tl.program_id(0).to(tl.int64)
-    if ZERO_READY:  # the pass after this one counts its finished work here (`ready`)
-        tl.store(READY + bh, 0)
     b = bh // num_heads
     h = bh % num_heads
     d = tl.arange(0, HEAD_DIM)
@@ -481,41 +476,6 @@ def _quantize_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, V
                        batch_heads, bh, chunk, part, cube, rows, GATHER, NORM_ROPE, POOL,
                        POOL_PARTS, POOL_LANE_ROWS, FP8_V, VT_TILES, VT_SLOTS, K_TILES, HEAD_DIM,
                        BLOCK, TOKENS, E4M3, K_GROUP)
-
-
-@triton.jit
-def _quantize_ready_kernel(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, VMEAN, SRC,
-                           POOL_SUMS, RSQRT, QW, KW, COS, SIN, READY, seq_len, in_len,
-                           num_heads, batch_heads, FIRST_PART, n_items,
-                           PARTS: tl.constexpr, GATHER: tl.constexpr,
-                           NORM_ROPE: tl.constexpr, POOL: tl.constexpr,
-                           POOL_PARTS: tl.constexpr, POOL_LANE_ROWS: tl.constexpr,
-                           FP8_V: tl.constexpr, VT_TILES: tl.constexpr, VT_SLOTS: tl.constexpr,
-                           K_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                           TOKENS: tl.constexpr, E4M3: tl.constexpr, K_GROUP: tl.constexpr,
-                           TRIGGER: tl.constexpr):
-    # `_quantize_kernel`'s work as a grid of one wave (`quantize(..., ready=...)`): items in
-    # (batch x head, chunk, part) order, heads slowest, so that heads finish one after another;
-    # after each item its (batch, head)'s count in READY goes up by one, released at GPU scope
-    # once the whole program's stores are done (the barrier), for a kernel launched beside
-    # this one (TRIGGER: `griddepcontrol.launch_dependents` at once, as every program of a
-    # grid of one wave is resident) whose loads wait for the count
-    if TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
-    per_head = n_items // batch_heads
-    for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
-        bh = (item // per_head).to(tl.int64)
-        chunk = (item % per_head) // PARTS
-        part = (item % PARTS) + FIRST_PART
-        cube = chunk // (BLOCK // TOKENS)
-        rows = (chunk % (BLOCK // TOKENS)) * TOKENS + tl.arange(0, TOKENS)
-        _quantize_head(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, VMEAN, SRC,
-                       POOL_SUMS, RSQRT, QW, KW, COS, SIN, seq_len, in_len, num_heads,
-                       batch_heads, bh, chunk, part, cube, rows, GATHER, NORM_ROPE, POOL,
-                       POOL_PARTS, POOL_LANE_ROWS, FP8_V, VT_TILES, VT_SLOTS, K_TILES, HEAD_DIM,
-                       BLOCK, TOKENS, E4M3, K_GROUP)
-        tl.debug_barrier()
-        tl.atomic_add(READY + bh, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -594,21 +554,11 @@ def _quantize_head(Q, K, V, VBS, Q8, QSCALE, K8, KSCALE, KMEAN, V8T, VSCALE, VME
         tl.store(V8T + vt_off, tl.trans(v).to(tl.float8e4nv))
 
 
-def ready_count(seq_len: int, mode: str = "int8_fp8", *, with_q: bool = True,
-                tokens: int = 32) -> int:
-    """What `quantize(..., ready=...)` counts for a (batch, head) once all its outputs are
-    written: its programs' items (a tensor's ``tokens`` tokens each)."""
-    _check_mode(mode)
-    parts = (3 if mode == "int8_fp8" else 2) - (0 if with_q else 1)
-    return seq_len // tokens * parts
-
-
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
              mode: str = "int8_fp8", block: int = 64, *, with_q: bool = True,
              vt_tiles: bool = False, vt_slots: bool = False, k_tiles: bool = False,
              sources: torch.Tensor | None = None, pool: bool = False,
-             norm_rope: NormRope | None = None,
-             ready: torch.Tensor | None = None) -> QuantizedInputs:
+             norm_rope: NormRope | None = None) -> QuantizedInputs:
     """The pre-pass: Q, K (and V for ``"int8_fp8"``) quantized by the recipe (module
     docstring). On a GPU two Triton launches (one more with ``pool``, one with
     ``norm_rope``), no host sync; on a CPU `quantize_torch`.
@@ -625,11 +575,7 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tenso
     before Wan's RMSNorm across heads and rotary embedding, which the pass applies as it reads
     them, with `rms_norm_rope`'s arithmetic bit for bit (a launch first computes the norm's
     scales, `prologue.rms_rsqrt`): the outputs are those of ``quantize(*rms_norm_rope(q, k,
-    ...), v, ...)`` without the normalized q and k ever written.
-    ``ready`` (GPU only; int32, one a (batch, head)): the pass runs as a grid of one wave that
-    raises ``ready[b * H + h]`` as it finishes each of that head's items, to `ready_count` at
-    the end, so a kernel launched beside it (programmatic dependent launch, which the pass
-    triggers at once) can start on the heads already done (`quantize_triton`)."""
+    ...), v, ...)`` without the normalized q and k ever written."""
     import dataclasses
 
     _check_mode(mode)
@@ -639,9 +585,6 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tenso
         raise ValueError(f"k_tiles: K tiles are 128-byte swizzled rows, head_dim 128, not "
                          f"{q.shape[-1]}")
     if q.device.type == "cpu":
-        if ready is not None:
-            raise ValueError("ready counts the GPU pass's work as it runs; a CPU pass has "
-                             "none to count")
         if pool and not with_q:
             raise ValueError("pool=True pools q as the pass reads it: not with with_q=False")
         qi = quantize_torch(q, k, v, vbs, mode, block, vt_tiles=vt_tiles and not vt_slots,
@@ -655,7 +598,7 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tenso
         return qi
     return quantize_triton(q, k, v, vbs, mode, block, with_q=with_q, vt_tiles=vt_tiles,
                            vt_slots=vt_slots, k_tiles=k_tiles, sources=sources, pool=pool,
-                           norm_rope=norm_rope, ready=ready)
+                           norm_rope=norm_rope)
 
 
 def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torch.Tensor,
@@ -664,9 +607,7 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
                     vt_tiles: bool = False, vt_slots: bool = False, k_tiles: bool = False,
                     sources: torch.Tensor | None = None, pool: bool = False,
                     norm_rope: NormRope | None = None,
-                    heads_per_program: int | None = None,
-                    ready: torch.Tensor | None = None,
-                    ready_programs: int | None = None) -> QuantizedInputs:
+                    heads_per_program: int | None = None) -> QuantizedInputs:
     """The Triton pre-pass (what `quantize` runs on a GPU; the tests run it under the
     interpreter on CPU tensors); ``tokens`` a program: a power of two from 32 (K's scale
     group) to ``block``.
@@ -682,10 +623,7 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     head) can come from L1 after a program's first head. Measured on an H100 (session 26,
     bench/NOTES.md), the fused pass with its scales takes 1.50-1.53 ms at 1-8 heads a program
     against 1.29 for `prologue.rms_norm_rope` and the plain pass: the prologue's arithmetic in
-    this latency-bound pass costs more than the 670 MB of writes it saves.
-    ``ready`` (`quantize`): the pass as `_quantize_ready_kernel`, ``ready_programs`` programs
-    (by default `READY_PROGRAMS_PER_SM` an SM of the device, 8 on a CPU), heads one after
-    another; ``heads_per_program`` is then 1."""
+    this latency-bound pass costs more than the 670 MB of writes it saves."""
     _check_mode(mode)
     if vt_slots and mode != "int8_fp8":
         raise ValueError("vt_slots orders the e4m3 V^T of int8_fp8: not for mode 'int8'")
@@ -703,14 +641,6 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     if k_tiles and D != 128:
         raise ValueError(f"k_tiles: K tiles are 128-byte swizzled rows, head_dim 128, not {D}")
     n = S // block
-    if ready is not None:
-        if heads_per_program not in (None, 1):
-            raise ValueError("ready: the pass takes heads one after another, "
-                             "heads_per_program 1")
-        heads_per_program = 1
-        if ready.dtype != torch.int32 or ready.shape != (B * H,) or ready.device != q.device:
-            raise ValueError(f"ready: int32 of shape ({B * H},) on {q.device}, one a (batch, "
-                             f"head); got {ready.dtype} {tuple(ready.shape)} on {ready.device}")
     if heads_per_program is None:
         heads_per_program = next(g for g in (8, 4, 2, 1) if H % g == 0) if norm_rope else 1
     if heads_per_program < 1 or H % heads_per_program:
@@ -751,32 +681,19 @@ def quantize_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vbs: torc
     # without fp8 V its statistics are not written: k_mean stands in for the pointers
     _stats_kernel[(B * H,)](
         k, v, src, k_mean, v_scale if fp8 else k_mean, v_mean if fp8 else k_mean,
-        *prologue_args[:1], *prologue_args[2:], k_mean if ready is None else ready, B, S_in, H,
-        n, n_sample, GATHER=sources is not None, NORM_ROPE=norm_rope is not None, FP8_V=fp8,
-        HEAD_DIM=D, BLOCK=block,
+        *prologue_args[:1], *prologue_args[2:], B, S_in, H, n, n_sample,
+        GATHER=sources is not None, NORM_ROPE=norm_rope is not None, FP8_V=fp8, HEAD_DIM=D,
+        BLOCK=block,
         SAMPLE=triton.next_power_of_2(SAMPLE_CUBES), E4M3=E4M3_MAX, HEADROOM=V_HEADROOM,
-        ZERO_READY=ready is not None, num_warps=num_warps)
-    pass_args = (q, k, v, vbs, q8, q_scale, k8, k_scale, k_mean,
-                 v8t if fp8 else q8, v_scale if fp8 else q_scale, v_mean if fp8 else q_scale,
-                 src, pool_sums, *prologue_args)
-    pass_meta = dict(GATHER=sources is not None, NORM_ROPE=norm_rope is not None, POOL=pool,
-                     POOL_PARTS=pool_parts, POOL_LANE_ROWS=min(lane_rows, tokens), FP8_V=fp8,
-                     VT_TILES=vt_tiles, VT_SLOTS=vt_slots, K_TILES=k_tiles, HEAD_DIM=D,
-                     BLOCK=block, TOKENS=tokens, E4M3=E4M3_MAX, K_GROUP=K_SCALE_GROUP,
-                     num_warps=num_warps)
-    if ready is None:
-        _quantize_kernel[(chunks * B * H // heads_per_program, 1, parts)](
-            *pass_args, S, S_in, H, B * H, 0 if with_q else 1, HEADS=heads_per_program,
-            **pass_meta)
-    else:
-        items = chunks * parts * B * H
-        if ready_programs is None:
-            ready_programs = READY_PROGRAMS_PER_SM * (
-                torch.cuda.get_device_properties(dev).multi_processor_count
-                if dev.type == "cuda" else 1)
-        _quantize_ready_kernel[(max(1, min(items, ready_programs)),)](
-            *pass_args, ready, S, S_in, H, B * H, 0 if with_q else 1, items, PARTS=parts,
-            TRIGGER=dev.type == "cuda", **pass_meta)
+        num_warps=num_warps)
+    _quantize_kernel[(chunks * B * H // heads_per_program, 1, parts)](
+        q, k, v, vbs, q8, q_scale, k8, k_scale, k_mean,
+        v8t if fp8 else q8, v_scale if fp8 else q_scale, v_mean if fp8 else q_scale, src,
+        pool_sums, *prologue_args, S, S_in, H, B * H, 0 if with_q else 1,
+        HEADS=heads_per_program, GATHER=sources is not None, NORM_ROPE=norm_rope is not None,
+        POOL=pool, POOL_PARTS=pool_parts, POOL_LANE_ROWS=min(lane_rows, tokens),
+        FP8_V=fp8, VT_TILES=vt_tiles, VT_SLOTS=vt_slots, K_TILES=k_tiles, HEAD_DIM=D,
+        BLOCK=block, TOKENS=tokens, E4M3=E4M3_MAX, K_GROUP=K_SCALE_GROUP, num_warps=num_warps)
     tiles, slots = vt_tiles and fp8, vt_slots and fp8
     pooled = {}
     if pool:

@@ -8,15 +8,6 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash bench/experiments/gpu_s32_prepare.sh
 export TILEGEN_CACHE_DIR=$PWD/.kcache
-# session 34: overlap_prepass, the winners' and the tune space's (gpu_s34_run.sh)
-python3 bench/experiments/gpu_s34_overlap.py --prebuild
-source bench/experiments/gpu_s32_space.sh
-python3 bench/experiments/prebuild_cuda_space.py int8_fp8 0 2 "${SPACE[@]}" \
-    --space overlap_prepass=true > /tmp/s34_prebuild0.log &
-python3 bench/experiments/prebuild_cuda_space.py int8_fp8 1 2 "${SPACE[@]}" \
-    --space overlap_prepass=true > /tmp/s34_prebuild1.log
-wait
-grep -h "feasible" /tmp/s34_prebuild0.log
 git apply bench/experiments/s33_s_ahead.patch
 trap 'git apply -R bench/experiments/s33_s_ahead.patch' EXIT
 python3 bench/experiments/gpu_s32_probes.py --set 3 --prebuild

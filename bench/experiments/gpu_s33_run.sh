@@ -6,7 +6,6 @@
 # (bench/specs/int8_fp8_topk31.toml; run 4), or with NCU=1 Nsight Compute on the ex2 and the
 # linear P kernels (run 5). Run 2 was the H100's pre-pass probe, run 3 one and
 # two consumers at TOPK 31 and 187 (`gpu_s32_bits.py --topk`).
-# With OVERLAP=1, on any card: gpu_s34_overlap.py (session 34).
 # With PROBES=1, last and on any card: the S-ahead probes (gpu_s32_probes.py --set 3 with
 # s33_s_ahead.patch applied on the device only).
 # Before the call, on the CPU machine: bash bench/experiments/gpu_s33_prepare.sh.
@@ -62,18 +61,6 @@ elif [[ "${NCU:-0}" == 1 ]]; then
     done
 else
     echo "GPU: $gpu: not an H200 (TOPK31_TUNE=1: the TOPK-31 tune; NCU=1: profiles)"
-fi
-if [[ "${OVERLAP:-0}" == 1 ]] && ((CALL_LIMIT - SECONDS > 200)); then
-    # on any card (session 34): the pre-pass and the kernel on two streams, the bound of
-    # an overlap (gpu_s34_overlap.py)
-    export TILEGEN_CACHE_DIR=$PWD/.kcache
-    t=$((CALL_LIMIT - SECONDS - 170)); ((t > 240)) && t=240
-    timeout $t python3 bench/experiments/gpu_s34_overlap.py \
-        --out /tmp/overlap.json \
-        > "$OUT/overlap.log" 2>&1
-    echo "overlap: rc $? at $SECONDS s"
-    sed -n '/^| what/,$p' "$OUT/overlap.log"; grep -E "^overlap_prepass|Error|error" \
-        "$OUT/overlap.log" | cut -c1-300 | tail -8
 fi
 if [[ "${PROBES:-0}" == 1 ]]; then
     # on any card, last: the S-ahead probes (s33_s_ahead.patch, applied here only; their

@@ -4,8 +4,12 @@ upper bound before building it. The pre-pass (HBM-bound, 0.436 ms on an H100) an
 with no dependency between them (the kernel reads an earlier pass's outputs), so the time of
 both together against their sum bounds what an overlap with per-head ready flags could take.
 
+    git apply bench/experiments/s34_overlap_prepass.patch      (the knob: not landed)
     PYTHONPATH=$PWD TILEGEN_CACHE_DIR=$PWD/.kcache python3 bench/experiments/gpu_s34_overlap.py \
         --out $OUT/overlap.json
+
+Measured on an H100 (bench/RESULTS.md, session 34): the bound is nothing (two streams +0.009 ms
+against the sum) and the knob 4-6% slower, so it is not landed.
 
 Rows (default workload, TOPK 78 unless --topk, the shipped winner of this card; best of the
 rounds, each `triton.testing.do_bench`): the pass alone (`op.quantize(..., with_q=False)`, what
@@ -135,8 +139,8 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}: {op!r}", flush=True)
     qi = op.quantize(q, k, v, vbs)  # with Q: from_quantized takes Q8
 
-    def prepass():
-        return op.quantize(q, k, v, vbs, with_q=False)
+    def prepass():  # the op's own pass (with_q=False: its kernel quantizes Q)
+        return quant.quantize(q, k, v, vbs, with_q=False, **quant_layout_of(op))
 
     def kernel():
         return op.from_quantized(qi, idx, vbs, return_lse=False)

@@ -197,33 +197,14 @@ class CudaKernel:
             check(cuda.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
     def launch(self, params: LaunchParams, args: list[tuple[str, str, Any]],
-               stream: int, *, after_trigger: bool = False) -> None:
-        """Launch on `stream`. ``after_trigger``: programmatic dependent launch, so the grid may
-        start once every CTA of the kernel before it in the stream has run
-        ``griddepcontrol.launch_dependents``, before that kernel ends (this one must then wait
-        for what it reads itself, as the 8-bit kernel's ready counts do)."""
+               stream: int) -> None:
         cuda = driver()
         self.make_current()
         array, _keep = pack_args(args)
-        name = self.artifact.kernel_name
-        if not after_trigger:
-            check(cuda.cuLaunchKernel(self.function, *params.grid, *params.block,
-                                      params.shared_bytes, cuda.CUstream(stream),
-                                      ctypes.addressof(array), 0),
-                  f"cuLaunchKernel({name})")
-            return
-        config = cuda.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = params.grid
-        config.blockDimX, config.blockDimY, config.blockDimZ = params.block
-        config.sharedMemBytes = params.shared_bytes
-        config.hStream = cuda.CUstream(stream)
-        attr = cuda.CUlaunchAttribute()
-        attr.id = cuda.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        config.attrs = [attr]
-        config.numAttrs = 1
-        check(cuda.cuLaunchKernelEx(config, self.function, ctypes.addressof(array), 0),
-              f"cuLaunchKernelEx({name}, programmatic stream serialization)")
+        check(cuda.cuLaunchKernel(self.function, *params.grid, *params.block,
+                                  params.shared_bytes, cuda.CUstream(stream),
+                                  ctypes.addressof(array), 0),
+              f"cuLaunchKernel({self.artifact.kernel_name})")
 
 
 # -- the op -------------------------------------------------------------------------------------

@@ -42,11 +42,6 @@ one, on targets whose target.toml lists a wgmma instruction (sm_90). Its knobs, 
                     linear in the exponent's fraction; the row max on S's int32 by DPX: no MUFU
                     a score; `tilegen.quant` p_exp). Takes row_sum "mma". Named only when not
                     "ex2"
-    overlap_prepass the 8-bit op's call launches this kernel beside its pre-pass
-                    (programmatic dependent launch): the pass, a grid of one wave, raises a
-                    count a (batch, head) as it finishes that head's K8, scales and V^T, and
-                    each cube's loads wait for its head's, so the kernel's first heads run
-                    under the pass's last. Named only when true
 
 With ``Spec(quant="int8_fp8")`` the same knobs build the 8-bit kernel
 (templates/cuda/lut_wgmma_quant_kernel.cu.j2 over sm90/lut_attention_8bit.cuh): the recipe of
@@ -94,7 +89,7 @@ DEFAULTS: dict[str, Any] = {
 #: knobs a config names only when set to another value than this (`config`), so that adding
 #: one renamed no config (or winner) of before
 OPTIONAL: dict[str, Any] = {"kv_copies": "tma", "q_in_kernel": False, "row_sum": "fadd",
-                            "p_exp": "ex2", "overlap_prepass": False}
+                            "p_exp": "ex2"}
 KV_COPIES = ("tma", "bulk")
 ROW_SUMS = ("fadd", "mma")
 P_EXPS = ("ex2", "linear")
@@ -246,14 +241,6 @@ def violations(spec: Spec, cfg: KernelConfig, target: Target) -> list[str]:
                         "kernel's P is bf16/fp16")
     elif opts["p_exp"] == "linear" and opts["row_sum"] != "mma":
         problems.append("p_exp 'linear' leaves no fp32 P to add: it takes row_sum 'mma'")
-    if type(opts["overlap_prepass"]) is not bool:
-        problems.append(f"overlap_prepass={opts['overlap_prepass']!r}: true or false")
-    elif opts["overlap_prepass"] and not quant:
-        problems.append("overlap_prepass runs the 8-bit pre-pass beside the kernel; the 16-bit "
-                        "kernel has no pre-pass")
-    elif opts["overlap_prepass"] and opts["q_in_kernel"] is not True:
-        problems.append("overlap_prepass takes q_in_kernel: a cube's Q load does not wait for "
-                        "the pre-pass, so Q must be the 16-bit q")
     if quant and cfg.store_max_prob:
         problems.append("max_prob: the 8-bit kernel does not write the softmax signal")
     if (cfg.block_m, cfg.block_n, cfg.num_warps) != (64, 64, 4):
@@ -366,7 +353,6 @@ def traits(spec: Spec, cfg: KernelConfig, target: Target) -> dict[str, Any]:
         "bulk_kv": opts["kv_copies"] == "bulk",
         "linear_p": opts["p_exp"] == "linear",
         "mma_row_sum": opts["row_sum"] == "mma",
-        "wait_ready": opts["overlap_prepass"],
         "producer_regs": PRODUCER_REGS,
     }
 
@@ -404,7 +390,7 @@ QUANT_KERNEL_SIGNATURE: tuple[tuple[str, str], ...] = (
     ("num_heads", "i32"), ("batch_heads", "i32"), ("num_q_blocks", "i32"), ("topk", "i32"),
     ("qk_scale", "f32"), ("zero_pad_rows", "i32"), ("o_tokens", "ptr"), ("out_rows", "ptr"),
     ("out_seq_len", "i32"), ("k8_tiles", "ptr"), ("vt_tiles", "ptr"), ("k_mean", "ptr"),
-    ("q_in_kernel", "i32"), ("ready", "ptr"), ("ready_target", "i32"),
+    ("q_in_kernel", "i32"),
 )
 
 

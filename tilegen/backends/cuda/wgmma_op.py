@@ -118,8 +118,7 @@ class WgmmaLaunch:
             values["max_prob"], values["max_prob_cube"] = (t.data_ptr() for t in max_prob_out)
         self._launch(q.device, values, nq, batch, heads)
 
-    def _launch(self, device, values: dict[str, Any], nq: int, batch: int, heads: int,
-                after_trigger: bool = False) -> None:
+    def _launch(self, device, values: dict[str, Any], nq: int, batch: int, heads: int) -> None:
         import torch
 
         from tilegen.backends.cuda.runtime import LaunchParams
@@ -131,8 +130,7 @@ class WgmmaLaunch:
                               shared_bytes=self.traits["smem_bytes"],
                               default_shared_limit=self.target.default_shared_per_block)
         self.kernel(index).launch(params, wgmma.kernel_args(values, self.traits["quant"]),
-                                  torch.cuda.current_stream(device).cuda_stream,
-                                  after_trigger=after_trigger)
+                                  torch.cuda.current_stream(device).cuda_stream)
 
 
 def quant_layout(bulk: bool) -> dict[str, bool]:
@@ -162,6 +160,7 @@ class WgmmaQuantLaunch(WgmmaLaunch):
                  q_vbs=None, quantized=None, out_rows=None) -> None:
         from tilegen import quant
         from tilegen.backends.cuda.tensor_map import byte_geometry, encode, tile_geometry
+        from tilegen.backends.gluon.prepass import run_halves_prepass, run_halves_window_prepass
 
         if o32 is not None or q_vbs is not None or max_prob_out is not None:
             raise ValueError("the 8-bit CUDA wgmma kernel writes neither an O for a backward "
@@ -169,16 +168,8 @@ class WgmmaQuantLaunch(WgmmaLaunch):
         bulk = self.opts["kv_copies"] == "bulk"
         # Q quantized in the kernel unless the inputs come quantized (from_quantized: Q8 given)
         q_in_kernel = self.opts["q_in_kernel"] and quantized is None
-        # overlap_prepass: the plan first, then the pass counting each head's work into
-        # `ready`, then the kernel launched beside it, its loads waiting for those counts
-        ready = None
-        if self.opts["overlap_prepass"] and quantized is None:
-            bufs = self._plan(q.device, q.shape, topk_idx, vbs, counts, err, windows, cube_grid,
-                              topk)
-            ready = self._ready(q.device, q.shape[0] * q.shape[2])
         qi = quantized if quantized is not None else quant.quantize(
-            q, k, v, vbs, self.spec.quant, with_q=not q_in_kernel, ready=ready,
-            **quant_layout(bulk))
+            q, k, v, vbs, self.spec.quant, with_q=not q_in_kernel, **quant_layout(bulk))
         if not qi.vt_slots or qi.vt_tiles != bulk or qi.k_tiles != bulk:
             raise ValueError(
                 f"this CUDA wgmma 8-bit config (kv_copies={self.opts['kv_copies']!r}) reads "
@@ -207,9 +198,14 @@ class WgmmaQuantLaunch(WgmmaLaunch):
         nq, nkv = seq_len // self.spec.block_q, vbs.shape[0]
         if windows is None:
             topk = topk_idx.shape[3]
-        if ready is None:
-            bufs = self._plan(qi.k8.device, (batch, seq_len, heads, dim), topk_idx, vbs, counts,
-                              err, windows, cube_grid, topk)
+        rows = batch * heads * nq
+        bufs = self._buffers(qi.k8.device, rows, topk, nkv)
+        pack = self.opts["pack_partials"]
+        if windows is not None:
+            run_halves_window_prepass(windows, vbs, bufs, rows, heads, nq, cube_grid, topk, err,
+                                      pack=pack)
+        else:
+            run_halves_prepass(topk_idx, vbs, counts, bufs, rows, nkv, topk, err, pack=pack)
         cols = heads * dim
         if q_in_kernel:  # the 16-bit q, as o's panels: the kernel quantizes it
             q8_map = encode(q.data_ptr(), tile_geometry(tuple(q.shape), "bshd", 64),
@@ -242,46 +238,9 @@ class WgmmaQuantLaunch(WgmmaLaunch):
             "batch_heads": batch * heads, "num_q_blocks": nq, "topk": topk,
             "qk_scale": float(sm_scale) * LOG2E,
             "zero_pad_rows": int(bool(zero_pad_rows) and nkv == nq)}
-        if ready is not None:
-            values["ready"] = ready.data_ptr()
-            values["ready_target"] = quant.ready_count(seq_len, self.spec.quant,
-                                                       with_q=not q_in_kernel)
-        else:
-            values["ready_target"] = 0
         if lse is not None and self.cfg.store_lse:
             values["lse"] = lse.data_ptr()
-        self._launch(qi.k8.device, values, nq, batch, heads, after_trigger=ready is not None)
-
-    def _plan(self, device, shape, topk_idx, vbs, counts, err, windows, cube_grid,
-              topk: int) -> dict:
-        """The Gluon family's 8-bit plan (tiles in 32-key halves) into this launch's buffers."""
-        from tilegen.backends.gluon.prepass import run_halves_prepass, run_halves_window_prepass
-
-        batch, seq_len, heads, _ = shape
-        nq, nkv = seq_len // self.spec.block_q, vbs.shape[0]
-        if windows is None:
-            topk = topk_idx.shape[3]
-        rows = batch * heads * nq
-        bufs = self._buffers(device, rows, topk, nkv)
-        pack = self.opts["pack_partials"]
-        if windows is not None:
-            run_halves_window_prepass(windows, vbs, bufs, rows, heads, nq, cube_grid, topk, err,
-                                      pack=pack)
-        else:
-            run_halves_prepass(topk_idx, vbs, counts, bufs, rows, nkv, topk, err, pack=pack)
-        return bufs
-
-    def _ready(self, device, batch_heads: int):
-        """The pre-pass's count a (batch, head) (`tilegen.quant.quantize`'s ``ready``), one
-        buffer a device and size: the pass's statistics launch zeroes it each call, after the
-        previous call's kernel (the stream's order)."""
-        import torch
-
-        key = ("ready", str(device), batch_heads)
-        buf = self._bufs.get(key)
-        if buf is None:
-            buf = self._bufs[key] = torch.zeros(batch_heads, dtype=torch.int32, device=device)
-        return buf
+        self._launch(qi.k8.device, values, nq, batch, heads)
 
 
 class CudaWgmmaAttention(GluonBlockSparseAttention):

@@ -101,20 +101,6 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// ---- a flag another grid raises (programmatic dependent launch: that grid may still run) ----
-// Spin until `*flag` reaches `target` (an acquire at GPU scope: the raiser's writes before its
-// release are visible after), then a proxy fence, so that bulk and tensor copies (the async
-// proxy) read those writes too.
-__device__ __forceinline__ void wait_flag_at_least(const unsigned* flag, unsigned target) {
-  unsigned seen;
-  while (true) {
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(seen) : "l"(flag) : "memory");
-    if (seen >= target) break;
-    __nanosleep(256);
-  }
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-}
-
 // ---- named barriers (id 0 is __syncthreads') ------------------------------------------------
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

@@ -91,7 +91,6 @@ struct QuantTraits : C {
   static constexpr bool kBulkKv = C::kBulkKv;
   static constexpr bool kLinearP = C::kLinearP;      // p_exp "linear" (QuantSoftmax)
   static constexpr bool kMmaRowSum = C::kMmaRowSum;  // row_sum "mma" (QuantSoftmax)
-  static constexpr bool kWaitReady = C::kWaitReady;  // overlap_prepass (QuantArgs::ready)
   static_assert(C::kBshd && !C::kStoreMaxProb, "the 8-bit pre-pass writes BSHD; no max_prob");
   static_assert(C::kBlock == 64 && C::kHeadDim == 128, "64-token cubes, head_dim 128");
   static_assert(kTileKeys == 64 || kTileKeys == 128, "tiles of one or two 64-key plan tiles");
@@ -131,11 +130,6 @@ struct QuantArgs : LutArgs {  // sidx, tinfo, max_prob unused
   // kBulkKv: K8 (B, H, S / 32, 32, D) and V^T (B, H, S / 32, D, 32) as shared-memory tiles
   const char* k8_tiles;
   const char* vt_tiles;
-  // kWaitReady: (B * H,) counts the pre-pass raises as it finishes each (batch, head)'s K8,
-  // scales and V^T, this kernel launched beside it (programmatic dependent launch); a cube's
-  // loads wait for its head's count to reach ready_target. nullptr: inputs already there
-  const unsigned* ready;
-  int ready_target;
 };
 
 struct QuantMaps {
@@ -194,10 +188,6 @@ struct QuantProducer {
                  rows.row0 + item.q_cube * T::kBlock);
       }
       at.q_load_parity ^= bit;
-      // the pre-pass may still run: this head's K8, scales and V^T once it has raised its
-      // count (Q, the plan and the statistics were written before it started)
-      if constexpr (T::kWaitReady)
-        if (a.ready != nullptr) wait_flag_at_least(a.ready + item.bh, a.ready_target);
       // the plan words of tile j + 1 are loaded while tile j's boxes are issued, and V reuses
       // K's key rows (session 19: as fast as loading each at its tile, with half the loads)
       constexpr int kKeyMask = (1 << T::kFillShift) - 1;

@@ -588,3 +588,66 @@ def test_pre_quantized_inputs_with_a_wrong_k_mean_are_refused():
     qi = op.quantize(q, q, q, vbs)
     with pytest.raises(ValueError, match=r"k_mean must be \(1, 1, 128\)"):
         op.from_quantized(dataclasses.replace(qi, k_mean=qi.k_mean[..., :64]), idx, vbs)
+
+
+def test_schedule_is_named_only_when_dynamic_and_refused_where_it_cannot_run():
+    """``schedule`` ("static" | "dynamic"), session 35: "static" leaves every name and source as
+    it was; "dynamic" is named, takes a persistent 8-bit grid without ping-pong, adds the work
+    counter as the kernel's last parameter (the launcher refuses to launch without one), and
+    its queue's barriers count in the static shared memory."""
+    persistent = {**wgmma.QUANT_DEFAULTS, "k_stages": 2, "v_stages": 2, "persistent": True}
+    static = wgmma.config(**persistent)
+    assert wgmma.config(**persistent, schedule="static") == static
+    assert "schedule" not in static.name
+    dynamic = wgmma.config(**persistent, schedule="dynamic")
+    assert "scheduledynamic" in dynamic.name
+    assert not wgmma.violations(Q8.kernel_spec, dynamic, SM90)
+    assert nv.cuda_traits(Q8, dynamic, SM90)["schedule"] == "dynamic"
+    static_text = nv.render_cuda(Q8, static, SM90).text
+    text = nv.render_cuda(Q8, dynamic, SM90).text
+    assert "kDynamicSchedule = false" in static_text
+    assert "args.work_counter = nullptr;" in static_text
+    assert "kDynamicSchedule = true" in text and "args.work_counter = work_counter;" in text
+    names = [n for n, _ in wgmma.QUANT_KERNEL_SIGNATURE]
+    assert _signature(static_text, wgmma.kernel_name(Q8, static)) == names
+    assert _signature(text, wgmma.kernel_name(Q8, dynamic)) == names + ["work_counter"]
+    assert (wgmma.static_smem_bytes(wgmma.options_of(dynamic))
+            > wgmma.static_smem_bytes(wgmma.options_of(static)))
+
+    values = {name: 1 for name, _ in wgmma.QUANT_KERNEL_SIGNATURE}
+    assert [n for n, _, _ in wgmma.kernel_args(values, quant=True)] == \
+        [n for n, _ in wgmma.QUANT_KERNEL_SIGNATURE]
+    with pytest.raises(ValueError, match="work counter"):
+        wgmma.kernel_args(values, quant=True, dynamic=True)
+    args = wgmma.kernel_args({**values, "work_counter": 7}, quant=True, dynamic=True)
+    assert args[-1] == ("work_counter", "ptr", 7)
+
+    def problems(spec, **knobs):
+        return " ".join(wgmma.violations(spec, wgmma.config(**knobs), SM90))
+
+    assert "needs persistent true" in problems(Q8.kernel_spec, **wgmma.QUANT_DEFAULTS,
+                                               schedule="dynamic")
+    assert "8-bit kernel" in problems(Spec(), persistent=True, schedule="dynamic")
+    assert "ping-pong" in problems(Q8.kernel_spec, **{**wgmma.QUANT_DEFAULTS, "consumers": 2,
+                                                      "kv_tile": 64, "persistent": True,
+                                                      "pingpong": True}, schedule="dynamic")
+    assert "one of ['static', 'dynamic']" in problems(Q8.kernel_spec, **persistent,
+                                                      schedule="greedy")
+
+
+@needs_nvcc
+def test_the_dynamic_schedule_compiles_without_spills_and_keeps_its_mmas_asynchronous():
+    """The dynamic schedule's producer lane runs on 24 registers: an atomic there spilled ~400
+    bytes (session 35), so the consumer claims the next cube and the lane only reads it from
+    shared memory. One and two consumers a CTA build without spills, with every MMA kept
+    asynchronous, and with one global atomic (the claim)."""
+    for knobs in ({"v_stages": 2}, {"consumers": 2, "v_stages": 1}):
+        cfg = wgmma.config(**{**wgmma.QUANT_DEFAULTS, "k_stages": 2, "kv_copies": "bulk",
+                              "q_in_kernel": True, "p_exp": "linear", "row_sum": "mma",
+                              "persistent": True, "schedule": "dynamic", **knobs})
+        art = nv.compile_cuda(nv.render_cuda(Q8, cfg, SM90), SM90)
+        assert art.spill_bytes == 0, knobs
+        assert not _SERIALIZED.search(_ptxas_log(art)), knobs
+        sass = subprocess.run([str(CUOBJDUMP), "-sass", str(art.path)], capture_output=True,
+                              text=True, check=True).stdout
+        assert len(re.findall(r"\bATOMG\.E\.ADD", sass)) == 1, knobs

@@ -19,6 +19,11 @@ one, on targets whose target.toml lists a wgmma instruction (sm_90). Its knobs, 
                     running on and a second Q buffer per consumer loaded during the previous
                     cube (the next cube's loads overlap this one's epilogue); off, one CTA per
                     group of `consumers` cubes
+    schedule        how a persistent grid hands out its cubes: "static" (CTA i takes groups i,
+                    i + grid, ...) or "dynamic" (each producer lane takes its consumer's next
+                    cube from a global counter when it has issued the current one's loads, so
+                    CTAs with cheap cubes take more; the 8-bit kernel's). Named only when not
+                    "static"
     kv_tile         keys a tile of the 8-bit kernel: 64 (one cube, or two packed partial ones)
                     or 128 (two of the plan's 64-key tiles: half the per-tile work of the
                     loop, the softmax's shuffles and O's rescale, for every key); the 16-bit
@@ -89,10 +94,11 @@ DEFAULTS: dict[str, Any] = {
 #: knobs a config names only when set to another value than this (`config`), so that adding
 #: one renamed no config (or winner) of before
 OPTIONAL: dict[str, Any] = {"kv_copies": "tma", "q_in_kernel": False, "row_sum": "fadd",
-                            "p_exp": "ex2"}
+                            "p_exp": "ex2", "schedule": "static"}
 KV_COPIES = ("tma", "bulk")
 ROW_SUMS = ("fadd", "mma")
 P_EXPS = ("ex2", "linear")
+SCHEDULES = ("static", "dynamic")
 #: the 8-bit kernel's knobs over `DEFAULTS`: one consumer a CTA (two CTAs an SM), K ring 3,
 #: 128-key tiles (session 20 on an H100: kernel and plan 5.30 ms at TOPK 78 against 5.52 with
 #: 64-key tiles and 5.64 with three consumers a CTA)
@@ -172,9 +178,11 @@ def smem_bytes(opts: Mapping[str, Any], head_dim: int, quant: bool = False) -> i
 
 def static_smem_bytes(opts: Mapping[str, Any]) -> int:
     """The kernel's static shared memory: each consumer's mbarriers (Q, K and V full and empty)
-    and its warps' max_prob partial sums, with room for alignment."""
+    and its warps' max_prob partial sums, with room for alignment; with the dynamic schedule
+    each consumer's work queue too (four mbarriers and two slots)."""
     barriers = 2 * (q_buffers(opts) + opts["k_stages"] + opts["v_stages"])
-    return opts["consumers"] * (8 * barriers + 16) + 16
+    queue = 4 * 8 + 2 * 4 if opts.get("schedule") == "dynamic" else 0
+    return opts["consumers"] * (8 * barriers + 16 + queue) + 16
 
 
 def violations(spec: Spec, cfg: KernelConfig, target: Target) -> list[str]:
@@ -241,6 +249,17 @@ def violations(spec: Spec, cfg: KernelConfig, target: Target) -> list[str]:
                         "kernel's P is bf16/fp16")
     elif opts["p_exp"] == "linear" and opts["row_sum"] != "mma":
         problems.append("p_exp 'linear' leaves no fp32 P to add: it takes row_sum 'mma'")
+    if opts["schedule"] not in SCHEDULES:
+        problems.append(f"schedule={opts['schedule']!r}: one of {list(SCHEDULES)}")
+    elif opts["schedule"] == "dynamic" and not quant:
+        problems.append("schedule 'dynamic' is written for the 8-bit kernel; the 16-bit kernel's "
+                        "persistent grid is static")
+    elif opts["schedule"] == "dynamic" and not opts["persistent"]:
+        problems.append("schedule 'dynamic' hands out a persistent grid's cubes: it needs "
+                        "persistent true")
+    elif opts["schedule"] == "dynamic" and opts["pingpong"]:
+        problems.append("schedule 'dynamic' pairs no cubes across consumers, which ping-pong's "
+                        "turns need")
     if quant and cfg.store_max_prob:
         problems.append("max_prob: the 8-bit kernel does not write the softmax signal")
     if (cfg.block_m, cfg.block_n, cfg.num_warps) != (64, 64, 4):
@@ -353,6 +372,7 @@ def traits(spec: Spec, cfg: KernelConfig, target: Target) -> dict[str, Any]:
         "bulk_kv": opts["kv_copies"] == "bulk",
         "linear_p": opts["p_exp"] == "linear",
         "mma_row_sum": opts["row_sum"] == "mma",
+        "schedule": opts["schedule"],
         "producer_regs": PRODUCER_REGS,
     }
 
@@ -392,6 +412,9 @@ QUANT_KERNEL_SIGNATURE: tuple[tuple[str, str], ...] = (
     ("out_seq_len", "i32"), ("k8_tiles", "ptr"), ("vt_tiles", "ptr"), ("k_mean", "ptr"),
     ("q_in_kernel", "i32"),
 )
+#: the parameter a dynamic schedule's kernel takes after those: an int32 the op zeroes before
+#: each launch
+WORK_COUNTER = ("work_counter", "ptr")
 
 
 def groups(num_q_blocks: int, batch: int, heads: int, opts: Mapping[str, Any]) -> int:
@@ -412,12 +435,19 @@ def grid(num_q_blocks: int, batch: int, heads: int, opts: Mapping[str, Any], tar
     return n, 1, 1
 
 
-def kernel_args(values: Mapping[str, Any], quant: bool = False) -> list[tuple[str, str, Any]]:
-    """The arguments in `KERNEL_SIGNATURE` (`QUANT_KERNEL_SIGNATURE`) order as (name, kind,
-    value); a missing pointer is 0 (nullptr: lse or max_prob not stored), every other value
-    must be there."""
+def kernel_args(values: Mapping[str, Any], quant: bool = False,
+                dynamic: bool = False) -> list[tuple[str, str, Any]]:
+    """The arguments in `KERNEL_SIGNATURE` (`QUANT_KERNEL_SIGNATURE`, and `WORK_COUNTER` for a
+    dynamic schedule) order as (name, kind, value); a missing pointer is 0 (nullptr: lse or
+    max_prob not stored), every other value must be there, the work counter included."""
+    signature = QUANT_KERNEL_SIGNATURE if quant else KERNEL_SIGNATURE
+    if dynamic:
+        if not values.get(WORK_COUNTER[0]):
+            raise ValueError("a dynamic schedule's kernel needs its work counter (a zeroed "
+                             "int32 on the device)")
+        signature = signature + (WORK_COUNTER,)
     out: list[tuple[str, str, Any]] = []
-    for name, kind in QUANT_KERNEL_SIGNATURE if quant else KERNEL_SIGNATURE:
+    for name, kind in signature:
         if name not in values and kind != "ptr":
             raise ValueError(f"the wgmma kernel's argument {name} is missing")
         value = values.get(name, 0)

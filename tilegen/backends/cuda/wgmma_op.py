@@ -129,8 +129,9 @@ class WgmmaLaunch:
                               block=(self.traits["threads"], 1, 1),
                               shared_bytes=self.traits["smem_bytes"],
                               default_shared_limit=self.target.default_shared_per_block)
-        self.kernel(index).launch(params, wgmma.kernel_args(values, self.traits["quant"]),
-                                  torch.cuda.current_stream(device).cuda_stream)
+        args = wgmma.kernel_args(values, self.traits["quant"],
+                                 self.traits.get("schedule") == "dynamic")
+        self.kernel(index).launch(params, args, torch.cuda.current_stream(device).cuda_stream)
 
 
 def quant_layout(bulk: bool) -> dict[str, bool]:
@@ -151,7 +152,11 @@ class WgmmaQuantLaunch(WgmmaLaunch):
         key = (str(device), rows, topk, nkv)
         bufs = self._bufs.get(key)
         if bufs is None:
+            import torch
+
             bufs = self._bufs[key] = halves_buffers(device, rows, topk, nkv)
+            # the dynamic schedule's count of cubes handed out (zeroed before each launch)
+            bufs["work"] = torch.zeros(1, device=device, dtype=torch.int32)
         return bufs
 
     def __call__(self, q, k, v, topk_idx, vbs, counts, o, lse, err, sm_scale: float,
@@ -240,6 +245,9 @@ class WgmmaQuantLaunch(WgmmaLaunch):
             "zero_pad_rows": int(bool(zero_pad_rows) and nkv == nq)}
         if lse is not None and self.cfg.store_lse:
             values["lse"] = lse.data_ptr()
+        if self.opts["schedule"] == "dynamic":
+            bufs["work"].zero_()
+            values["work_counter"] = bufs["work"].data_ptr()
         self._launch(qi.k8.device, values, nq, batch, heads)
 
 

@@ -1,7 +1,8 @@
 // tilegen CUDA library, 8-bit block-sparse attention over a tile plan on Hopper (sm_90a): the
 // int8_fp8 recipe of tilegen/quant.py (INT8 Q K^T with per-token scales, K smoothed; e4m3 P and
 // V^T with per-channel V scales, V smoothed) on lut_attention.cuh's structure: a TMA producer
-// warpgroup, kConsumers consumer warpgroups with their own rings, ping-pong, persistent launches.
+// warpgroup, kConsumers consumer warpgroups with their own rings, ping-pong, persistent launches
+// (their cubes in a static round-robin, or with kDynamicSchedule taken from a global counter).
 //
 // What differs from the 16-bit kernel:
 //   - the plan is the 8-bit Gluon pre-pass's (tilegen/backends/gluon/prepass.py, "halves"):
@@ -91,6 +92,7 @@ struct QuantTraits : C {
   static constexpr bool kBulkKv = C::kBulkKv;
   static constexpr bool kLinearP = C::kLinearP;      // p_exp "linear" (QuantSoftmax)
   static constexpr bool kMmaRowSum = C::kMmaRowSum;  // row_sum "mma" (QuantSoftmax)
+  static constexpr bool kDynamicSchedule = C::kDynamicSchedule;  // schedule "dynamic"
   static_assert(C::kBshd && !C::kStoreMaxProb, "the 8-bit pre-pass writes BSHD; no max_prob");
   static_assert(C::kBlock == 64 && C::kHeadDim == 128, "64-token cubes, head_dim 128");
   static_assert(kTileKeys == 64 || kTileKeys == 128, "tiles of one or two 64-key plan tiles");
@@ -130,6 +132,8 @@ struct QuantArgs : LutArgs {  // sidx, tinfo, max_prob unused
   // kBulkKv: K8 (B, H, S / 32, 32, D) and V^T (B, H, S / 32, D, 32) as shared-memory tiles
   const char* k8_tiles;
   const char* vt_tiles;
+  // kDynamicSchedule: cubes handed out so far past the first wave's; 0 at the launch
+  int* work_counter;
 };
 
 struct QuantMaps {
@@ -730,6 +734,107 @@ struct QuantConsumer {
   }
 };
 
+// ---- the dynamic schedule (kDynamicSchedule) ---------------------------------------------------
+// A persistent grid whose consumers take query cubes one at a time from a global counter, so a
+// CTA whose cubes are cheap takes more of them (session 35, bench/NOTES.md: the static
+// round-robin was 22% ahead of one CTA a cube at TOPK 2 and 3% behind at TOPK 78). Work unit g
+// is one query cube, (b, h) = g / num_q_blocks; every consumer's first cube is blockIdx.x *
+// kConsumers + its index, the next ones kConsumers * gridDim.x + the counter's count. The
+// consumer claims its next cube as it starts a cube (the atomic costs the producer lane's 24
+// registers spills) and passes it to its producer lane through a two-slot queue in shared
+// memory: a full barrier (the claiming thread's arrival) and an empty one (the producer lane's
+// and every consumer thread's, once each has read the slot). A claim past the last cube ends
+// both.
+template <class T>
+struct WorkQueue {
+  static constexpr int kReaders = 1 + 128;  // the producer lane and the consumer warpgroup
+  uint32_t slots;                            // two ints
+  uint32_t bars;                             // full[2], then empty[2]
+
+  // Consumer c's queue, from the CTA's slots (two ints a consumer) and barriers (four a one).
+  static __device__ __forceinline__ WorkQueue of(uint32_t slots0, uint32_t bars0, int c) {
+    return WorkQueue{slots0 + 8 * c, bars0 + 32 * c};
+  }
+  __device__ __forceinline__ uint32_t full(int s) const { return bars + 8 * s; }
+  __device__ __forceinline__ uint32_t empty(int s) const { return bars + 8 * (2 + s); }
+  __device__ __forceinline__ void init() const {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      barrier_init(full(s), 1);
+      barrier_init(empty(s), kReaders);
+    }
+  }
+  // The cube claimed at turn i (slot i % 2): wait for it, read it, and let the slot go.
+  __device__ __forceinline__ int take(int i) const {
+    const int s = i & 1;
+    barrier_wait(full(s), (i >> 1) & 1);
+    int g;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(g) : "r"(slots + 4 * s) : "memory");
+    barrier_arrive(empty(s));
+    return g;
+  }
+  // Claim the next cube at turn i (one thread): once turn i - 2's readers are done with the slot.
+  __device__ __forceinline__ void claim(int i, int* counter, int first_claim) const {
+    const int s = i & 1;
+    if (i >= 2) barrier_wait(empty(s), ((i >> 1) - 1) & 1);
+    const int g = atomicAdd(counter, 1) + first_claim;
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slots + 4 * s), "r"(g) : "memory");
+    barrier_arrive(full(s));
+  }
+};
+
+// Work unit g's Item: the group and consumer index that Item's constructor maps to cube g.
+template <class T>
+__device__ __forceinline__ Item<T> cube_item(int g, const LutArgs& a) {
+  const int groups_per_bh = (a.num_q_blocks + T::kConsumers - 1) / T::kConsumers;
+  const int bh = g / a.num_q_blocks;
+  const int q_cube = g % a.num_q_blocks;
+  return Item<T>(bh * groups_per_bh + q_cube / T::kConsumers, q_cube % T::kConsumers, a);
+}
+
+template <class T, class ProducerT, class ConsumerT>
+__device__ __forceinline__ void run_warpgroups_dynamic(const QuantMaps& maps, const QuantArgs& a,
+                                                       uint32_t base, uint32_t bars0,
+                                                       uint32_t queue_slots, uint32_t queue_bars) {
+  static_assert(T::kQBuffers == 2 && !T::kPingPong,
+                "a dynamic schedule is a persistent launch's, without ping-pong");
+  const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) >> 5, 0);
+  const int warpgroup = warp >> 2;
+  const int lane = threadIdx.x & 31;
+  const int cubes = a.batch_heads * a.num_q_blocks;
+  const int first_claim = T::kConsumers * static_cast<int>(gridDim.x);
+  if (warpgroup == 0) {
+    lower_registers<T::kProducerRegs>();
+    if (warp < T::kConsumers && lane == 0) {
+      if (warp == 0) maps.prefetch();
+      const ConsumerRing<T> ring = ConsumerRing<T>::of(base, bars0, warp);
+      const WorkQueue<T> queue = WorkQueue<T>::of(queue_slots, queue_bars, warp);
+      RingCursor at;
+      int g = static_cast<int>(blockIdx.x) * T::kConsumers + warp;
+      for (int i = 0; g < cubes; ++i) {
+        ProducerT::cube(maps, a, ring, at, cube_item<T>(g, a));
+        g = queue.take(i);
+      }
+    }
+  } else {
+    raise_registers<T::kConsumerRegs>();
+    const int consumer = warpgroup - 1;
+    const ConsumerRing<T> ring = ConsumerRing<T>::of(base, bars0, consumer);
+    const WorkQueue<T> queue = WorkQueue<T>::of(queue_slots, queue_bars, consumer);
+    using Turns = typename ConsumerT::Turns;
+    Turns turns;
+    turns.init(consumer, 0, 0);  // no ping-pong (QuantTraits)
+    RingCursor at;
+    int turn = 0;
+    int g = static_cast<int>(blockIdx.x) * T::kConsumers + consumer;
+    for (int i = 0; g < cubes; ++i) {
+      if (warp % 4 == 0 && lane == 0) queue.claim(i, a.work_counter, first_claim);
+      ConsumerT::cube(maps, a, ring, at, turns, turn, consumer, cube_item<T>(g, a));
+      g = queue.take(i);
+    }
+  }
+}
+
 // ---- the kernel body ---------------------------------------------------------------------------
 template <class T>
 __device__ __forceinline__ void lut_attention_8bit(const QuantMaps& maps, const QuantArgs& a) {
@@ -744,8 +849,23 @@ __device__ __forceinline__ void lut_attention_8bit(const QuantMaps& maps, const 
                    "r"(0x38383838u) : "memory");
     fence_proxy_async();  // the MMAs read it in the async proxy
   }
-  __syncthreads();  // every V^T slot a half reads is written by its own copy (padded keys: 0)
-  run_warpgroups<T, ConsumerRing<T>, QuantProducer<T>, QuantConsumer<T>>(maps, a, base, bars0);
+  if constexpr (T::kDynamicSchedule) {
+    __shared__ __align__(8) uint64_t queue_bars[T::kConsumers][4];
+    __shared__ __align__(8) int queue_slots[T::kConsumers][2];
+    const uint32_t slots0 = smem_u32(&queue_slots[0][0]);
+    const uint32_t queue_bars0 = smem_u32(&queue_bars[0][0]);
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int c = 0; c < T::kConsumers; ++c) WorkQueue<T>::of(slots0, queue_bars0, c).init();
+      fence_barrier_init();
+    }
+    __syncthreads();  // as below, and the queues' barriers are initialised
+    run_warpgroups_dynamic<T, QuantProducer<T>, QuantConsumer<T>>(maps, a, base, bars0, slots0,
+                                                                  queue_bars0);
+  } else {
+    __syncthreads();  // every V^T slot a half reads is written by its own copy (padded keys: 0)
+    run_warpgroups<T, ConsumerRing<T>, QuantProducer<T>, QuantConsumer<T>>(maps, a, base, bars0);
+  }
 }
 
 }  // namespace sm90

@@ -740,11 +740,11 @@ struct QuantConsumer {
 // round-robin was 22% ahead of one CTA a cube at TOPK 2 and 3% behind at TOPK 78). Work unit g
 // is one query cube, (b, h) = g / num_q_blocks; every consumer's first cube is blockIdx.x *
 // kConsumers + its index, the next ones kConsumers * gridDim.x + the counter's count. The
-// consumer claims its next cube as it starts a cube (the atomic costs the producer lane's 24
-// registers spills) and passes it to its producer lane through a two-slot queue in shared
-// memory: a full barrier (the claiming thread's arrival) and an empty one (the producer lane's
-// and every consumer thread's, once each has read the slot). A claim past the last cube ends
-// both.
+// consumer claims its cubes (the atomic in the producer lane, which has 24 registers, spilled)
+// and publishes each as it starts the cube before it, through a two-slot queue in shared
+// memory read by its producer lane and by itself: a full barrier (the claiming thread's
+// arrival) and an empty one (the producer lane's and every consumer thread's, once each has
+// read the slot). A cube past the last one ends both.
 template <class T>
 struct WorkQueue {
   static constexpr int kReaders = 1 + 128;  // the producer lane and the consumer warpgroup
@@ -773,11 +773,11 @@ struct WorkQueue {
     barrier_arrive(empty(s));
     return g;
   }
-  // Claim the next cube at turn i (one thread): once turn i - 2's readers are done with the slot.
-  __device__ __forceinline__ void claim(int i, int* counter, int first_claim) const {
+  // Publish the cube taken at turn i (one thread), once turn i - 2's readers are done with
+  // the slot.
+  __device__ __forceinline__ void publish(int i, int g) const {
     const int s = i & 1;
     if (i >= 2) barrier_wait(empty(s), ((i >> 1) - 1) & 1);
-    const int g = atomicAdd(counter, 1) + first_claim;
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slots + 4 * s), "r"(g) : "memory");
     barrier_arrive(full(s));
   }
@@ -827,8 +827,17 @@ __device__ __forceinline__ void run_warpgroups_dynamic(const QuantMaps& maps, co
     RingCursor at;
     int turn = 0;
     int g = static_cast<int>(blockIdx.x) * T::kConsumers + consumer;
+    // claims run a cube ahead: the one published at a cube's start was claimed at the previous
+    // cube's, so the atomic's latency passes under a whole cube (claimed as it was published,
+    // it stalled the claiming warp at every cube, and the warpgroup with it: +1.4% at TOPK 78
+    // against one CTA a cube on an H100, session 35)
+    const bool claims = warp % 4 == 0 && lane == 0;
+    int claimed = claims && g < cubes ? atomicAdd(a.work_counter, 1) + first_claim : cubes;
     for (int i = 0; g < cubes; ++i) {
-      if (warp % 4 == 0 && lane == 0) queue.claim(i, a.work_counter, first_claim);
+      if (claims) {
+        queue.publish(i, claimed);
+        if (claimed < cubes) claimed = atomicAdd(a.work_counter, 1) + first_claim;
+      }
       ConsumerT::cube(maps, a, ring, at, turns, turn, consumer, cube_item<T>(g, a));
       g = queue.take(i);
     }

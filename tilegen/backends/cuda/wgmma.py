@@ -20,10 +20,10 @@ one, on targets whose target.toml lists a wgmma instruction (sm_90). Its knobs, 
                     cube (the next cube's loads overlap this one's epilogue); off, one CTA per
                     group of `consumers` cubes
     schedule        how a persistent grid hands out its cubes: "static" (CTA i takes groups i,
-                    i + grid, ...) or "dynamic" (each producer lane takes its consumer's next
-                    cube from a global counter when it has issued the current one's loads, so
-                    CTAs with cheap cubes take more; the 8-bit kernel's). Named only when not
-                    "static"
+                    i + grid, ...) or "dynamic" (each consumer claims its cubes from a global
+                    counter, a cube ahead, and passes each to its producer lane through a
+                    shared-memory queue, so CTAs with cheap cubes take more; the 8-bit
+                    kernel's). Named only when not "static"
     kv_tile         keys a tile of the 8-bit kernel: 64 (one cube, or two packed partial ones)
                     or 128 (two of the plan's 64-key tiles: half the per-tile work of the
                     loop, the softmax's shuffles and O's rescale, for every key); the 16-bit

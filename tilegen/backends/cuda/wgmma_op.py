@@ -130,7 +130,7 @@ class WgmmaLaunch:
                               shared_bytes=self.traits["smem_bytes"],
                               default_shared_limit=self.target.default_shared_per_block)
         args = wgmma.kernel_args(values, self.traits["quant"],
-                                 self.traits.get("schedule") == "dynamic")
+                                 self.traits["schedule"] == "dynamic")
         self.kernel(index).launch(params, args, torch.cuda.current_stream(device).cuda_stream)
 
 
@@ -152,11 +152,12 @@ class WgmmaQuantLaunch(WgmmaLaunch):
         key = (str(device), rows, topk, nkv)
         bufs = self._bufs.get(key)
         if bufs is None:
-            import torch
-
             bufs = self._bufs[key] = halves_buffers(device, rows, topk, nkv)
-            # the dynamic schedule's count of cubes handed out (zeroed before each launch)
-            bufs["work"] = torch.zeros(1, device=device, dtype=torch.int32)
+            if self.opts["schedule"] == "dynamic":
+                import torch
+
+                # the count of cubes handed out past the first wave (zeroed before each launch)
+                bufs["work"] = torch.zeros(1, device=device, dtype=torch.int32)
         return bufs
 
     def __call__(self, q, k, v, topk_idx, vbs, counts, o, lse, err, sm_scale: float,

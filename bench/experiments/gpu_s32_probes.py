@@ -1,6 +1,6 @@
 """Issue #19, session 32: cuts of the linear-P kernel's loop as header defines (each variant its
 own cache key), with a probe patch applied (never landed), checked and timed as
-`gpu_s32_bits.py` does its variants, in one process. Three sets:
+`gpu_s32_bits.py` does its variants, in one process. Four sets:
 
 ``--set 1`` (with ``s32_probes.patch``, runs 6-7):
     TILEGEN_EXP_MAGIC_S   S to float by an IADD on its bits (1.5 2^23 + S, exact) instead of
@@ -21,6 +21,10 @@ own cache key), with a probe patch applied (never landed), checked and timed as
     TILEGEN_EXP_F16_CODE  the code at 1024 + code: F2FP packs two into f16x2 (rounding each),
                           HMNMX2 clamps two, one PRMT takes four
     TILEGEN_EXP_IMAX3     the row max on S's int32 with DPX vimax3 (two scores an instruction)
+``--set 4`` (with ``s36_load_probes.patch``, session 36; wrong numbers by design):
+    TILEGEN_EXP_LOADS_HALF  the producer copies K/V for every other tile only (the others'
+                            stages complete on a bare arrive, their old bytes computed again)
+    TILEGEN_EXP_LOADS_FEW   K/V copied for a cube's first three tiles only
 
     git apply bench/experiments/s32_probes2.patch
     PYTHONPATH=$PWD TILEGEN_CACHE_DIR=$PWD/.kcache python3 bench/experiments/gpu_s32_probes.py \
@@ -69,6 +73,14 @@ SETS: dict[str, dict[str, tuple[dict, tuple[str, ...]]]] = {
         "1c K2 V3 linear pv4": (LINEAR, ("TILEGEN_EXP_PV4",)),
         "2c K2 V2 linear": (TWO, ()),
         "2c K2 V2 linear s_ahead2": (TWO, ("TILEGEN_EXP_S_AHEAD", "TILEGEN_EXP_S_AHEAD2")),
+    },
+    "4": {  # session 36, with s36_load_probes.patch: how much the K/V bytes set the kernel
+        "1c K2 V3 linear": (LINEAR, ()),
+        "1c K2 V3 linear loads_half (wrong)": (LINEAR, ("TILEGEN_EXP_LOADS_HALF",)),
+        "1c K2 V3 linear loads_few (wrong)": (LINEAR, ("TILEGEN_EXP_LOADS_FEW",)),
+        "2c K2 V2 linear": (TWO, ()),
+        "2c K2 V2 linear loads_half (wrong)": (TWO, ("TILEGEN_EXP_LOADS_HALF",)),
+        "2c K2 V2 linear loads_few (wrong)": (TWO, ("TILEGEN_EXP_LOADS_FEW",)),
     },
 }
 PROBES: dict[str, tuple[dict, tuple[str, ...]]] = {}

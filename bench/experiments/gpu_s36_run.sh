@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Session 36 (issue #19), one device call.
+#   On an H200: gpu_s34_run.sh (the 8-bit tune over gpu_s32_space.sh's space, exported to
+#   tuning_db/winners.json and copied out; `tilegen bench --sweep --backends cuda`: the issue's
+#   figure), within TUNE_LIMIT seconds.
+#   Then, on any card with time left: the load probes (gpu_s32_probes.py --set 4 with
+#   s36_load_probes.patch applied on the device only): how much of the kernel's time its K/V
+#   bytes set, at one and two consumers a CTA.
+# At most 8 files under $OUT. Before the call, on the CPU machine:
+#   bash bench/experiments/gpu_s36_prepare.sh
+# Then: carry .kcache .whl;  CALL_LIMIT=540 OUT=$OUT bash bench/experiments/gpu_s36_run.sh
+set -uo pipefail
+OUT=${OUT:-out/s36_run}
+mkdir -p "$OUT"
+CALL_LIMIT=${CALL_LIMIT:-540}
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+echo "GPU: $gpu"
+if [[ "$gpu" == *H200* ]]; then
+    CALL_LIMIT=${TUNE_LIMIT:-400} OUT="$OUT" bash bench/experiments/gpu_s34_run.sh
+fi
+source bench/experiments/gpu_env.sh
+left=$((CALL_LIMIT - SECONDS))
+if ((left > 100)); then
+    git apply bench/experiments/s36_load_probes.patch 2>/dev/null \
+        || patch -p1 < bench/experiments/s36_load_probes.patch
+    export TILEGEN_CACHE_DIR=$PWD/.kcache
+    timeout $((left - 10)) python3 bench/experiments/gpu_s32_probes.py --set 4 --seeds 0 \
+        --out /tmp/probes4.json > "$OUT/probes4.log" 2>&1
+    echo "probes (set 4): rc $? at $SECONDS s"
+    sed -n '/^bf16 default op:/,$p' "$OUT/probes4.log"
+    grep -E "rel_l1 .* passed" "$OUT/probes4.log" | cut -c1-200
+fi

@@ -9,6 +9,7 @@
 # At most 8 files under $OUT. Before the call, on the CPU machine:
 #   bash bench/experiments/gpu_s36_prepare.sh
 # Then: carry .kcache .whl;  CALL_LIMIT=540 OUT=$OUT bash bench/experiments/gpu_s36_run.sh
+# (ONLY_H200=1: the H200's tune and sweep, nothing on another card)
 set -uo pipefail
 OUT=${OUT:-out/s36_run}
 mkdir -p "$OUT"
@@ -18,6 +19,8 @@ echo "GPU: $gpu"
 if [[ "$gpu" == *H200* ]]; then
     CALL_LIMIT=${TUNE_LIMIT:-400} OUT="$OUT" bash bench/experiments/gpu_s34_run.sh
 fi
+# ONLY_H200=1: nothing more (the probes ran on an H100 in run 1)
+[[ "${ONLY_H200:-0}" == 1 ]] && exit 0
 source bench/experiments/gpu_env.sh
 left=$((CALL_LIMIT - SECONDS))
 if ((left > 100)); then

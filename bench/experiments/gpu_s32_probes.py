@@ -1,6 +1,6 @@
 """Issue #19, session 32: cuts of the linear-P kernel's loop as header defines (each variant its
 own cache key), with a probe patch applied (never landed), checked and timed as
-`gpu_s32_bits.py` does its variants, in one process. Four sets:
+`gpu_s32_bits.py` does its variants, in one process. Five sets:
 
 ``--set 1`` (with ``s32_probes.patch``, runs 6-7):
     TILEGEN_EXP_MAGIC_S   S to float by an IADD on its bits (1.5 2^23 + S, exact) instead of
@@ -25,6 +25,9 @@ own cache key), with a probe patch applied (never landed), checked and timed as
     TILEGEN_EXP_LOADS_HALF  the producer copies K/V for every other tile only (the others'
                             stages complete on a bare arrive, their old bytes computed again)
     TILEGEN_EXP_LOADS_FEW   K/V copied for a cube's first three tiles only
+``--set 5`` (with ``s36_wait_hint.patch``, session 36):
+    TILEGEN_EXP_WAIT_HINT   every mbarrier wait with a suspend-time hint (10 ms), so a waiting
+                            warp sleeps until its phase completes (CUTLASS's barriers wait so)
 
     git apply bench/experiments/s32_probes2.patch
     PYTHONPATH=$PWD TILEGEN_CACHE_DIR=$PWD/.kcache python3 bench/experiments/gpu_s32_probes.py \
@@ -45,6 +48,7 @@ from h200_s19_q8_cvt import patch  # noqa: E402  (defines in front, their own ca
 
 LINEAR = {**bits.H200_WINNER, **bits.LINEAR}
 TWO = {**bits.TWO, **bits.LINEAR, "v_stages": 2}
+DYNAMIC = {**LINEAR, "v_stages": 2, "persistent": True, "schedule": "dynamic"}
 #: set -> label -> (wgmma knobs, defines)
 SETS: dict[str, dict[str, tuple[dict, tuple[str, ...]]]] = {
     "1": {
@@ -81,6 +85,14 @@ SETS: dict[str, dict[str, tuple[dict, tuple[str, ...]]]] = {
         "2c K2 V2 linear": (TWO, ()),
         "2c K2 V2 linear loads_half (wrong)": (TWO, ("TILEGEN_EXP_LOADS_HALF",)),
         "2c K2 V2 linear loads_few (wrong)": (TWO, ("TILEGEN_EXP_LOADS_FEW",)),
+    },
+    "5": {  # session 36, with s36_wait_hint.patch: waits that sleep until their phase completes
+        "1c K2 V3 linear": (LINEAR, ()),
+        "1c K2 V3 linear wait_hint": (LINEAR, ("TILEGEN_EXP_WAIT_HINT",)),
+        "2c K2 V2 linear": (TWO, ()),
+        "2c K2 V2 linear wait_hint": (TWO, ("TILEGEN_EXP_WAIT_HINT",)),
+        "1c K2 V2 linear dynamic": (DYNAMIC, ()),
+        "1c K2 V2 linear dynamic wait_hint": (DYNAMIC, ("TILEGEN_EXP_WAIT_HINT",)),
     },
 }
 PROBES: dict[str, tuple[dict, tuple[str, ...]]] = {}

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The CPU machine's half of gpu_s36_run.sh (issue #19, session 36): session 35's preparation
 # (a fresh .kcache, the tuner's wheels, the tune's space, the shipped winners), then the load
-# probes' cubins (gpu_s32_probes.py --set 4) with s36_load_probes.patch applied, which is
-# reverted after (the device applies it again for the probes only).
+# probes' cubins (gpu_s32_probes.py --set 4) with s36_load_probes.patch applied, and the
+# wait-hint probes' (--set 5) with s36_wait_hint.patch, each reverted after (the device applies
+# them again for the probes only). SKIP_S35=1: only the probes' cubins.
 #   bash bench/experiments/gpu_s36_prepare.sh
 # then: carry .kcache .whl;  CALL_LIMIT=540 OUT=$OUT bash bench/experiments/gpu_s36_run.sh
 set -euo pipefail
@@ -10,6 +11,9 @@ cd "$(dirname "$0")/../.."
 [[ "${SKIP_S35:-0}" == 1 ]] || bash bench/experiments/gpu_s35_prepare.sh
 export TILEGEN_CACHE_DIR=$PWD/.kcache
 git apply bench/experiments/s36_load_probes.patch
-trap 'git apply -R bench/experiments/s36_load_probes.patch' EXIT
 python3 bench/experiments/gpu_s32_probes.py --set 4 --prebuild
+git apply -R bench/experiments/s36_load_probes.patch
+git apply bench/experiments/s36_wait_hint.patch
+trap 'git apply -R bench/experiments/s36_wait_hint.patch' EXIT
+python3 bench/experiments/gpu_s32_probes.py --set 5 --prebuild
 du -sh .kcache

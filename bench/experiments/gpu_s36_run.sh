@@ -3,9 +3,10 @@
 #   On an H200: gpu_s34_run.sh (the 8-bit tune over gpu_s32_space.sh's space, exported to
 #   tuning_db/winners.json and copied out; `tilegen bench --sweep --backends cuda`: the issue's
 #   figure), within TUNE_LIMIT seconds.
-#   Then, on any card with time left: the load probes (gpu_s32_probes.py --set 4 with
-#   s36_load_probes.patch applied on the device only): how much of the kernel's time its K/V
-#   bytes set, at one and two consumers a CTA.
+#   Then, on any card with time left, probes with their patch applied on the device only:
+#   PROBE_SET=4, the load probes (s36_load_probes.patch: how much of the kernel's time its K/V
+#   bytes set, run 1); PROBE_SET=5 (the default), mbarrier waits with a suspend-time hint
+#   (s36_wait_hint.patch), at one and two consumers and on the dynamic schedule.
 # At most 8 files under $OUT. Before the call, on the CPU machine:
 #   bash bench/experiments/gpu_s36_prepare.sh
 # Then: carry .kcache .whl;  CALL_LIMIT=540 OUT=$OUT bash bench/experiments/gpu_s36_run.sh
@@ -23,13 +24,15 @@ fi
 [[ "${ONLY_H200:-0}" == 1 ]] && exit 0
 source bench/experiments/gpu_env.sh
 left=$((CALL_LIMIT - SECONDS))
+# PROBE_SET 4: the load probes (s36_load_probes.patch, run 1); 5 (default): the wait hint
+PROBE_SET=${PROBE_SET:-5}
+patch_file=bench/experiments/$([[ "$PROBE_SET" == 4 ]] && echo s36_load_probes || echo s36_wait_hint).patch
 if ((left > 100)); then
-    git apply bench/experiments/s36_load_probes.patch 2>/dev/null \
-        || patch -p1 < bench/experiments/s36_load_probes.patch
+    git apply "$patch_file" 2>/dev/null || patch -p1 < "$patch_file"
     export TILEGEN_CACHE_DIR=$PWD/.kcache
-    timeout $((left - 10)) python3 bench/experiments/gpu_s32_probes.py --set 4 --seeds 0 \
-        --out /tmp/probes4.json > "$OUT/probes4.log" 2>&1
-    echo "probes (set 4): rc $? at $SECONDS s"
-    sed -n '/^bf16 default op:/,$p' "$OUT/probes4.log"
-    grep -E "rel_l1 .* passed" "$OUT/probes4.log" | cut -c1-200
+    timeout $((left - 10)) python3 bench/experiments/gpu_s32_probes.py --set "$PROBE_SET" \
+        --seeds 0 --out /tmp/probes.json > "$OUT/probes$PROBE_SET.log" 2>&1
+    echo "probes (set $PROBE_SET): rc $? at $SECONDS s"
+    sed -n '/^bf16 default op:/,$p' "$OUT/probes$PROBE_SET.log"
+    grep -E "rel_l1 .* passed" "$OUT/probes$PROBE_SET.log" | cut -c1-200
 fi

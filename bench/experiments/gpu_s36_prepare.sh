@@ -10,10 +10,14 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 [[ "${SKIP_S35:-0}" == 1 ]] || bash bench/experiments/gpu_s35_prepare.sh
 export TILEGEN_CACHE_DIR=$PWD/.kcache
-git apply bench/experiments/s36_load_probes.patch
-python3 bench/experiments/gpu_s32_probes.py --set 4 --prebuild
-git apply -R bench/experiments/s36_load_probes.patch
-git apply bench/experiments/s36_wait_hint.patch
-trap 'git apply -R bench/experiments/s36_wait_hint.patch' EXIT
-python3 bench/experiments/gpu_s32_probes.py --set 5 --prebuild
+# each probe set's cubins with its patch applied; the patch is reverted even if a build fails
+for set_and_patch in "4 s36_load_probes" "5 s36_wait_hint"; do
+    read -r probe_set name <<< "$set_and_patch"
+    patch_file=bench/experiments/$name.patch
+    git apply "$patch_file"
+    trap 'git apply -R "$patch_file"' EXIT
+    python3 bench/experiments/gpu_s32_probes.py --set "$probe_set" --prebuild
+    git apply -R "$patch_file"
+    trap - EXIT
+done
 du -sh .kcache

@@ -1,6 +1,6 @@
 """Issue #19, session 32: cuts of the linear-P kernel's loop as header defines (each variant its
 own cache key), with a probe patch applied (never landed), checked and timed as
-`gpu_s32_bits.py` does its variants, in one process. Five sets:
+`gpu_s32_bits.py` does its variants, in one process. Six sets:
 
 ``--set 1`` (with ``s32_probes.patch``, runs 6-7):
     TILEGEN_EXP_MAGIC_S   S to float by an IADD on its bits (1.5 2^23 + S, exact) instead of
@@ -28,6 +28,10 @@ own cache key), with a probe patch applied (never landed), checked and timed as
 ``--set 5`` (with ``s36_wait_hint.patch``, session 36):
     TILEGEN_EXP_WAIT_HINT   every mbarrier wait with a suspend-time hint (10 ms), so a waiting
                             warp sleeps until its phase completes (CUTLASS's barriers wait so)
+``--set 6`` (with ``s37_sat_code.patch``, session 37):
+    TILEGEN_EXP_SAT_CODE    the code's clamp at 0 in the FFMA's saturation (z = sat(code / 128))
+                            and z * 128 put at 1024 by one fma.f16x2 a pair: max.f16x2 (ALU)
+                            becomes fma.f16x2 (FMA pipe), the same count
 
     git apply bench/experiments/s32_probes2.patch
     PYTHONPATH=$PWD TILEGEN_CACHE_DIR=$PWD/.kcache python3 bench/experiments/gpu_s32_probes.py \
@@ -93,6 +97,12 @@ SETS: dict[str, dict[str, tuple[dict, tuple[str, ...]]]] = {
         "2c K2 V2 linear wait_hint": (TWO, ("TILEGEN_EXP_WAIT_HINT",)),
         "1c K2 V2 linear dynamic": (DYNAMIC, ()),
         "1c K2 V2 linear dynamic wait_hint": (DYNAMIC, ("TILEGEN_EXP_WAIT_HINT",)),
+    },
+    "6": {  # session 37, with s37_sat_code.patch: the code's clamp on the FMA pipe
+        "1c K2 V3 linear": (LINEAR, ()),
+        "1c K2 V3 linear sat_code": (LINEAR, ("TILEGEN_EXP_SAT_CODE",)),
+        "2c K2 V2 linear": (TWO, ()),
+        "2c K2 V2 linear sat_code": (TWO, ("TILEGEN_EXP_SAT_CODE",)),
     },
 }
 PROBES: dict[str, tuple[dict, tuple[str, ...]]] = {}

@@ -28,10 +28,15 @@ own cache key), with a probe patch applied (never landed), checked and timed as
 ``--set 5`` (with ``s36_wait_hint.patch``, session 36):
     TILEGEN_EXP_WAIT_HINT   every mbarrier wait with a suspend-time hint (10 ms), so a waiting
                             warp sleeps until its phase completes (CUTLASS's barriers wait so)
-``--set 6`` (with ``s37_sat_code.patch``, session 37):
+``--set 6`` (with ``s37_probes.patch``, session 37):
     TILEGEN_EXP_SAT_CODE    the code's clamp at 0 in the FFMA's saturation (z = sat(code / 128))
                             and z * 128 put at 1024 by one fma.f16x2 a pair: max.f16x2 (ALU)
                             becomes fma.f16x2 (FMA pipe), the same count
+    TILEGEN_EXP_CODES_EARLY the linear pack in two halves: the codes' FFMAs, conversions and
+                            clamps before P V's last part is waited (into 32 pair registers),
+                            only the PRMTs after it
+    TILEGEN_EXP_WAIT_BRANCH with it: that wait in a block of its own, so that ptxas keeps the
+                            codes above it (without it, it hoists the wait over them)
 
     git apply bench/experiments/s32_probes2.patch
     PYTHONPATH=$PWD TILEGEN_CACHE_DIR=$PWD/.kcache python3 bench/experiments/gpu_s32_probes.py \
@@ -53,6 +58,7 @@ from h200_s19_q8_cvt import patch  # noqa: E402  (defines in front, their own ca
 LINEAR = {**bits.H200_WINNER, **bits.LINEAR}
 TWO = {**bits.TWO, **bits.LINEAR, "v_stages": 2}
 DYNAMIC = {**LINEAR, "v_stages": 2, "persistent": True, "schedule": "dynamic"}
+EARLY = ("TILEGEN_EXP_CODES_EARLY", "TILEGEN_EXP_WAIT_BRANCH")
 #: set -> label -> (wgmma knobs, defines)
 SETS: dict[str, dict[str, tuple[dict, tuple[str, ...]]]] = {
     "1": {
@@ -98,11 +104,15 @@ SETS: dict[str, dict[str, tuple[dict, tuple[str, ...]]]] = {
         "1c K2 V2 linear dynamic": (DYNAMIC, ()),
         "1c K2 V2 linear dynamic wait_hint": (DYNAMIC, ("TILEGEN_EXP_WAIT_HINT",)),
     },
-    "6": {  # session 37, with s37_sat_code.patch: the code's clamp on the FMA pipe
+    "6": {  # session 37, with s37_probes.patch: the code's clamp on the FMA pipe, the codes
+        # under P V's last part
         "1c K2 V3 linear": (LINEAR, ()),
         "1c K2 V3 linear sat_code": (LINEAR, ("TILEGEN_EXP_SAT_CODE",)),
+        "1c K2 V3 linear codes_early": (LINEAR, EARLY),
+        "1c K2 V3 linear codes_early sat_code": (LINEAR, (*EARLY, "TILEGEN_EXP_SAT_CODE")),
         "2c K2 V2 linear": (TWO, ()),
-        "2c K2 V2 linear sat_code": (TWO, ("TILEGEN_EXP_SAT_CODE",)),
+        "2c K2 V2 linear codes_early": (TWO, EARLY),
+        "2c K2 V2 linear codes_early sat_code": (TWO, (*EARLY, "TILEGEN_EXP_SAT_CODE")),
     },
 }
 PROBES: dict[str, tuple[dict, tuple[str, ...]]] = {}

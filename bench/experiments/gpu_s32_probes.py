@@ -37,6 +37,9 @@ own cache key), with a probe patch applied (never landed), checked and timed as
                             only the PRMTs after it
     TILEGEN_EXP_WAIT_BRANCH with it: that wait in a block of its own, so that ptxas keeps the
                             codes above it (without it, it hoists the wait over them)
+    TILEGEN_EXP_TOP_PACK    with both: P_{j-1}'s PRMTs and the O update of P_{j-2} V_{j-2}'s last
+                            part moved to tile j's top, under S_j's MMAs (in a block of their
+                            own, so that S_j's four MMAs issue back to back)
 
     git apply bench/experiments/s32_probes2.patch
     PYTHONPATH=$PWD TILEGEN_CACHE_DIR=$PWD/.kcache python3 bench/experiments/gpu_s32_probes.py \
@@ -59,6 +62,7 @@ LINEAR = {**bits.H200_WINNER, **bits.LINEAR}
 TWO = {**bits.TWO, **bits.LINEAR, "v_stages": 2}
 DYNAMIC = {**LINEAR, "v_stages": 2, "persistent": True, "schedule": "dynamic"}
 EARLY = ("TILEGEN_EXP_CODES_EARLY", "TILEGEN_EXP_WAIT_BRANCH")
+TOP, SAT = "TILEGEN_EXP_TOP_PACK", "TILEGEN_EXP_SAT_CODE"
 #: set -> label -> (wgmma knobs, defines)
 SETS: dict[str, dict[str, tuple[dict, tuple[str, ...]]]] = {
     "1": {
@@ -107,12 +111,13 @@ SETS: dict[str, dict[str, tuple[dict, tuple[str, ...]]]] = {
     "6": {  # session 37, with s37_probes.patch: the code's clamp on the FMA pipe, the codes
         # under P V's last part
         "1c K2 V3 linear": (LINEAR, ()),
-        "1c K2 V3 linear sat_code": (LINEAR, ("TILEGEN_EXP_SAT_CODE",)),
         "1c K2 V3 linear codes_early": (LINEAR, EARLY),
-        "1c K2 V3 linear codes_early sat_code": (LINEAR, (*EARLY, "TILEGEN_EXP_SAT_CODE")),
+        "1c K2 V3 linear codes_early sat_code": (LINEAR, (*EARLY, SAT)),
+        "1c K2 V3 linear codes_early top": (LINEAR, (*EARLY, TOP)),
+        "1c K2 V3 linear codes_early top sat_code": (LINEAR, (*EARLY, TOP, SAT)),
         "2c K2 V2 linear": (TWO, ()),
         "2c K2 V2 linear codes_early": (TWO, EARLY),
-        "2c K2 V2 linear codes_early sat_code": (TWO, (*EARLY, "TILEGEN_EXP_SAT_CODE")),
+        "2c K2 V2 linear codes_early top": (TWO, (*EARLY, TOP)),
     },
 }
 PROBES: dict[str, tuple[dict, tuple[str, ...]]] = {}

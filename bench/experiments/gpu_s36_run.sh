@@ -6,7 +6,9 @@
 #   Then, on any card with time left, probes with their patch applied on the device only:
 #   PROBE_SET=4, the load probes (s36_load_probes.patch: how much of the kernel's time its K/V
 #   bytes set, run 1); PROBE_SET=5 (the default), mbarrier waits with a suspend-time hint
-#   (s36_wait_hint.patch), at one and two consumers and on the dynamic schedule.
+#   (s36_wait_hint.patch), at one and two consumers and on the dynamic schedule; PROBE_SET=6,
+#   session 37's codes under P V's last part and the sat code (s37_probes.patch). The patch is
+#   reverted after, so that what follows (gpu_s37_run.sh's Nsight run) sees the landed code.
 # At most 8 files under $OUT. Before the call, on the CPU machine:
 #   bash bench/experiments/gpu_s36_prepare.sh
 # Then: carry .kcache .whl;  CALL_LIMIT=540 OUT=$OUT bash bench/experiments/gpu_s36_run.sh
@@ -24,9 +26,13 @@ fi
 [[ "${ONLY_H200:-0}" == 1 ]] && exit 0
 source bench/experiments/gpu_env.sh
 left=$((CALL_LIMIT - SECONDS))
-# PROBE_SET 4: the load probes (s36_load_probes.patch, run 1); 5 (default): the wait hint
+# PROBE_SET 4: the load probes (run 1); 5 (default): the wait hint; 6: session 37's probes
 PROBE_SET=${PROBE_SET:-5}
-patch_file=bench/experiments/$([[ "$PROBE_SET" == 4 ]] && echo s36_load_probes || echo s36_wait_hint).patch
+case "$PROBE_SET" in
+    4) patch_file=bench/experiments/s36_load_probes.patch ;;
+    6) patch_file=bench/experiments/s37_probes.patch ;;
+    *) patch_file=bench/experiments/s36_wait_hint.patch ;;
+esac
 if ((left > 100)); then
     git apply "$patch_file" 2>/dev/null || patch -p1 < "$patch_file"
     export TILEGEN_CACHE_DIR=$PWD/.kcache
@@ -35,4 +41,5 @@ if ((left > 100)); then
     echo "probes (set $PROBE_SET): rc $? at $SECONDS s"
     sed -n '/^bf16 default op:/,$p' "$OUT/probes$PROBE_SET.log"
     grep -E "rel_l1 .* passed" "$OUT/probes$PROBE_SET.log" | cut -c1-200
+    git apply -R "$patch_file" 2>/dev/null || patch -R -p1 < "$patch_file"
 fi

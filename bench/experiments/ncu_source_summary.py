@@ -8,7 +8,11 @@ where ncu gives them). This prints, from whatever columns of those kinds the fil
   - the samples by opcode (the first word of the instruction, predicate and modifiers stripped);
   - the instructions that hold 1% or more of the samples, in address order, each with its stall
     columns, so that the loop's chain (which instruction waits, and on what) reads top to bottom;
-  - the samples inside [--lo, --hi) (addresses, hex: the loop body from the SASS) against all.
+  - the samples inside [--lo, --hi) (addresses, hex: the loop body from the SASS) against all;
+  - where the file has one column a stall reason (`stall_*`; ncu writes the issued and the
+    "(Not Issued)" share of each), the reasons' shares of the kernel, and each listed
+    instruction's three largest. ncu 2025 writes no column for the GMMA stall, so an MMA
+    instruction's samples can exceed what its reason columns add up to: the rest is that stall.
 Column names are matched loosely (ncu's change between versions), and the columns found are
 printed first, so a mismatch shows as a missing column, not a wrong number.
 
@@ -69,6 +73,13 @@ def main() -> int:
     by_op: dict[str, float] = defaultdict(float)
     for r in rows:
         by_op[opcode(r[src])] += number(r[col[total_col]])
+    reasons = [n for n in header if n.startswith("stall_") and "Not Issued" not in n]
+    if reasons:
+        shares = {c: sum(number(r[col[c]]) for r in rows) for c in reasons}
+        print("\nstall reasons, share of the samples (the rest is reasons with no column):")
+        for c, n in sorted(shares.items(), key=lambda kv: -kv[1]):
+            if n / total >= 0.001:
+                print(f"  {c[len('stall_'):]:<20} {100 * n / total:5.1f}%")
     print(f"\nsamples by opcode ({total_col}, {total:.0f} in all):")
     for op, n in sorted(by_op.items(), key=lambda kv: -kv[1])[:25]:
         print(f"  {op:<12} {n:10.0f}  {100 * n / total:5.1f}%")
@@ -77,8 +88,12 @@ def main() -> int:
         n = number(r[col[total_col]])
         if n / total >= args.min_share:
             where = r[addr] if addr is not None else ""
-            others = ", ".join(f"{c}={r[col[c]]}" for c in sampled if c != total_col)
-            print(f"  {where:>8} {100 * n / total:5.1f}%  {r[src].strip()[:60]:<60} {others}")
+            if reasons:
+                top = sorted(((number(r[col[c]]), c) for c in reasons), reverse=True)[:3]
+                others = " ".join(f"{c[len('stall_'):]}:{100 * v / n:.0f}%" for v, c in top if v)
+            else:
+                others = ", ".join(f"{c}={r[col[c]]}" for c in sampled if c != total_col)
+            print(f"  {where[-6:]:>6} {100 * n / total:5.1f}%  {r[src].strip()[:58]:<58} {others}")
     if args.lo and args.hi and addr is not None:
         lo, hi = int(args.lo, 16), int(args.hi, 16)
         inside = sum(number(r[col[total_col]]) for r in rows

@@ -17,8 +17,8 @@ mkdir -p "$OUT"
 CALL_LIMIT=${CALL_LIMIT:-540}
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
 echo "GPU: $gpu"
-# On an H200 the padded-rows fix (s31_padded_rows.patch) goes in first, so that the winner tuned
-# here is the one that can land with it (prepare built both source states' cubins).
+# On an H200 the padded-rows fix (s31_padded_rows.patch, landed in session 38 and deleted then:
+# in git history) went in first, so that the winner tuned here could land with it.
 if [[ "$gpu" == *H200* && -n "${PADDED_PATCH:-}" ]]; then
     git apply "$PADDED_PATCH" 2>/dev/null || patch -p1 < "$PADDED_PATCH" || exit 3
     echo "applied $PADDED_PATCH"

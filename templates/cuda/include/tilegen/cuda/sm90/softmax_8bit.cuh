@@ -49,12 +49,13 @@ struct QuantSoftmax {
   float l[2];   // kRowSumMma: the whole row's sum (the MMA's); else this thread's part of it
   float sc[2];  // kLinear: the row's shift, ceil(8 c m), an integer
 
-  // The floor of a key scale and of a row's scale c (FLT_MIN). Known defect: a padded query row
-  // (q_scale 0) over a half of padded keys (k_scale 0) gets the exponent's coefficient 0, and a
-  // masked key's -inf times 0 is NaN in that row's sum and O with p_exp "ex2" (bench/NOTES.md,
-  // session 30; "linear" clamps it to code 0). The fix, a floor of 2^-60, is checked on a GPU
-  // and waits for an H200 re-tune: bench/experiments/s31_padded_rows.patch.
-  static constexpr float kMinScale = 1.17549435e-38f;
+  // The floor of a key scale and of a row's scale c: their product, the exponent's coefficient,
+  // stays a normal float (>= 2^-120), so a masked key's -inf times it stays -inf. At FLT_MIN
+  // (before session 32) a padded query row (q_scale 0) over a half of padded keys (k_scale 0)
+  // gave 0, and -inf times 0 a NaN in the row's sum and O (p_exp "ex2"). Real scales lie far
+  // above it.
+  static constexpr float kMinScale = 0x1p-60f;
+  static_assert(kMinScale * kMinScale >= 1.17549435e-38f, "the floors' product is normal");
 
   __device__ __forceinline__ void init() {
     m[0] = m[1] = neg_inf();

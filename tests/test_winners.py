@@ -354,7 +354,8 @@ def test_shipped_int8_fp8_winner_is_used_on_an_h200(monkeypatch: pytest.MonkeyPa
     bench/results/2026-12-07_s30_h200_tune_int8_fp8.log: one consumer, K ring 2, V ring 3,
     128-key tiles, bulk copies, Q quantized in the kernel, 5.42 ms with lse) is what
     `tilegen.load(Spec(quant="int8_fp8"))` resolves there (re-keyed in session 32: the same
-    SASS). The H100 has its own (session 32,
+    SASS; and in session 38: the same SASS but for the scales' floor, an FMNMX immediate).
+    The H100 has its own (session 32,
     bench/results/2026-12-07_s32_h100_run9_tune_int8_fp8.log: two consumers, K ring 2, V ring 2,
     bulk copies, `q_in_kernel`, P's code linear in the exponent and the MMA row sum, 4.98 ms
     with lse), and one of its own at TOPK 31 (session 33)."""

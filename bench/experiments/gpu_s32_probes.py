@@ -40,6 +40,11 @@ own cache key), with a probe patch applied (never landed), checked and timed as
     TILEGEN_EXP_TOP_PACK    with both: P_{j-1}'s PRMTs and the O update of P_{j-2} V_{j-2}'s last
                             part moved to tile j's top, under S_j's MMAs (in a block of their
                             own, so that S_j's four MMAs issue back to back)
+``--set 7`` (with ``s38_split_producer.patch``, session 38):
+    TILEGEN_EXP_SPLIT_PRODUCER  with one consumer, the producer warpgroup's four warps each copy
+                            one 32-key half of every tile (K8, its scale and fill, V^T), each
+                            arriving on the full barriers with its own bytes, where warp 0 alone
+                            issued all twelve copies (both CTAs' producer lanes on scheduler 0)
 
     git apply bench/experiments/s32_probes2.patch
     PYTHONPATH=$PWD TILEGEN_CACHE_DIR=$PWD/.kcache python3 bench/experiments/gpu_s32_probes.py \
@@ -63,6 +68,8 @@ TWO = {**bits.TWO, **bits.LINEAR, "v_stages": 2}
 DYNAMIC = {**LINEAR, "v_stages": 2, "persistent": True, "schedule": "dynamic"}
 EARLY = ("TILEGEN_EXP_CODES_EARLY", "TILEGEN_EXP_WAIT_BRANCH")
 TOP, SAT = "TILEGEN_EXP_TOP_PACK", "TILEGEN_EXP_SAT_CODE"
+SPLIT = "TILEGEN_EXP_SPLIT_PRODUCER"
+TOPK31 = {**LINEAR, "k_stages": 3, "v_stages": 2}  # the shipped TOPK-31 winner's rings
 #: set -> label -> (wgmma knobs, defines)
 SETS: dict[str, dict[str, tuple[dict, tuple[str, ...]]]] = {
     "1": {
@@ -118,6 +125,14 @@ SETS: dict[str, dict[str, tuple[dict, tuple[str, ...]]]] = {
         "2c K2 V2 linear": (TWO, ()),
         "2c K2 V2 linear codes_early": (TWO, EARLY),
         "2c K2 V2 linear codes_early top": (TWO, (*EARLY, TOP)),
+    },
+    "7": {  # session 38, with s38_split_producer.patch: the producer's copies over four warps
+        "1c K2 V3 linear": (LINEAR, ()),
+        "1c K2 V3 linear split": (LINEAR, (SPLIT,)),
+        "1c K2 V3 ex2": (bits.H200_WINNER, ()),
+        "1c K2 V3 ex2 split": (bits.H200_WINNER, (SPLIT,)),
+        "1c K3 V2 linear": (TOPK31, ()),
+        "1c K3 V2 linear split": (TOPK31, (SPLIT,)),
     },
 }
 PROBES: dict[str, tuple[dict, tuple[str, ...]]] = {}

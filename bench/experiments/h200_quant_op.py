@@ -110,7 +110,10 @@ def check_case(name: str, spec: Spec, seed: int, out: list, counts_fn=None, sort
     row = {"case": name, "variant": dict(VARIANT), "spec": spec.short_hash,
            "encoding": spec.encoding, "seed": seed,
            "grid": list(spec.grid), "heads": spec.num_heads, "topk": spec.topk,
-           "score": str(s), "passed": bool(s.passed), "lse_max_abs_base2": lse_err,
+           # every row finite, padded ones too (README; NaN there before session 38's floor)
+           "o_finite": bool(torch.isfinite(o).all()),
+           "score": str(s), "passed": bool(s.passed) and bool(torch.isfinite(o).all()),
+           "lse_max_abs_base2": lse_err,
            "op": repr(op), "first_call_s": time.perf_counter() - t0}
     if spec.encoding == "lut":
         # the pre-quantized entry point (int8 Q from the pre-pass; the op's call quantizes Q in

@@ -1,6 +1,6 @@
 """Issue #19, session 32: cuts of the linear-P kernel's loop as header defines (each variant its
 own cache key), with a probe patch applied (never landed), checked and timed as
-`gpu_s32_bits.py` does its variants, in one process. Six sets:
+`gpu_s32_bits.py` does its variants, in one process. Eight sets:
 
 ``--set 1`` (with ``s32_probes.patch``, runs 6-7):
     TILEGEN_EXP_MAGIC_S   S to float by an IADD on its bits (1.5 2^23 + S, exact) instead of
@@ -45,6 +45,12 @@ own cache key), with a probe patch applied (never landed), checked and timed as
                             one 32-key half of every tile (K8, its scale and fill, V^T), each
                             arriving on the full barriers with its own bytes, where warp 0 alone
                             issued all twelve copies (both CTAs' producer lanes on scheduler 0)
+``--set 8`` (with ``s39_stale_shift.patch``, session 39):
+    TILEGEN_EXP_STALE_CHECK the linear P's shift with a binade of headroom (the top code 118),
+                            moved only where a code of the tile would pass it (one vote a
+                            warp); else alpha is 1 and the max's shuffles and exp2 are skipped
+    TILEGEN_EXP_STALE_SHIFT a probe: the shift never moves after the first tile (wrong numbers
+                            by design: what the max's update costs at most)
 
     git apply bench/experiments/s32_probes2.patch
     PYTHONPATH=$PWD TILEGEN_CACHE_DIR=$PWD/.kcache python3 bench/experiments/gpu_s32_probes.py \
@@ -69,6 +75,7 @@ DYNAMIC = {**LINEAR, "v_stages": 2, "persistent": True, "schedule": "dynamic"}
 EARLY = ("TILEGEN_EXP_CODES_EARLY", "TILEGEN_EXP_WAIT_BRANCH")
 TOP, SAT = "TILEGEN_EXP_TOP_PACK", "TILEGEN_EXP_SAT_CODE"
 SPLIT = "TILEGEN_EXP_SPLIT_PRODUCER"
+STALE_CHECK, STALE_SHIFT = "TILEGEN_EXP_STALE_CHECK", "TILEGEN_EXP_STALE_SHIFT"
 TOPK31 = {**LINEAR, "k_stages": 3, "v_stages": 2}  # the shipped TOPK-31 winner's rings
 #: set -> label -> (wgmma knobs, defines)
 SETS: dict[str, dict[str, tuple[dict, tuple[str, ...]]]] = {
@@ -133,6 +140,13 @@ SETS: dict[str, dict[str, tuple[dict, tuple[str, ...]]]] = {
         "1c K2 V3 ex2 split": (bits.H200_WINNER, (SPLIT,)),
         "1c K3 V2 linear": (TOPK31, ()),
         "1c K3 V2 linear split": (TOPK31, (SPLIT,)),
+    },
+    "8": {  # session 39, with s39_stale_shift.patch: the linear P's shift moved only on need
+        "1c K2 V3 linear": (LINEAR, ()),
+        "1c K2 V3 linear stale_check": (LINEAR, (STALE_CHECK,)),
+        "1c K2 V3 linear stale_shift (wrong)": (LINEAR, (STALE_SHIFT,)),
+        "2c K2 V2 linear": (TWO, ()),
+        "2c K2 V2 linear stale_check": (TWO, (STALE_CHECK,)),
     },
 }
 PROBES: dict[str, tuple[dict, tuple[str, ...]]] = {}

@@ -8,7 +8,8 @@
 #   bytes set, run 1); PROBE_SET=5 (the default), mbarrier waits with a suspend-time hint
 #   (s36_wait_hint.patch), at one and two consumers and on the dynamic schedule; PROBE_SET=6,
 #   session 37's codes under P V's last part and the sat code (s37_probes.patch); PROBE_SET=7,
-#   session 38's producer copies over four warps (s38_split_producer.patch). The patch is
+#   session 38's producer copies over four warps (s38_split_producer.patch); PROBE_SET=8,
+#   session 39's linear-P shift moved only on need (s39_stale_shift.patch). The patch is
 #   reverted after, so that what follows (gpu_s37_run.sh's Nsight run) sees the landed code.
 # At most 8 files under $OUT. Before the call, on the CPU machine:
 #   bash bench/experiments/gpu_s36_prepare.sh
@@ -28,12 +29,13 @@ fi
 source bench/experiments/gpu_env.sh
 left=$((CALL_LIMIT - SECONDS))
 # PROBE_SET 4: the load probes (run 1); 5 (default): the wait hint; 6: session 37's probes;
-# 7: session 38's split producer
+# 7: session 38's split producer; 8: session 39's stale shift
 PROBE_SET=${PROBE_SET:-5}
 case "$PROBE_SET" in
     4) patch_file=bench/experiments/s36_load_probes.patch ;;
     6) patch_file=bench/experiments/s37_probes.patch ;;
     7) patch_file=bench/experiments/s38_split_producer.patch ;;
+    8) patch_file=bench/experiments/s39_stale_shift.patch ;;
     *) patch_file=bench/experiments/s36_wait_hint.patch ;;
 esac
 if ((left > 100)); then

@@ -6,11 +6,10 @@
 #   Then, on any card with time left: the padded-row fix's check on a GPU (the 8-bit scales'
 #   floor at 2^-60, landed in session 38 without one): h200_quant_op.py's small cases, which
 #   require every row of o finite, padded rows included, with the H200 winner's ex2 P (K2 V3)
-#   and the linear P.
+#   and the linear P. With PROBE_SET on another card: gpu_s36_run.sh's probes instead (set 8,
+#   session 39's stale shift).
 # At most 8 files under $OUT. Before the call, on the CPU machine:
-#   bash bench/experiments/gpu_s35_prepare.sh
-#   TILEGEN_CACHE_DIR=$PWD/.kcache python3 bench/experiments/h200_quant_op.py --backend cuda \
-#       --prebuild --variants "$(sed -n 's/^S39_SMALL=//p' bench/experiments/gpu_s39_run.sh | tr -d '"')"
+#   bash bench/experiments/gpu_s39_prepare.sh
 # Then: carry .kcache .whl;  CALL_LIMIT=560 OUT=$OUT bash bench/experiments/gpu_s39_run.sh
 set -uo pipefail
 S39_SMALL="q_in_kernel=1,kv_copies=bulk,k_stages=2,v_stages=3;q_in_kernel=1,kv_copies=bulk,p_exp=linear,row_sum=mma"
@@ -22,6 +21,10 @@ echo "GPU: $gpu"
 if [[ "$gpu" == *H200* ]]; then
     ONLY_H200=1 TUNE_LIMIT=${TUNE_LIMIT:-400} CALL_LIMIT="$CALL_LIMIT" OUT="$OUT" \
         bash bench/experiments/gpu_s36_run.sh
+fi
+if [[ "$gpu" != *H200* && -n "${PROBE_SET:-}" ]]; then
+    # another card: gpu_s36_run.sh's probes (PROBE_SET=8: s39_stale_shift.patch), no checks
+    PROBE_SET=$PROBE_SET CALL_LIMIT="$CALL_LIMIT" OUT="$OUT" exec bash bench/experiments/gpu_s36_run.sh
 fi
 source bench/experiments/gpu_env.sh
 export TILEGEN_CACHE_DIR=$PWD/.kcache

@@ -10,7 +10,7 @@
 #   session 39's stale shift).
 # At most 8 files under $OUT. Before the call, on the CPU machine:
 #   bash bench/experiments/gpu_s39_prepare.sh
-# Then: carry .kcache .whl;  CALL_LIMIT=560 OUT=$OUT bash bench/experiments/gpu_s39_run.sh
+# Then: carry .kcache .whl;  [ONLY_H200=1] CALL_LIMIT=560 OUT=$OUT bash bench/experiments/gpu_s39_run.sh
 set -uo pipefail
 S39_SMALL="q_in_kernel=1,kv_copies=bulk,k_stages=2,v_stages=3;q_in_kernel=1,kv_copies=bulk,p_exp=linear,row_sum=mma"
 OUT=${OUT:-out/s39_run}
@@ -18,6 +18,8 @@ mkdir -p "$OUT"
 CALL_LIMIT=${CALL_LIMIT:-560}
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
 echo "GPU: $gpu"
+# ONLY_H200=1: nothing at all on another card (the call then costs only the machine's start)
+[[ "${ONLY_H200:-0}" == 1 && "$gpu" != *H200* ]] && exit 0
 if [[ "$gpu" == *H200* ]]; then
     ONLY_H200=1 TUNE_LIMIT=${TUNE_LIMIT:-400} CALL_LIMIT="$CALL_LIMIT" OUT="$OUT" \
         bash bench/experiments/gpu_s36_run.sh

@@ -51,7 +51,7 @@ struct QuantSoftmax {
 
   // The floor of a key scale and of a row's scale c: their product, the exponent's coefficient,
   // stays a normal float (>= 2^-120), so a masked key's -inf times it stays -inf. At FLT_MIN
-  // (before session 32) a padded query row (q_scale 0) over a half of padded keys (k_scale 0)
+  // (before session 38) a padded query row (q_scale 0) over a half of padded keys (k_scale 0)
   // gave 0, and -inf times 0 a NaN in the row's sum and O (p_exp "ex2"). Real scales lie far
   // above it.
   static constexpr float kMinScale = 0x1p-60f;

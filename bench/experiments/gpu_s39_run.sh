@@ -7,7 +7,8 @@
 #   floor at 2^-60, landed in session 38 without one): h200_quant_op.py's small cases, which
 #   require every row of o finite, padded rows included, with the H200 winner's ex2 P (K2 V3)
 #   and the linear P. With PROBE_SET on another card: gpu_s36_run.sh's probes instead (set 8,
-#   session 39's stale shift).
+#   session 39's stale shift). On an H200, the SM clock and board power are sampled every 0.5 s
+#   through the tune and sweep into clocks.csv.
 # At most 8 files under $OUT. Before the call, on the CPU machine:
 #   bash bench/experiments/gpu_s39_prepare.sh
 # Then: carry .kcache .whl;  [ONLY_H200=1] CALL_LIMIT=560 OUT=$OUT bash bench/experiments/gpu_s39_run.sh
@@ -21,8 +22,15 @@ echo "GPU: $gpu"
 # ONLY_H200=1: nothing at all on another card (the call then costs only the machine's start)
 [[ "${ONLY_H200:-0}" == 1 && "$gpu" != *H200* ]] && exit 0
 if [[ "$gpu" == *H200* ]]; then
+    # the SM clock and board power through the tune and sweep (session 40: is the H200's 8-bit
+    # kernel, issue-bound, held at a lower clock than the H100's?), and the card's limits
+    nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,power.max_limit --format=csv
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu \
+        --format=csv -lms 500 > "$OUT/clocks.csv" 2>&1 &
+    smi=$!
     ONLY_H200=1 TUNE_LIMIT=${TUNE_LIMIT:-400} CALL_LIMIT="$CALL_LIMIT" OUT="$OUT" \
         bash bench/experiments/gpu_s36_run.sh
+    kill "$smi" 2>/dev/null
 fi
 if [[ "$gpu" != *H200* && -n "${PROBE_SET:-}" ]]; then
     # another card: gpu_s36_run.sh's probes (PROBE_SET=8: s39_stale_shift.patch), no checks

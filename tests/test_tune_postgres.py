@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -24,6 +25,25 @@ pytestmark = pytest.mark.skipif(
     not URL, reason="TILEGEN_TEST_POSTGRES_URL is unset (.ci/run starts a PostgreSQL server)")
 
 
+def _drop_database(name: str, patience_s: float = 120.0) -> None:
+    """DROP ... WITH (FORCE) ends the test role's own sessions, but not a server process of
+    another role: an autovacuum worker that happens to be analyzing the fresh tables makes it
+    fail with InsufficientPrivilege (session 40's CI). Such a worker finishes on its own, so
+    the drop is tried again until it goes through."""
+    import psycopg
+
+    deadline = time.monotonic() + patience_s
+    with psycopg.connect(URL, autocommit=True) as conn:
+        while True:
+            try:
+                conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+                return
+            except (psycopg.errors.InsufficientPrivilege, psycopg.errors.ObjectInUse):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.25)
+
+
 @pytest.fixture
 def fresh_db() -> str:
     """A new, empty database per test (the role needs CREATEDB): hosts then also race to
@@ -35,8 +55,7 @@ def fresh_db() -> str:
     with psycopg.connect(URL, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name}")
     yield f"{base}/{name}"
-    with psycopg.connect(URL, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    _drop_database(name)
 
 
 def _host_env(tmp: Path, host: str) -> dict[str, str]:

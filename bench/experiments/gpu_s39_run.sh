@@ -25,6 +25,7 @@ if [[ "$gpu" == *H200* ]]; then
     # the SM clock and board power through the tune and sweep (session 40: is the H200's 8-bit
     # kernel, issue-bound, held at a lower clock than the H100's?), and the card's limits
     nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,power.max_limit --format=csv
+    echo "clocks.csv from $(date -u +%T) UTC (the tune, then the sweep: their logs give seconds)"
     nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu \
         --format=csv -lms 500 > "$OUT/clocks.csv" 2>&1 &
     smi=$!
